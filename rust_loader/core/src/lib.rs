@@ -1,0 +1,1 @@
+//! recipe_core: reading recipe dumps, rendering, tokenizing and batching, without Python.

@@ -1,0 +1,89 @@
+"""The `trainer` command line: what the user sees is decided here, not in library code."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainer", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model from a YAML config")
+    train.add_argument("--config", required=True, help="YAML config (see configs/)")
+    train.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override config keys")
+    train.add_argument("--dry-run", action="store_true", help="check the config and data paths, then exit")
+
+    plan = sub.add_parser("plan", help="predict peak GPU memory for a config")
+    plan.add_argument("--config", required=True)
+    plan.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--gpu-memory", default="32GiB", help="card size, e.g. 32GiB or 24GB")
+
+    data = sub.add_parser("data", help="sample data and inspect recipe files").add_subparsers(
+        dest="data_command", required=True
+    )
+    sample = data.add_parser("sample", help="write realistic generated recipes in a real dump's format")
+    sample.add_argument("--out", required=True)
+    sample.add_argument("--n", type=int, default=1000)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--format", choices=["recipenlg-csv", "foodcom-csv", "jsonl"], default="recipenlg-csv")
+    inspect = data.add_parser("inspect", help="count records, skips, token lengths and padding")
+    inspect.add_argument("paths", nargs="+")
+    inspect.add_argument("--config", help="YAML config whose tokenizer, task and batching to use")
+    inspect.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+
+    tiny = sub.add_parser("tiny-model", help="build a tiny random FLAN-T5 and tokenizer for offline use")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    from trainer.config import ConfigError
+
+    try:
+        return _run(args)
+    except ConfigError as e:
+        print(f"trainer: config error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "train":
+        from trainer.config import TrainConfig
+        from trainer.train import train
+
+        cfg = TrainConfig.load(args.config, args.set)
+        return train(cfg, dry_run=args.dry_run)
+    if args.command == "plan":
+        from trainer.config import TrainConfig
+        from trainer.memory_plan import print_plan
+
+        return print_plan(TrainConfig.load(args.config, args.set), args.gpu_memory)
+    if args.command == "tiny-model":
+        from trainer.tiny_model import build_tiny_model
+
+        build_tiny_model(args.out, seed=args.seed)
+        print(f"wrote a tiny FLAN-T5 and its tokenizer to {args.out}")
+        return 0
+    if args.data_command == "sample":
+        from trainer.sample import write_sample
+
+        write_sample(args.out, n=args.n, seed=args.seed, fmt=args.format)
+        print(f"wrote {args.n} recipes to {args.out}")
+        return 0
+    from trainer.config import TrainConfig
+    from trainer.data import inspect_report
+
+    cfg = TrainConfig.load(args.config, args.set)
+    print(inspect_report(args.paths, cfg))
+    return 0

@@ -1,0 +1,195 @@
+"""One typed training config: a YAML file plus `--set key=value` overrides.
+
+Names follow Hugging Face `Seq2SeqTrainingArguments` where a concept exists there. Secrets (W&B key,
+Discord webhook, HF token) are never config fields: they come only from the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; raised before anything heavy loads."""
+
+
+@dataclass
+class TrainConfig:
+    # --- model ---
+    model_name_or_path: str = "google/flan-t5-xl"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    attn_implementation: str | None = None  # None: sdpa where transformers supports it for T5, else eager
+    gradient_checkpointing: bool = True
+
+    # --- data ---
+    train_files: list[str] = field(default_factory=list)  # paths or globs; csv, jsonl, optionally .gz/.zst
+    data_format: Literal["recipenlg-csv", "foodcom-csv", "jsonl"] | None = None  # None: by file extension
+    task: Literal["ingredients-to-recipe", "title-to-recipe"] = "ingredients-to-recipe"
+    source_template: str | None = None
+    target_template: str | None = None
+    max_source_length: int = 512
+    max_target_length: int = 512
+    per_device_train_batch_size: int | None = None  # rows per micro-batch; or use max_tokens
+    max_tokens: int | None = None  # token budget per micro-batch: rows x (longest source + longest target)
+    pad_to_multiple_of: int | None = None
+    shuffle: bool = True
+    strict_data: bool = False  # raise on the first bad record instead of skipping and counting it
+    dedup: bool = False
+    eval_fraction: float = 0.01  # held out by record hash, never trained on
+    eval_max_batches: int = 50
+    loader_threads: int | None = None
+    make_demo_data: bool = False  # create sample recipes and the tiny model if missing (quickstart only)
+    demo_records: int = 2000
+
+    # --- optimization ---
+    optimizer: Literal["adamw", "adafactor"] = "adamw"
+    # How bf16 weights receive updates: Kahan-compensated (no silent loss of small updates), or naive.
+    bf16_update: Literal["kahan", "naive"] = "kahan"
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    warmup_steps: int = 0
+    gradient_accumulation_steps: int = 1
+    max_steps: int = -1  # > 0 overrides num_train_epochs
+    num_train_epochs: float = 1.0
+    seed: int = 42
+
+    # --- memory ---
+    cuda_alloc_conf: str = "expandable_segments:True"  # used unless PYTORCH_CUDA_ALLOC_CONF is already set
+    empty_cache_steps: int = 0  # torch.cuda.empty_cache() every N optimizer steps; 0 = never
+    gpu_memory_limit_gib: float | None = None  # cap this process (emulates a smaller card)
+    oom_probe: bool = False  # try the largest batch the loader can produce before training
+    max_oom_halvings: int = 4
+    max_consecutive_nan_steps: int = 5
+
+    # --- logging, evaluation, checkpoints ---
+    output_dir: str = "outputs/run"
+    logging_steps: int = 10
+    eval_steps: int = 500
+    save_steps: int = 500
+    save_total_limit: int = 3
+    resume: str = "auto"  # "auto" (newest valid checkpoint in output_dir), "never", or a checkpoint path
+    num_eval_generations: int = 3
+    generation_max_new_tokens: int = 256
+    progress_bar: bool = True
+
+    # --- monitoring (secrets come from the environment only) ---
+    report_to: Literal["wandb", "none"] = "wandb"
+    wandb_project: str | None = None  # else WANDB_PROJECT, else "recipe-t5"
+    wandb_entity: str | None = None
+    run_name: str | None = None
+    discord_progress_minutes: float = 30.0
+
+    # --- distributed (torchrun) ---
+    distributed_strategy: Literal["ddp", "fsdp"] = "ddp"
+
+    def __post_init__(self) -> None:
+        if self.per_device_train_batch_size is not None and self.max_tokens is not None:
+            raise ConfigError("set per_device_train_batch_size or max_tokens, not both")
+        for name in ("gradient_accumulation_steps", "logging_steps", "eval_steps", "save_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+        """Read a YAML config, apply `key=value` overrides, check names and types."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            path = Path(path)
+            try:
+                loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            except OSError as e:
+                raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path} is not valid YAML: {e}") from None
+            if loaded is None:
+                loaded = {}
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"{path}: expected a mapping of config keys, got {type(loaded).__name__}")
+            values.update(loaded)
+        for item in overrides or []:
+            key, sep, raw = item.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        return cls.from_dict(values, source=str(path) if path else "overrides")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> TrainConfig:
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        checked = {}
+        for key, value in values.items():
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"{source}: unknown config key {key!r}{hint}")
+            checked[key] = _check_type(key, value, hints[key], source)
+        return cls(**checked)
+
+
+def _check_type(key: str, value: Any, hint: Any, source: str) -> Any:
+    """Return `value` converted to `hint` where the conversion is lossless, else raise ConfigError."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(key, value, arg, source)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{source}: {key}={value!r} has the wrong type")
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{source}: {key} must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin is list:
+        (item_type,) = typing.get_args(hint)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {key} must be a list, got {value!r}")
+        return [_check_type(key, v, item_type, source) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise ConfigError(f"{source}: {key} has an unsupported type {hint}")
+    raise ConfigError(f"{source}: {key} must be {hint.__name__}, got {value!r} ({type(value).__name__})")
