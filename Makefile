@@ -6,16 +6,16 @@ export UV_LINK_MODE := copy
 
 .PHONY: quickstart test install rust-test lint wheel clean
 
-# Dependencies (torch is several GB) are installed once per venv; uv's cache makes a fresh venv cheap.
-$(VENV)/.deps-installed: pyproject.toml
+# The venv and its tools are made once; torch (several GB) comes from uv's cache after the first time.
+$(VENV)/bin/maturin:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check uv
-	$(UV) pip install --python $(PY) -e '.[dev]'
-	touch $@
+	$(UV) pip install --python $(PY) 'maturin>=1.8,<2'
 
-# Rebuilds the Rust extension in place (cargo is incremental, so this is quick when nothing changed).
-install: $(VENV)/.deps-installed
-	PATH=$(abspath $(VENV))/bin:$$PATH VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release --uv -q
+# Builds the Rust extension into trainer/ and installs the package (editable) with its dependencies and the dev
+# tools. cargo is incremental, so this is quick when nothing changed.
+install: $(VENV)/bin/maturin
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/maturin develop --release --uv -E dev -q
 
 quickstart: install
 	$(VENV)/bin/trainer train --config configs/quickstart.yaml
@@ -25,14 +25,14 @@ rust-test:
 	cargo clippy --workspace --all-targets --release -- -D warnings
 	cargo test -p recipe_core --release
 
-lint: $(VENV)/.deps-installed
+lint: install
 	$(VENV)/bin/ruff check trainer tests bench
 	$(VENV)/bin/ruff format --check trainer tests bench
 
 test: install rust-test lint
 	$(VENV)/bin/pytest -q
 
-wheel: $(VENV)/.deps-installed
+wheel: $(VENV)/bin/maturin
 	$(VENV)/bin/maturin build --release --out dist
 
 clean:
