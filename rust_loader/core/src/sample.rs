@@ -1,1 +1,2571 @@
-//! Seeded generator of realistic recipes in the real dumps' formats (owned by the sample-data work).
+//! Seeded generator of realistic recipes in the real dumps' formats.
+//!
+//! Three formats, written exactly as the public dumps are:
+//! - RecipeNLG `full_dataset.csv`: an unnamed index column, then `title,ingredients,directions,link,source,NER`;
+//!   the list columns hold JSON arrays as strings.
+//! - Food.com `RAW_recipes.csv`: `name,id,minutes,contributor_id,submitted,tags,nutrition,n_steps,steps,
+//!   description,ingredients,n_ingredients`; the list columns hold Python list literals (as `repr` writes them).
+//! - JSONL: one object per line with `title`, `ingredients`, `directions` and `NER`.
+//!
+//! The output depends only on `(n, seed, format)`: the PRNG is a hand-written xoshiro256** seeded through
+//! splitmix64, so no dependency upgrade can change it. Content is built from recipe-shaped templates over
+//! frequency-ordered word lists plus a Zipf-weighted tail of synthetic words, so a tokenizer trained on it sees a
+//! long-tailed vocabulary of a few thousand words.
+
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::Path;
+use std::sync::OnceLock;
+
+/// Output layout of [`write_sample`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SampleFormat {
+    /// RecipeNLG `full_dataset.csv`.
+    RecipeNlgCsv,
+    /// Food.com `RAW_recipes.csv`.
+    FoodComCsv,
+    /// One JSON object per line.
+    Jsonl,
+}
+
+impl SampleFormat {
+    /// The names the CLI uses.
+    pub const NAMES: [&'static str; 3] = ["recipenlg-csv", "foodcom-csv", "jsonl"];
+
+    /// Parses `recipenlg-csv`, `foodcom-csv` or `jsonl`.
+    pub fn parse(name: &str) -> Result<Self, SampleError> {
+        match name {
+            "recipenlg-csv" => Ok(Self::RecipeNlgCsv),
+            "foodcom-csv" => Ok(Self::FoodComCsv),
+            "jsonl" => Ok(Self::Jsonl),
+            other => Err(SampleError::BadFormat(other.to_string())),
+        }
+    }
+}
+
+/// Compression picked from the output file's suffix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compression {
+    None,
+    Gzip,
+    Zstd,
+}
+
+impl Compression {
+    /// `.gz` is gzip, `.zst`/`.zstd` is zstd, anything else is plain text.
+    pub fn from_path(path: &Path) -> Self {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("gz") => Self::Gzip,
+            Some("zst") | Some("zstd") => Self::Zstd,
+            _ => Self::None,
+        }
+    }
+}
+
+/// What can go wrong while writing a sample.
+#[derive(Debug)]
+pub enum SampleError {
+    /// Unknown format name.
+    BadFormat(String),
+    /// Creating or writing the output failed.
+    Io { path: String, source: io::Error },
+}
+
+impl std::fmt::Display for SampleError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::BadFormat(name) => write!(
+                f,
+                "unknown sample format {name:?}; expected one of {}",
+                SampleFormat::NAMES.join(", ")
+            ),
+            Self::Io { path, source } => write!(f, "{path}: {source}"),
+        }
+    }
+}
+
+impl std::error::Error for SampleError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::BadFormat(_) => None,
+            Self::Io { source, .. } => Some(source),
+        }
+    }
+}
+
+/// Writes `n` recipes generated from `seed` to `path`, compressed when the name ends in `.gz` or `.zst`.
+pub fn write_sample_file(
+    path: &Path,
+    n: u64,
+    seed: u64,
+    format: SampleFormat,
+) -> Result<(), SampleError> {
+    let io_err = |source: io::Error| SampleError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let file = BufWriter::with_capacity(1 << 20, File::create(path).map_err(io_err)?);
+    match Compression::from_path(path) {
+        Compression::None => {
+            let mut w = file;
+            write_sample(&mut w, n, seed, format).map_err(io_err)?;
+            w.flush().map_err(io_err)
+        }
+        Compression::Gzip => {
+            // Level 1: the compressor, not the generator, sets the pace (about 2x faster than level 6,
+            // for files about 1.7x larger).
+            let mut w = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
+            write_sample(&mut w, n, seed, format).map_err(io_err)?;
+            w.finish().map_err(io_err)?.flush().map_err(io_err)
+        }
+        Compression::Zstd => {
+            let mut w = zstd::stream::write::Encoder::new(file, 3).map_err(io_err)?;
+            write_sample(&mut w, n, seed, format).map_err(io_err)?;
+            w.finish().map_err(io_err)?.flush().map_err(io_err)
+        }
+    }
+}
+
+/// Writes `n` recipes generated from `seed` to `out` in `format`.
+pub fn write_sample<W: Write>(
+    out: &mut W,
+    n: u64,
+    seed: u64,
+    format: SampleFormat,
+) -> io::Result<()> {
+    let mut gen = RecipeGen::new(seed);
+    match format {
+        SampleFormat::Jsonl => {
+            let mut line = Vec::with_capacity(4096);
+            for _ in 0..n {
+                let r = gen.next_recipe();
+                line.clear();
+                line.extend_from_slice(b"{\"title\":");
+                serde_json::to_writer(&mut line, &r.title)?;
+                line.extend_from_slice(b",\"ingredients\":");
+                serde_json::to_writer(&mut line, &r.ingredients)?;
+                line.extend_from_slice(b",\"directions\":");
+                serde_json::to_writer(&mut line, &r.directions)?;
+                line.extend_from_slice(b",\"NER\":");
+                serde_json::to_writer(&mut line, &r.ner)?;
+                line.extend_from_slice(b"}\n");
+                out.write_all(&line)?;
+            }
+            Ok(())
+        }
+        SampleFormat::RecipeNlgCsv => {
+            let mut w = csv_writer(out);
+            w.write_record([
+                "",
+                "title",
+                "ingredients",
+                "directions",
+                "link",
+                "source",
+                "NER",
+            ])?;
+            let (mut ing, mut dir, mut ner) = (Vec::new(), Vec::new(), Vec::new());
+            let mut link = String::new();
+            for i in 0..n {
+                link.clear();
+                let (r, source) = gen.next_with_link(&mut link);
+                for (buf, list) in [
+                    (&mut ing, &r.ingredients),
+                    (&mut dir, &r.directions),
+                    (&mut ner, &r.ner),
+                ] {
+                    buf.clear();
+                    serde_json::to_writer(&mut *buf, list)?;
+                }
+                let index = i.to_string();
+                w.write_record([
+                    index.as_bytes(),
+                    r.title.as_bytes(),
+                    &ing,
+                    &dir,
+                    link.as_bytes(),
+                    source.as_bytes(),
+                    &ner,
+                ])?;
+            }
+            w.flush()?;
+            Ok(())
+        }
+        SampleFormat::FoodComCsv => {
+            let mut w = csv_writer(out);
+            w.write_record([
+                "name",
+                "id",
+                "minutes",
+                "contributor_id",
+                "submitted",
+                "tags",
+                "nutrition",
+                "n_steps",
+                "steps",
+                "description",
+                "ingredients",
+                "n_ingredients",
+            ])?;
+            let mut f = FoodComFields::default();
+            for i in 0..n {
+                gen.next_foodcom(i, &mut f);
+                w.write_record([
+                    f.name.as_str(),
+                    &f.id.to_string(),
+                    &f.minutes.to_string(),
+                    &f.contributor_id.to_string(),
+                    &f.submitted,
+                    &f.tags,
+                    &f.nutrition,
+                    &f.n_steps.to_string(),
+                    &f.steps,
+                    &f.description,
+                    &f.ingredients,
+                    &f.n_ingredients.to_string(),
+                ])?;
+            }
+            w.flush()?;
+            Ok(())
+        }
+    }
+}
+
+fn csv_writer<W: Write>(out: &mut W) -> csv::Writer<&mut W> {
+    // pandas' to_csv (which wrote the real dumps) ends lines with \n and quotes only where needed.
+    csv::WriterBuilder::new()
+        .terminator(csv::Terminator::Any(b'\n'))
+        .buffer_capacity(1 << 16)
+        .from_writer(out)
+}
+
+/// Appends `s` as Python's `repr(str)` writes it: single quotes, or double quotes when the text holds an
+/// apostrophe and no double quote.
+pub fn push_py_repr(out: &mut String, s: &str) {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    let plain = |c: char| {
+        c != '\\' && c != quote && (c as u32) >= 0x20 && !(0x7f..0xa0).contains(&(c as u32))
+    };
+    if s.chars().all(plain) {
+        // The common case: nothing to escape.
+        out.push_str(s);
+    } else {
+        for c in s.chars() {
+            match c {
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                c if c == quote => {
+                    out.push('\\');
+                    out.push(c);
+                }
+                c if !plain(c) => {
+                    let _ = write!(out, "\\x{:02x}", c as u32);
+                }
+                c => out.push(c),
+            }
+        }
+    }
+    out.push(quote);
+}
+
+/// Appends a Python list literal of strings, e.g. `['a', "cook's salt"]`.
+pub fn push_py_list<S: AsRef<str>>(out: &mut String, items: &[S]) {
+    out.push('[');
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        push_py_repr(out, item.as_ref());
+    }
+    out.push(']');
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// PRNG
+
+/// xoshiro256** (Blackman & Vigna), seeded with splitmix64. Small, fast and fixed forever.
+#[derive(Clone, Debug)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        Self {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in `0..n` (Lemire's multiply-shift; the tiny bias is irrelevant here). `n` must be > 0.
+    pub fn below(&mut self, n: usize) -> usize {
+        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.below(hi - lo + 1)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    pub fn chance(&mut self, p: f64) -> bool {
+        self.unit() < p
+    }
+
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len())]
+    }
+
+    /// A uniformly drawn word.
+    pub fn word(&mut self, items: &[&'static str]) -> &'static str {
+        items[self.below(items.len())]
+    }
+
+    /// Index drawn with probability proportional to 1/(rank+1)^s, via a precomputed cumulative table.
+    fn zipf(&mut self, cdf: &[f64]) -> usize {
+        let u = self.unit() * cdf[cdf.len() - 1];
+        cdf.partition_point(|&c| c <= u).min(cdf.len() - 1)
+    }
+}
+
+fn zipf_cdf(n: usize, s: f64) -> Vec<f64> {
+    let mut acc = 0.0;
+    (0..n)
+        .map(|i| {
+            acc += 1.0 / ((i + 1) as f64).powf(s);
+            acc
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Vocabulary
+
+/// How an ingredient is measured, which decides its quantity and unit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// flour, sugar, rice: cups, tablespoons, grams.
+    Dry,
+    /// milk, broth, oil: cups, tablespoons, ml.
+    Liquid,
+    /// spices and leaveners: teaspoons, pinches, "to taste".
+    Spice,
+    /// eggs, onions, apples: counted, often with a size ("2 large eggs").
+    Count,
+    /// meat and fish: pounds, ounces.
+    Meat,
+    /// canned or packaged goods: "1 (15 oz.) can".
+    Can,
+    /// butter, shortening: cups, tablespoons, sticks.
+    Fat,
+    /// cheese: cups shredded, ounces.
+    Cheese,
+    /// fresh herbs: tablespoons chopped, sprigs.
+    Herb,
+    /// garlic: cloves.
+    Clove,
+    /// a head of cabbage, a loaf of bread: one, often with a size.
+    Whole,
+}
+
+use Kind::*;
+
+/// (name as written in the ingredient line, measure). Frequency-ordered: earlier entries are drawn more often.
+const SAVORY: &[(&str, Kind)] = &[
+    ("salt", Spice),
+    ("onions", Count),
+    ("pepper", Spice),
+    ("garlic", Clove),
+    ("butter", Fat),
+    ("olive oil", Liquid),
+    ("water", Liquid),
+    ("black pepper", Spice),
+    ("all-purpose flour", Dry),
+    ("eggs", Count),
+    ("milk", Liquid),
+    ("tomatoes", Count),
+    ("celery ribs", Count),
+    ("carrots", Count),
+    ("chicken broth", Liquid),
+    ("green peppers", Count),
+    ("sour cream", Liquid),
+    ("cheddar cheese", Cheese),
+    ("parmesan cheese", Cheese),
+    ("soy sauce", Liquid),
+    ("worcestershire sauce", Liquid),
+    ("parsley", Herb),
+    ("paprika", Spice),
+    ("lemon juice", Liquid),
+    ("green onions", Count),
+    ("vegetable oil", Liquid),
+    ("mayonnaise", Liquid),
+    ("cream of mushroom soup", Can),
+    ("oregano", Spice),
+    ("basil", Herb),
+    ("thyme", Spice),
+    ("cumin", Spice),
+    ("chili powder", Spice),
+    ("brown sugar", Dry),
+    ("mushrooms", Count),
+    ("tomato sauce", Can),
+    ("diced tomatoes", Can),
+    ("mozzarella cheese", Cheese),
+    ("cilantro", Herb),
+    ("red pepper flakes", Spice),
+    ("dijon mustard", Liquid),
+    ("heavy cream", Liquid),
+    ("bacon", Meat),
+    ("white wine", Liquid),
+    ("red onions", Count),
+    ("jalapeños", Count),
+    ("bay leaves", Count),
+    ("rice", Dry),
+    ("potatoes", Count),
+    ("frozen peas", Dry),
+    ("corn", Can),
+    ("black beans", Can),
+    ("kidney beans", Can),
+    ("chicken bouillon", Spice),
+    ("beef broth", Liquid),
+    ("cream cheese", Can),
+    ("lime juice", Liquid),
+    ("ginger", Spice),
+    ("sesame oil", Liquid),
+    ("rice vinegar", Liquid),
+    ("red wine vinegar", Liquid),
+    ("balsamic vinegar", Liquid),
+    ("honey", Liquid),
+    ("ketchup", Liquid),
+    ("cayenne pepper", Spice),
+    ("garlic powder", Spice),
+    ("onion powder", Spice),
+    ("italian seasoning", Spice),
+    ("dried rosemary", Spice),
+    ("fresh rosemary", Herb),
+    ("cornstarch", Dry),
+    ("bread crumbs", Dry),
+    ("swiss cheese", Cheese),
+    ("monterey jack cheese", Cheese),
+    ("feta cheese", Cheese),
+    ("salsa", Liquid),
+    ("tortillas", Count),
+    ("spinach", Dry),
+    ("zucchini", Count),
+    ("shallots", Count),
+    ("capers", Spice),
+    ("kalamata olives", Dry),
+    ("black olives", Can),
+    ("green chiles", Can),
+    ("chicken stock", Liquid),
+    ("tomato paste", Can),
+    ("half-and-half", Liquid),
+    ("evaporated milk", Can),
+    ("cream of chicken soup", Can),
+    ("dry mustard", Spice),
+    ("celery seed", Spice),
+    ("smoked paprika", Spice),
+    ("turmeric", Spice),
+    ("curry powder", Spice),
+    ("coriander", Spice),
+    ("nutmeg", Spice),
+    ("fresh dill", Herb),
+    ("mint leaves", Herb),
+    ("scallions", Count),
+    ("leeks", Count),
+    ("cabbage", Whole),
+    ("broccoli florets", Dry),
+    ("cauliflower", Whole),
+    ("sweet potatoes", Count),
+    ("butternut squash", Whole),
+    ("eggplant", Whole),
+    ("avocados", Count),
+    ("cucumbers", Count),
+    ("lemons", Count),
+    ("limes", Count),
+    ("sugar", Dry),
+    ("hot sauce", Liquid),
+    ("barbecue sauce", Liquid),
+    ("teriyaki sauce", Liquid),
+    ("fish sauce", Liquid),
+    ("oyster sauce", Liquid),
+    ("hoisin sauce", Liquid),
+    ("sriracha", Liquid),
+    ("coconut milk", Can),
+    ("chickpeas", Can),
+    ("lentils", Dry),
+    ("quinoa", Dry),
+    ("egg noodles", Dry),
+    ("elbow macaroni", Dry),
+    ("spaghetti", Dry),
+    ("penne pasta", Dry),
+    ("crème fraîche", Liquid),
+    ("gruyère cheese", Cheese),
+    ("ricotta cheese", Cheese),
+    ("cottage cheese", Liquid),
+    ("pine nuts", Dry),
+    ("slivered almonds", Dry),
+    ("sun-dried tomatoes", Dry),
+    ("roasted red peppers", Can),
+    ("artichoke hearts", Can),
+    ("water chestnuts", Can),
+    ("bean sprouts", Dry),
+    ("snow peas", Dry),
+    ("bok choy", Whole),
+    ("lemongrass", Herb),
+    ("poblano peppers", Count),
+    ("chipotle peppers in adobo", Can),
+    ("queso fresco", Cheese),
+    ("cotija cheese", Cheese),
+    ("pepper jack cheese", Cheese),
+    ("blue cheese", Cheese),
+    ("goat cheese", Cheese),
+    ("ranch dressing", Liquid),
+    ("italian dressing", Liquid),
+    ("taco seasoning", Spice),
+    ("onion soup mix", Can),
+    ("lawry's seasoned salt", Spice),
+    ("french's fried onions", Dry),
+    ("frank's red hot sauce", Liquid),
+    ("campbell's tomato soup", Can),
+    ("hellmann's mayonnaise", Liquid),
+    ("kraft macaroni and cheese", Can),
+    ("velveeta", Cheese),
+    ("marjoram", Spice),
+    ("sage", Spice),
+    ("tarragon", Spice),
+    ("allspice", Spice),
+    ("cloves", Spice),
+    ("fennel seed", Spice),
+    ("mustard seed", Spice),
+    ("garam masala", Spice),
+    ("saffron threads", Spice),
+    ("anchovy fillets", Count),
+    ("prosciutto", Meat),
+    ("pancetta", Meat),
+    ("chorizo", Meat),
+    ("andouille sausage", Meat),
+    ("kielbasa", Meat),
+    ("tofu", Meat),
+    ("tempeh", Meat),
+    ("miso paste", Liquid),
+    ("tahini", Liquid),
+    ("harissa", Liquid),
+    ("pesto", Liquid),
+    ("marinara sauce", Can),
+    ("enchilada sauce", Can),
+    ("refried beans", Can),
+    ("pinto beans", Can),
+    ("great northern beans", Can),
+    ("jasmine rice", Dry),
+    ("arborio rice", Dry),
+    ("wild rice", Dry),
+    ("couscous", Dry),
+    ("polenta", Dry),
+    ("cornmeal", Dry),
+    ("panko bread crumbs", Dry),
+    ("saltine crackers", Dry),
+    ("ritz crackers", Dry),
+    ("pie crust", Can),
+    ("puff pastry", Can),
+    ("pizza dough", Can),
+    ("hamburger buns", Count),
+    ("french bread", Whole),
+    ("pita rounds", Count),
+    ("radishes", Count),
+    ("beets", Count),
+    ("turnips", Count),
+    ("parsnips", Count),
+    ("okra", Dry),
+    ("green beans", Dry),
+    ("asparagus", Meat),
+    ("brussels sprouts", Dry),
+    ("kale", Dry),
+    ("arugula", Dry),
+    ("romaine lettuce", Whole),
+    ("iceberg lettuce", Whole),
+    ("watercress", Dry),
+    ("fresh ginger", Spice),
+    ("horseradish", Spice),
+    ("wasabi", Spice),
+    ("liquid smoke", Spice),
+    ("apple cider vinegar", Liquid),
+    ("sherry", Liquid),
+    ("dry red wine", Liquid),
+    ("beer", Liquid),
+    ("buttermilk", Liquid),
+    ("plain yogurt", Liquid),
+    ("greek yogurt", Liquid),
+    ("shortening", Fat),
+    ("margarine", Fat),
+    ("lard", Fat),
+    ("ghee", Fat),
+];
+
+/// Frequency-ordered sweet-side ingredients.
+const SWEET: &[(&str, Kind)] = &[
+    ("sugar", Dry),
+    ("all-purpose flour", Dry),
+    ("butter", Fat),
+    ("eggs", Count),
+    ("salt", Spice),
+    ("vanilla extract", Spice),
+    ("baking soda", Spice),
+    ("baking powder", Spice),
+    ("milk", Liquid),
+    ("brown sugar", Dry),
+    ("cinnamon", Spice),
+    ("powdered sugar", Dry),
+    ("vegetable oil", Liquid),
+    ("chopped nuts", Dry),
+    ("shortening", Fat),
+    ("cream cheese", Can),
+    ("walnuts", Dry),
+    ("pecans", Dry),
+    ("nutmeg", Spice),
+    ("sour cream", Liquid),
+    ("heavy cream", Liquid),
+    ("semisweet chocolate chips", Dry),
+    ("cocoa", Dry),
+    ("raisins", Dry),
+    ("margarine", Fat),
+    ("buttermilk", Liquid),
+    ("honey", Liquid),
+    ("lemon juice", Liquid),
+    ("oats", Dry),
+    ("flaked coconut", Dry),
+    ("cornstarch", Dry),
+    ("sweetened condensed milk", Can),
+    ("evaporated milk", Can),
+    ("graham cracker crumbs", Dry),
+    ("whipped topping", Can),
+    ("instant vanilla pudding", Can),
+    ("almond extract", Spice),
+    ("ground ginger", Spice),
+    ("ground cloves", Spice),
+    ("allspice", Spice),
+    ("maple syrup", Liquid),
+    ("light corn syrup", Liquid),
+    ("molasses", Liquid),
+    ("orange juice", Liquid),
+    ("orange zest", Spice),
+    ("lemon zest", Spice),
+    ("unsweetened applesauce", Liquid),
+    ("whole wheat flour", Dry),
+    ("cake flour", Dry),
+    ("yellow cake mix", Can),
+    ("miniature marshmallows", Dry),
+    ("white chocolate chips", Dry),
+    ("butterscotch chips", Dry),
+    ("unsweetened chocolate", Meat),
+    ("baker's chocolate", Meat),
+    ("hershey's cocoa", Dry),
+    ("nestlé toll house morsels", Dry),
+    ("cool whip", Can),
+    ("jell-o gelatin", Can),
+    ("cream of tartar", Spice),
+    ("dried cranberries", Dry),
+    ("slivered almonds", Dry),
+    ("macadamia nuts", Dry),
+    ("peanuts", Dry),
+    ("dates", Dry),
+    ("crystallized ginger", Dry),
+    ("vanilla beans", Count),
+    ("greek yogurt", Liquid),
+    ("plain yogurt", Liquid),
+    ("mascarpone", Can),
+    ("ladyfingers", Count),
+    ("espresso powder", Spice),
+    ("rum", Liquid),
+    ("bourbon", Liquid),
+    ("amaretto", Liquid),
+    ("food coloring", Spice),
+    ("sprinkles", Dry),
+    ("toffee bits", Dry),
+    ("caramel sauce", Liquid),
+    ("marshmallow creme", Can),
+    ("pie crust", Can),
+    ("vanilla wafers", Dry),
+    ("oreo cookies", Count),
+    ("turbinado sugar", Dry),
+    ("confectioners' sugar", Dry),
+    ("dulce de leche", Can),
+    ("crème de cacao", Liquid),
+];
+
+/// (ingredient as written, word used in titles, measure).
+const SAVORY_MAINS: &[(&str, &str, Kind)] = &[
+    ("boneless skinless chicken breasts", "Chicken", Meat),
+    ("ground beef", "Beef", Meat),
+    ("chicken thighs", "Chicken Thigh", Meat),
+    ("pork chops", "Pork Chop", Meat),
+    ("shrimp", "Shrimp", Meat),
+    ("salmon fillets", "Salmon", Meat),
+    ("beef stew meat", "Beef", Meat),
+    ("ground turkey", "Turkey", Meat),
+    ("italian sausage", "Sausage", Meat),
+    ("cooked ham", "Ham", Meat),
+    ("pork tenderloin", "Pork", Meat),
+    ("flank steak", "Steak", Meat),
+    ("potatoes", "Potato", Count),
+    ("zucchini", "Zucchini", Count),
+    ("broccoli florets", "Broccoli", Dry),
+    ("fresh spinach", "Spinach", Dry),
+    ("mushrooms", "Mushroom", Count),
+    ("black beans", "Black Bean", Can),
+    ("spaghetti", "Spaghetti", Dry),
+    ("elbow macaroni", "Macaroni", Dry),
+    ("penne pasta", "Pasta", Dry),
+    ("long-grain rice", "Rice", Dry),
+    ("firm tofu", "Tofu", Meat),
+    ("eggplant", "Eggplant", Whole),
+    ("cauliflower", "Cauliflower", Whole),
+    ("lentils", "Lentil", Dry),
+    ("sweet potatoes", "Sweet Potato", Count),
+    ("butternut squash", "Squash", Whole),
+    ("cabbage", "Cabbage", Whole),
+    ("turkey breast", "Turkey", Meat),
+    ("tilapia fillets", "Fish", Meat),
+    ("crabmeat", "Crab", Meat),
+    ("tuna", "Tuna", Can),
+    ("chickpeas", "Chickpea", Can),
+    ("beef chuck roast", "Pot Roast", Meat),
+    ("pork shoulder", "Pulled Pork", Meat),
+    ("lamb chops", "Lamb", Meat),
+    ("scallops", "Scallop", Meat),
+    ("corn kernels", "Corn", Dry),
+    ("chicken wings", "Chicken Wing", Meat),
+];
+
+const SWEET_MAINS: &[(&str, &str, Kind)] = &[
+    ("apples", "Apple", Count),
+    ("semisweet chocolate", "Chocolate", Meat),
+    ("ripe bananas", "Banana", Count),
+    ("creamy peanut butter", "Peanut Butter", Liquid),
+    ("lemons", "Lemon", Count),
+    ("canned pumpkin", "Pumpkin", Can),
+    ("fresh blueberries", "Blueberry", Dry),
+    ("strawberries", "Strawberry", Dry),
+    ("cherry pie filling", "Cherry", Can),
+    ("peaches", "Peach", Count),
+    ("crushed pineapple", "Pineapple", Can),
+    ("shredded coconut", "Coconut", Dry),
+    ("rolled oats", "Oatmeal", Dry),
+    ("grated carrots", "Carrot", Dry),
+    ("shredded zucchini", "Zucchini", Dry),
+    ("fresh cranberries", "Cranberry", Dry),
+    ("raspberries", "Raspberry", Dry),
+    ("rhubarb", "Rhubarb", Dry),
+    ("chopped pecans", "Pecan", Dry),
+    ("caramels", "Caramel", Count),
+    ("pears", "Pear", Count),
+    ("sweet potatoes", "Sweet Potato", Count),
+    ("mangoes", "Mango", Count),
+    ("blackberries", "Blackberry", Dry),
+    ("white chocolate", "White Chocolate", Meat),
+    ("almond flour", "Almond", Dry),
+    ("dried apricots", "Apricot", Dry),
+    ("figs", "Fig", Count),
+    ("key lime juice", "Key Lime", Liquid),
+    ("matcha powder", "Matcha", Spice),
+];
+
+/// How a dish is cooked, which decides the shape of its directions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Method {
+    Bake,
+    Stove,
+    Simmer,
+    Cold,
+    Grill,
+    SlowCooker,
+    Fry,
+}
+
+const SAVORY_DISHES: &[(&str, Method)] = &[
+    ("Casserole", Method::Bake),
+    ("Skillet", Method::Stove),
+    ("Soup", Method::Simmer),
+    ("Stir-Fry", Method::Stove),
+    ("Salad", Method::Cold),
+    ("Bake", Method::Bake),
+    ("Stew", Method::Simmer),
+    ("Chili", Method::Simmer),
+    ("Tacos", Method::Stove),
+    ("Lasagna", Method::Bake),
+    ("Enchiladas", Method::Bake),
+    ("Pot Pie", Method::Bake),
+    ("Kabobs", Method::Grill),
+    ("Burgers", Method::Grill),
+    ("Quiche", Method::Bake),
+    ("Fritters", Method::Fry),
+    ("Curry", Method::Simmer),
+    ("Chowder", Method::Simmer),
+    ("Frittata", Method::Bake),
+    ("Wraps", Method::Cold),
+    ("Dip", Method::Cold),
+    ("Sandwiches", Method::Stove),
+    ("Pasta", Method::Stove),
+    ("Roll-Ups", Method::Bake),
+    ("Tetrazzini", Method::Bake),
+    ("Fajitas", Method::Grill),
+    ("Gumbo", Method::Simmer),
+    ("Risotto", Method::Stove),
+    ("Hash", Method::Fry),
+    ("Patties", Method::Fry),
+    ("Stroganoff", Method::Stove),
+    ("Marsala", Method::Stove),
+    ("Piccata", Method::Stove),
+    ("Jambalaya", Method::Simmer),
+    ("Paella", Method::Simmer),
+    ("Gratin", Method::Bake),
+    ("Pizza", Method::Bake),
+    ("Bowls", Method::Stove),
+    ("Sliders", Method::Grill),
+    ("Stuffed Peppers", Method::Bake),
+];
+
+const SWEET_DISHES: &[(&str, Method)] = &[
+    ("Cake", Method::Bake),
+    ("Cookies", Method::Bake),
+    ("Pie", Method::Bake),
+    ("Bars", Method::Bake),
+    ("Muffins", Method::Bake),
+    ("Bread", Method::Bake),
+    ("Pudding", Method::Stove),
+    ("Fudge", Method::Stove),
+    ("Crisp", Method::Bake),
+    ("Cobbler", Method::Bake),
+    ("Cheesecake", Method::Bake),
+    ("Brownies", Method::Bake),
+    ("Smoothie", Method::Cold),
+    ("Pancakes", Method::Fry),
+    ("Squares", Method::Bake),
+    ("Tart", Method::Bake),
+    ("Ice Cream", Method::Cold),
+    ("Trifle", Method::Cold),
+    ("Scones", Method::Bake),
+    ("Coffee Cake", Method::Bake),
+    ("Cupcakes", Method::Bake),
+    ("Dump Cake", Method::SlowCooker),
+    ("Candy", Method::Stove),
+    ("Parfait", Method::Cold),
+    ("Turnovers", Method::Bake),
+    ("Doughnuts", Method::Fry),
+    ("Crumble", Method::Bake),
+    ("Dessert", Method::Cold),
+    ("Loaf", Method::Bake),
+    ("Truffles", Method::Cold),
+];
+
+const TITLE_ADJ: &[&str] = &[
+    "Easy",
+    "Creamy",
+    "Quick",
+    "Best",
+    "Homemade",
+    "Spicy",
+    "Cheesy",
+    "Classic",
+    "Old-Fashioned",
+    "Simple",
+    "Grandma's",
+    "Mom's",
+    "Baked",
+    "Crispy",
+    "Hearty",
+    "Healthy",
+    "Southern",
+    "Grilled",
+    "Slow Cooker",
+    "Crock-Pot",
+    "Zesty",
+    "Country",
+    "Low-Fat",
+    "Amish",
+    "Texas",
+    "Cajun",
+    "Mexican",
+    "Italian",
+    "Greek",
+    "Hawaiian",
+    "Tuscan",
+    "Moist",
+    "Chewy",
+    "Ultimate",
+    "Perfect",
+    "Fluffy",
+    "Mini",
+    "Glazed",
+    "Golden",
+    "Lazy Day",
+    "Aunt Ruth's",
+    "Uncle Bill's",
+    "Chinese",
+    "Thai",
+    "Indian",
+    "German",
+    "French",
+    "Irish",
+    "Rustic",
+    "Sweet and Sour",
+    "No-Bake",
+    "One-Pot",
+    "5-Ingredient",
+    "30-Minute",
+    "Skinny",
+    "Vegan",
+    "Gluten-Free",
+    "Sheet Pan",
+    "Fiesta",
+    "Holiday",
+    "Summer",
+    "Winter",
+    "Sunday",
+    "Company",
+    "Church Supper",
+    "Farmhouse",
+    "Cowboy",
+    "Smothered",
+    "Loaded",
+    "Dreamy",
+    "Heavenly",
+    "Festive",
+    "Louisiana",
+    "Santa Fe",
+    "Caribbean",
+    "Korean",
+    "Japanese",
+    "Moroccan",
+    "Swedish",
+    "Polish",
+    "Pennsylvania Dutch",
+    "New England",
+    "Café",
+    "Bistro",
+];
+
+const SAVORY_FLAVOR: &[&str] = &[
+    "Garlic",
+    "Lemon",
+    "Herb",
+    "Parmesan",
+    "Bacon",
+    "Ranch",
+    "Barbecue",
+    "Teriyaki",
+    "Buffalo",
+    "Pesto",
+    "Honey Mustard",
+    "Chipotle",
+    "Cheddar",
+    "Mushroom",
+    "Tomato",
+    "Basil",
+    "Sesame",
+    "Ginger",
+    "Curry",
+    "Jalapeño",
+    "Cilantro Lime",
+    "Balsamic",
+    "Dijon",
+    "Smoked Paprika",
+    "Sun-Dried Tomato",
+    "Spinach",
+    "Broccoli",
+    "Salsa Verde",
+    "Sweet Chili",
+    "Lemon Pepper",
+    "Rosemary",
+    "Cajun Spice",
+    "Taco",
+    "Alfredo",
+    "Marinara",
+    "Swiss",
+    "Bourbon",
+    "Coconut",
+    "Peanut",
+    "Orange",
+    "Maple Dijon",
+    "Harissa",
+    "Gochujang",
+    "Miso",
+    "Chimichurri",
+    "Piña Colada",
+    "Sauerkraut",
+    "Green Chile",
+    "Poblano",
+    "Gruyère",
+];
+
+const SWEET_FLAVOR: &[&str] = &[
+    "Cinnamon",
+    "Vanilla",
+    "Caramel",
+    "Chocolate Chip",
+    "Peanut Butter",
+    "Cream Cheese",
+    "Coconut",
+    "Almond",
+    "Maple",
+    "Brown Sugar",
+    "Lemon",
+    "Orange",
+    "Pecan",
+    "Walnut",
+    "Butterscotch",
+    "Mocha",
+    "Raspberry",
+    "Crème Brûlée",
+    "Dulce de Leche",
+    "Ginger",
+    "Pumpkin Spice",
+    "Sour Cream",
+    "Buttermilk",
+    "Honey",
+    "Salted Caramel",
+    "Streusel",
+    "Toffee",
+    "Oatmeal",
+    "Rum",
+    "Cardamom",
+];
+
+const BOWL: &[&str] = &[
+    "large",
+    "medium",
+    "small",
+    "mixing",
+    "separate",
+    "large glass",
+    "shallow",
+];
+const PAN: &[&str] = &[
+    "skillet",
+    "saucepan",
+    "Dutch oven",
+    "stockpot",
+    "wok",
+    "frying pan",
+    "nonstick skillet",
+    "cast-iron skillet",
+];
+const DISH: &[&str] = &[
+    "9x13-inch baking dish",
+    "8-inch square pan",
+    "9-inch pie plate",
+    "2-quart casserole",
+    "10-inch tube pan",
+    "12-cup muffin tin",
+    "15x10x1-inch jelly roll pan",
+    "9x5-inch loaf pan",
+    "large baking sheet",
+    "9-inch springform pan",
+    "11x7-inch baking dish",
+    "3-quart casserole dish",
+];
+const HEAT: &[&str] = &["medium", "medium-high", "medium-low", "high", "low"];
+const SAVORY_DONE: &[&str] = &[
+    "tender",
+    "golden brown",
+    "heated through",
+    "lightly browned",
+    "no longer pink",
+    "the vegetables are tender",
+    "bubbly",
+    "the cheese is melted",
+    "translucent",
+    "fragrant",
+    "the liquid is reduced by half",
+    "the sauce thickens",
+    "crisp-tender",
+    "an instant-read thermometer reads 165°F",
+    "the juices run clear",
+    "browned on all sides",
+    "caramelized",
+    "softened",
+    "wilted",
+    "the flavors have blended",
+];
+const SWEET_DONE: &[&str] = &[
+    "a toothpick inserted in the center comes out clean",
+    "golden brown",
+    "the edges are lightly browned",
+    "set",
+    "the top springs back when lightly touched",
+    "bubbly",
+    "firm to the touch",
+    "puffed and golden",
+    "the filling is bubbly and the crust is golden",
+    "a knife inserted near the center comes out clean",
+];
+const MIX_ADVERB: &[&str] = &[
+    "well",
+    "thoroughly",
+    "gently",
+    "until smooth",
+    "until well blended",
+    "until just combined",
+    "until creamy",
+    "until evenly coated",
+    "until no lumps remain",
+    "with a wooden spoon",
+    "with an electric mixer",
+    "by hand",
+];
+const SERVE_SAVORY: &[&str] = &[
+    "hot cooked rice",
+    "egg noodles",
+    "mashed potatoes",
+    "crusty bread",
+    "a green salad",
+    "tortilla chips",
+    "warm cornbread",
+    "steamed vegetables",
+    "couscous",
+    "garlic bread",
+    "warm pita bread",
+    "baked potatoes",
+    "a dollop of sour cream",
+];
+const SERVE_SWEET: &[&str] = &[
+    "whipped cream",
+    "vanilla ice cream",
+    "a drizzle of honey",
+    "fresh berries",
+    "a cup of coffee",
+    "a glass of cold milk",
+    "caramel sauce",
+];
+const GARNISH_SAVORY: &[&str] = &[
+    "chopped parsley",
+    "fresh basil",
+    "sliced green onions",
+    "a sprinkle of paprika",
+    "lemon wedges",
+    "toasted sesame seeds",
+    "chopped cilantro",
+    "grated parmesan",
+    "crumbled bacon",
+    "fresh thyme leaves",
+];
+const GARNISH_SWEET: &[&str] = &[
+    "powdered sugar",
+    "chopped nuts",
+    "toasted coconut",
+    "fresh mint",
+    "chocolate shavings",
+    "a dusting of cinnamon",
+    "maraschino cherries",
+    "sliced almonds",
+];
+const SWEET_STOVE_DONE: &[&str] = &[
+    "thickened",
+    "smooth",
+    "the sugar dissolves",
+    "bubbles form on the surface",
+    "golden brown on both sides",
+    "it reaches the soft-ball stage (234°F)",
+    "it coats the back of a spoon",
+];
+const SIZES: &[&str] = &["large", "medium", "small", "whole", "extra-large"];
+const PERSON: &[&str] = &[
+    "my grandmother",
+    "my mother-in-law",
+    "a neighbor",
+    "my aunt",
+    "a friend from church",
+    "my husband",
+    "my kids",
+    "our family",
+    "a coworker",
+    "my sister",
+];
+const DESC_OPEN: &[&str] = &[
+    "this is a family favorite",
+    "an easy weeknight dinner",
+    "i found this recipe in an old cookbook",
+    "this recipe came from",
+    "we love this",
+    "a quick and easy recipe that's perfect for busy nights",
+    "everyone asks for this recipe",
+    "adapted from a magazine recipe",
+    "this is the best i've ever had",
+    "great for potlucks",
+    "don't let the long list of ingredients scare you",
+    "i've been making this for years",
+    "a real crowd pleaser",
+    "perfect for the holidays",
+    "it's so good",
+];
+const DESC_CLOSE: &[&str] = &[
+    "enjoy!",
+    "it freezes well.",
+    "you can double the recipe.",
+    "leftovers are even better the next day.",
+    "serve with a salad for a complete meal.",
+    "my kids love it.",
+    "the cooking time includes chilling.",
+    "you won't be disappointed!",
+    "adjust the spices to your taste.",
+    "yum! 😋",
+    "it's a keeper.",
+];
+const FOODCOM_TAGS: &[&str] = &[
+    "time-to-make",
+    "course",
+    "preparation",
+    "main-ingredient",
+    "easy",
+    "dietary",
+    "occasion",
+    "cuisine",
+    "north-american",
+    "american",
+    "low-in-something",
+    "equipment",
+    "number-of-servings",
+    "4-hours-or-less",
+    "3-steps-or-less",
+    "oven",
+    "low-sodium",
+    "low-carb",
+    "healthy",
+    "vegetarian",
+    "taste-mood",
+    "inexpensive",
+    "holiday-event",
+    "beginner-cook",
+    "kid-friendly",
+    "comfort-food",
+    "stove-top",
+    "one-dish-meal",
+    "potluck",
+    "european",
+    "italian",
+    "mexican",
+    "asian",
+    "southern-united-states",
+    "winter",
+    "summer",
+    "christmas",
+    "thanksgiving",
+    "brunch",
+    "freezer",
+    "to-go",
+    "crock-pot-slow-cooker",
+    "novelty",
+    "gluten-free",
+    "low-calorie",
+    "high-protein",
+    "served-hot",
+    "served-cold",
+];
+
+/// Syllables the synthetic long-tail words are made of.
+const ONSETS: &[&str] = &[
+    "b", "c", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "ch", "cr",
+    "dr", "fl", "gr", "pl", "sh", "st", "tr", "qu",
+];
+const VOWELS: &[&str] = &["a", "e", "i", "o", "u", "ai", "ou", "ea", "ie", "y"];
+const CODAS: &[&str] = &["", "", "", "n", "r", "l", "s", "t", "m", "sh", "nd", "rk"];
+/// Nouns that synthetic variety names attach to ("kavoli beans").
+const TAIL_NOUNS: &[&str] = &[
+    "beans",
+    "peppers",
+    "squash",
+    "cheese",
+    "sauce",
+    "greens",
+    "berries",
+    "chiles",
+    "mushrooms",
+    "potatoes",
+    "spice blend",
+    "rice",
+    "apples",
+    "tomatoes",
+    "onions",
+    "sausage",
+    "seasoning",
+    "vinegar",
+    "honey",
+    "flour",
+];
+
+const SYNTHETIC_WORDS: usize = 3000;
+
+struct Vocab {
+    synthetic: Vec<String>,
+    synthetic_title: Vec<String>,
+    synthetic_cdf: Vec<f64>,
+    savory_cdf: Vec<f64>,
+    sweet_cdf: Vec<f64>,
+    savory_main_cdf: Vec<f64>,
+    sweet_main_cdf: Vec<f64>,
+    adj_cdf: Vec<f64>,
+    tag_cdf: Vec<f64>,
+    contributor_cdf: Vec<f64>,
+}
+
+fn vocab() -> &'static Vocab {
+    static VOCAB: OnceLock<Vocab> = OnceLock::new();
+    VOCAB.get_or_init(|| {
+        // A fixed seed: the word list is the same for every sample seed, as a language's vocabulary would be.
+        let mut rng = Rng::new(0x5e_ed0f_f00d);
+        let mut seen = std::collections::HashSet::new();
+        let mut synthetic = Vec::with_capacity(SYNTHETIC_WORDS);
+        while synthetic.len() < SYNTHETIC_WORDS {
+            let mut w = String::new();
+            for _ in 0..rng.range(2, 3) {
+                w.push_str(rng.word(ONSETS));
+                w.push_str(rng.word(VOWELS));
+            }
+            w.push_str(rng.word(CODAS));
+            if seen.insert(w.clone()) {
+                synthetic.push(w);
+            }
+        }
+        let synthetic_title = synthetic.iter().map(|w| capitalize(w)).collect();
+        Vocab {
+            synthetic_cdf: zipf_cdf(synthetic.len(), 1.0),
+            synthetic,
+            synthetic_title,
+            savory_cdf: zipf_cdf(SAVORY.len(), 0.9),
+            sweet_cdf: zipf_cdf(SWEET.len(), 0.9),
+            savory_main_cdf: zipf_cdf(SAVORY_MAINS.len(), 0.8),
+            sweet_main_cdf: zipf_cdf(SWEET_MAINS.len(), 0.8),
+            adj_cdf: zipf_cdf(TITLE_ADJ.len(), 0.9),
+            tag_cdf: zipf_cdf(FOODCOM_TAGS.len(), 0.7),
+            contributor_cdf: zipf_cdf(5000, 1.1),
+        }
+    })
+}
+
+fn capitalize(w: &str) -> String {
+    let mut c = w.chars();
+    match c.next() {
+        Some(first) => first.to_uppercase().chain(c).collect(),
+        None => String::new(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Recipes
+
+/// One generated recipe: the fields every format shares.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Recipe {
+    pub title: String,
+    /// Lines with quantities and units, as RecipeNLG has them.
+    pub ingredients: Vec<String>,
+    pub directions: Vec<String>,
+    /// Bare ingredient names, one per ingredient line.
+    pub ner: Vec<String>,
+    sweet: bool,
+    method: Option<Method>,
+}
+
+/// The Food.com-only columns of one row, already rendered.
+#[derive(Default)]
+struct FoodComFields {
+    name: String,
+    id: u64,
+    minutes: u32,
+    contributor_id: u64,
+    submitted: String,
+    tags: String,
+    nutrition: String,
+    n_steps: usize,
+    steps: String,
+    description: String,
+    ingredients: String,
+    n_ingredients: usize,
+}
+
+/// An infinite, seeded stream of recipes.
+pub struct RecipeGen {
+    rng: Rng,
+    /// Draws for format-only columns come from their own stream, so a seed gives the same recipes in every format.
+    extra: Rng,
+    vocab: &'static Vocab,
+    recipe: Recipe,
+    scratch: Vec<String>,
+}
+
+impl RecipeGen {
+    pub fn new(seed: u64) -> Self {
+        Self {
+            rng: Rng::new(seed),
+            extra: Rng::new(seed ^ 0xf0f0_5a5a_0ff1_ce00),
+            vocab: vocab(),
+            recipe: Recipe::default(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The next recipe; the reference is valid until the next call.
+    pub fn next_recipe(&mut self) -> &Recipe {
+        let rng = &mut self.rng;
+        let v = self.vocab;
+        let r = &mut self.recipe;
+        r.title.clear();
+        r.ingredients.clear();
+        r.directions.clear();
+        r.ner.clear();
+
+        r.sweet = rng.chance(0.35);
+        let (main_name, main_title, main_kind) = if r.sweet {
+            SWEET_MAINS[rng.zipf(&v.sweet_main_cdf)]
+        } else {
+            SAVORY_MAINS[rng.zipf(&v.savory_main_cdf)]
+        };
+        let (dish, method) = if r.sweet {
+            *rng.pick(SWEET_DISHES)
+        } else {
+            *rng.pick(SAVORY_DISHES)
+        };
+        r.method = Some(method);
+
+        // Ingredient count 5..=20, median about 10.
+        let mut n_ing = 5 + rng.below(6) + rng.below(6);
+        if rng.chance(0.12) {
+            n_ing += rng.below(6);
+        }
+        let n_ing = n_ing.min(20);
+
+        // The main ingredient first, then draws from the frequency-ordered pool without repeats; some items get a
+        // synthetic variety name from the long tail.
+        let pool: &[(&str, Kind)] = if r.sweet { SWEET } else { SAVORY };
+        let cdf = if r.sweet { &v.sweet_cdf } else { &v.savory_cdf };
+        let mut names: Vec<(String, Kind)> = Vec::with_capacity(n_ing);
+        names.push((main_name.to_string(), main_kind));
+        let mut tries = 0;
+        while names.len() < n_ing && tries < 200 {
+            tries += 1;
+            let (name, kind) = if rng.chance(0.07) {
+                let w = &v.synthetic[rng.zipf(&v.synthetic_cdf)];
+                (
+                    format!("{w} {}", rng.pick(TAIL_NOUNS)),
+                    if rng.chance(0.5) { Dry } else { Count },
+                )
+            } else {
+                let (name, kind) = pool[rng.zipf(cdf)];
+                if rng.chance(0.05) {
+                    let w = &v.synthetic[rng.zipf(&v.synthetic_cdf)];
+                    (format!("{w} {name}"), kind)
+                } else {
+                    (name.to_string(), kind)
+                }
+            };
+            if !names.iter().any(|(n, _)| *n == name) {
+                names.push((name, kind));
+            }
+        }
+        for (name, kind) in names.iter_mut() {
+            let mut line = String::with_capacity(48);
+            *name = ingredient_line(rng, &mut line, name, *kind);
+            r.ingredients.push(line);
+            r.ner.push(name.clone());
+        }
+
+        // Title, e.g. "Creamy Garlic Chicken Casserole".
+        let flavor = if r.sweet {
+            rng.pick(SWEET_FLAVOR)
+        } else {
+            rng.pick(SAVORY_FLAVOR)
+        };
+        match rng.below(10) {
+            0..=3 => {
+                let _ = write!(
+                    r.title,
+                    "{} {flavor} {main_title} {dish}",
+                    TITLE_ADJ[rng.zipf(&v.adj_cdf)]
+                );
+            }
+            4 | 5 => {
+                let _ = write!(r.title, "{flavor} {main_title} {dish}");
+            }
+            6 => {
+                let _ = write!(r.title, "{main_title} {dish}");
+            }
+            7 => {
+                let _ = write!(r.title, "{main_title} {dish} with {flavor} Sauce");
+            }
+            8 => {
+                let w = &v.synthetic_title[rng.zipf(&v.synthetic_cdf)];
+                let _ = write!(r.title, "{w} {main_title} {dish}");
+            }
+            _ => {
+                let _ = write!(
+                    r.title,
+                    "{} {main_title} {dish}",
+                    TITLE_ADJ[rng.zipf(&v.adj_cdf)]
+                );
+            }
+        }
+
+        // Steps 3..=15, with about 1% long outliers.
+        let n_steps = if rng.chance(0.01) {
+            rng.range(20, 60)
+        } else {
+            let mut s = 3 + rng.below(5) + rng.below(5);
+            if rng.chance(0.1) {
+                s += rng.below(5);
+            }
+            s.min(15)
+        };
+        directions(rng, r.sweet, method, &names, n_steps, &mut self.scratch);
+        r.directions.append(&mut self.scratch);
+        &self.recipe
+    }
+
+    /// The next recipe with a RecipeNLG-style link written to `link`, and the matching source.
+    fn next_with_link(&mut self, link: &mut String) -> (&Recipe, &'static str) {
+        self.next_recipe();
+        let source = recipenlg_link(&mut self.extra, link);
+        (&self.recipe, source)
+    }
+
+    /// The next recipe rendered as Food.com columns.
+    fn next_foodcom(&mut self, index: u64, f: &mut FoodComFields) {
+        self.next_recipe();
+        foodcom_fields(&mut self.extra, self.vocab, &self.recipe, index, f);
+    }
+}
+
+/// Fills `link` with a RecipeNLG-style link and returns the matching source.
+fn recipenlg_link(rng: &mut Rng, link: &mut String) -> &'static str {
+    let id = rng.range(1, 999_999);
+    match rng.below(10) {
+        0..=3 => {
+            let _ = write!(link, "www.cookbooks.com/Recipe-Details.aspx?id={id}");
+            "Gathered"
+        }
+        4 | 5 => {
+            let _ = write!(link, "www.allrecipes.com/recipe/{id}/");
+            "Recipes1M"
+        }
+        6 => {
+            let _ = write!(link, "www.food.com/recipe/{id}");
+            "Gathered"
+        }
+        7 => {
+            let _ = write!(link, "www.epicurious.com/recipes/food/views/{id}");
+            "Recipes1M"
+        }
+        8 => {
+            let _ = write!(link, "www.myrecipes.com/recipe/{id}");
+            "Gathered"
+        }
+        _ => {
+            let _ = write!(link, "tastykitchen.com/recipes/{id}/");
+            "Gathered"
+        }
+    }
+}
+
+fn foodcom_fields(rng: &mut Rng, v: &Vocab, r: &Recipe, index: u64, f: &mut FoodComFields) {
+    // Food.com names are lower case and lose their apostrophes ("grandma s apple pie").
+    f.name.clear();
+    for c in r.title.chars().flat_map(char::to_lowercase) {
+        f.name.push(if c == '\'' { ' ' } else { c });
+    }
+    f.id = 38 + index * 5 + rng.below(5) as u64;
+    f.minutes = match r.method {
+        Some(Method::SlowCooker) => rng.range(240, 600) as u32,
+        Some(Method::Cold) => rng.range(5, 30) as u32,
+        _ if rng.chance(0.02) => rng.range(600, 2880) as u32,
+        _ => 5 * rng.range(2, 24) as u32,
+    };
+    f.contributor_id = 1533 + 137 * rng.zipf(&v.contributor_cdf) as u64;
+    f.submitted.clear();
+    let _ = write!(
+        f.submitted,
+        "{}-{:02}-{:02}",
+        rng.range(1999, 2018),
+        rng.range(1, 12),
+        rng.range(1, 28)
+    );
+
+    let mut tags: Vec<&str> = Vec::with_capacity(16);
+    let time_tag = match f.minutes {
+        0..=15 => "15-minutes-or-less",
+        16..=30 => "30-minutes-or-less",
+        31..=60 => "60-minutes-or-less",
+        61..=240 => "4-hours-or-less",
+        _ => "time-to-make",
+    };
+    tags.push(time_tag);
+    tags.push(if r.sweet { "desserts" } else { "main-dish" });
+    for _ in 0..rng.range(3, 14) {
+        let t = FOODCOM_TAGS[rng.zipf(&v.tag_cdf)];
+        if !tags.contains(&t) {
+            tags.push(t);
+        }
+    }
+    f.tags.clear();
+    push_py_list(&mut f.tags, &tags);
+
+    // [calories, total fat, sugar, sodium, protein, saturated fat, carbohydrates] in %DV, one decimal as the
+    // real dump has them (which Python's repr of these floats also gives).
+    let cal = 50.0 + rng.unit() * 700.0;
+    let mut nut = [cal, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+    for x in nut.iter_mut().skip(1) {
+        *x = (rng.unit() * cal / 6.0).floor();
+    }
+    f.nutrition.clear();
+    f.nutrition.push('[');
+    for (i, x) in nut.iter().enumerate() {
+        if i > 0 {
+            f.nutrition.push_str(", ");
+        }
+        // One decimal, written from integer tenths (float formatting is the slow part of this row).
+        let tenths = (x * 10.0).round() as u64;
+        let _ = write!(f.nutrition, "{}.{}", tenths / 10, tenths % 10);
+    }
+    f.nutrition.push(']');
+
+    // Steps: lower case without the final period, as Food.com has them.
+    f.n_steps = r.directions.len();
+    f.steps.clear();
+    f.steps.push('[');
+    let mut step = String::with_capacity(128);
+    for (i, s) in r.directions.iter().enumerate() {
+        step.clear();
+        let mut prev = ' ';
+        for c in s.trim_end_matches('.').chars() {
+            // Keep "350°F" readable: the degree sign's unit stays upper case.
+            if prev == '°' {
+                step.push(c);
+            } else if c.is_ascii() {
+                step.push(c.to_ascii_lowercase());
+            } else {
+                step.extend(c.to_lowercase());
+            }
+            prev = c;
+        }
+        if i > 0 {
+            f.steps.push_str(", ");
+        }
+        push_py_repr(&mut f.steps, &step);
+    }
+    f.steps.push(']');
+
+    f.description.clear();
+    if !rng.chance(0.03) {
+        let open = rng.pick(DESC_OPEN);
+        f.description.push_str(open);
+        if open.ends_with("from") {
+            f.description.push(' ');
+            f.description.push_str(rng.word(PERSON));
+        }
+        f.description
+            .push_str(if rng.chance(0.5) { ". " } else { "! " });
+        if rng.chance(0.3) {
+            let _ = write!(
+                f.description,
+                "the {} {} make it special. ",
+                v.synthetic[rng.zipf(&v.synthetic_cdf)],
+                rng.pick(TAIL_NOUNS)
+            );
+        }
+        if rng.chance(0.05) {
+            // Real descriptions sometimes span lines; the CSV quoting must carry them.
+            f.description.push_str("\r\n");
+        }
+        f.description.push_str(rng.word(DESC_CLOSE));
+    }
+
+    // Food.com ingredients are bare names.
+    f.n_ingredients = r.ner.len();
+    f.ingredients.clear();
+    push_py_list(&mut f.ingredients, &r.ner);
+}
+
+/// Writes a quantity such as "2", "1/2", "1 1/2", "½" or "1½".
+fn quantity(rng: &mut Rng, out: &mut String, max_whole: usize) -> bool {
+    const ASCII_FRAC: &[&str] = &["1/2", "1/3", "2/3", "1/4", "3/4", "1/8"];
+    const UNI_FRAC: &[&str] = &["½", "⅓", "⅔", "¼", "¾", "⅛"];
+    let whole = rng.below(max_whole + 1);
+    let frac = whole == 0 || rng.chance(0.3);
+    let unicode = rng.chance(0.2);
+    if whole > 0 {
+        let _ = write!(out, "{whole}");
+    }
+    if frac {
+        let i = rng.below(ASCII_FRAC.len());
+        if unicode {
+            out.push_str(UNI_FRAC[i]);
+        } else {
+            if whole > 0 {
+                out.push(' ');
+            }
+            out.push_str(ASCII_FRAC[i]);
+        }
+    }
+    // Plural units when the amount exceeds one.
+    whole > 1 || (whole == 1 && frac)
+}
+
+/// Picks the singular or plural form of a unit.
+fn unit(plural: bool, one: &'static str, many: &'static str) -> &'static str {
+    if plural {
+        many
+    } else {
+        one
+    }
+}
+
+/// "eggs" -> "egg", "tomatoes" -> "tomato", "peaches" -> "peach", "bay leaves" -> "bay leaf".
+fn singular(name: &str) -> &str {
+    if let Some(stem) = name.strip_suffix("leaves") {
+        // Only "bay leaves" and "mint leaves" are counted; the caller writes "leaf" after the stem.
+        return stem;
+    }
+    for suffix in ["oes", "ches", "shes"] {
+        if name.ends_with(suffix) {
+            return &name[..name.len() - 2];
+        }
+    }
+    name.strip_suffix('s')
+        .filter(|n| !n.ends_with('s'))
+        .unwrap_or(name)
+}
+
+/// Writes one ingredient line such as "1 1/2 cups all-purpose flour, sifted" and returns the name as written.
+fn ingredient_line(rng: &mut Rng, out: &mut String, name: &str, kind: Kind) -> String {
+    let mut written = name.to_string();
+    let notes: &[&str] = match kind {
+        Dry => {
+            let plural = quantity(rng, out, 3);
+            let u = match rng.below(9) {
+                0..=3 => unit(plural, "cup", "cups"),
+                4 => "c.",
+                5 => unit(plural, "tablespoon", "tablespoons"),
+                6 => "Tbsp.",
+                7 => "oz.",
+                _ => "g",
+            };
+            let _ = write!(out, " {u} {name}");
+            &[
+                "divided", "packed", "sifted", "optional", "chopped", "toasted", "cooked",
+            ]
+        }
+        Liquid => {
+            let plural = quantity(rng, out, 3);
+            let u = match rng.below(8) {
+                0..=3 => unit(plural, "cup", "cups"),
+                4 => "c.",
+                5 => unit(plural, "tablespoon", "tablespoons"),
+                6 => "ml",
+                _ => "fl. oz.",
+            };
+            let _ = write!(out, " {u} {name}");
+            &[
+                "divided",
+                "optional",
+                "warmed",
+                "or more to taste",
+                "at room temperature",
+                "chilled",
+            ]
+        }
+        Spice => {
+            if rng.chance(0.12) {
+                let _ = write!(out, "{name} to taste");
+                return written;
+            }
+            if rng.chance(0.08) {
+                let _ = write!(
+                    out,
+                    "1 {} {name}",
+                    if rng.chance(0.5) { "pinch" } else { "dash" }
+                );
+                return written;
+            }
+            let plural = quantity(rng, out, 2);
+            let u = match rng.below(6) {
+                0..=2 => unit(plural, "teaspoon", "teaspoons"),
+                3 => "tsp.",
+                4 => "Tbsp.",
+                _ => unit(plural, "tablespoon", "tablespoons"),
+            };
+            let _ = write!(out, " {u} {name}");
+            &[
+                "optional",
+                "divided",
+                "or to taste",
+                "freshly ground",
+                "heaping",
+            ]
+        }
+        Count => {
+            let n = if rng.chance(0.3) { 1 } else { rng.range(2, 6) };
+            if n == 1 {
+                written = singular(name).to_string();
+                if name.ends_with("leaves") {
+                    written.push_str("leaf");
+                }
+            }
+            if rng.chance(0.35) {
+                let _ = write!(out, "{n} {} {written}", rng.pick(SIZES));
+            } else {
+                let _ = write!(out, "{n} {written}");
+            }
+            if name == "eggs" {
+                &[
+                    "beaten",
+                    "lightly beaten",
+                    "at room temperature",
+                    "separated",
+                    "hard-boiled and chopped",
+                ]
+            } else {
+                &[
+                    "chopped",
+                    "finely chopped",
+                    "diced",
+                    "sliced",
+                    "thinly sliced",
+                    "peeled and cubed",
+                    "halved",
+                    "seeded and chopped",
+                    "quartered",
+                    "peeled and grated",
+                    "cut into wedges",
+                ]
+            }
+        }
+        Whole => {
+            if rng.chance(0.5) {
+                let _ = write!(out, "1 {} {name}", rng.pick(SIZES));
+            } else {
+                let _ = write!(out, "{} {name}", *rng.pick(&["1", "1/2", "½", "2"]));
+            }
+            &[
+                "chopped",
+                "cut into bite-size pieces",
+                "cored and shredded",
+                "sliced",
+                "cubed",
+            ]
+        }
+        Meat => {
+            if rng.chance(0.6) {
+                let plural = quantity(rng, out, 3);
+                let u = if rng.chance(0.5) {
+                    "lb."
+                } else {
+                    unit(plural, "pound", "pounds")
+                };
+                let _ = write!(out, " {u} {name}");
+            } else {
+                let _ = write!(out, "{} oz. {name}", 2 * rng.range(2, 8));
+            }
+            &[
+                "cut into 1-inch pieces",
+                "cubed",
+                "trimmed",
+                "thinly sliced",
+                "cooked and crumbled",
+                "browned and drained",
+                "patted dry",
+                "chopped",
+                "at room temperature",
+            ]
+        }
+        Can => {
+            let oz = *rng.pick(&[
+                "8", "10 3/4", "14.5", "15", "16", "6", "4", "28", "10.5", "3.4", "8.5",
+            ]);
+            let n = if rng.chance(0.8) { 1 } else { rng.range(2, 3) };
+            let (one, many) = *rng.pick(&[
+                ("can", "cans"),
+                ("pkg.", "pkg."),
+                ("package", "packages"),
+                ("jar", "jars"),
+                ("container", "containers"),
+                ("box", "boxes"),
+            ]);
+            let _ = write!(out, "{n} ({oz} oz.) {} {name}", unit(n > 1, one, many));
+            &[
+                "drained",
+                "rinsed and drained",
+                "undrained",
+                "softened",
+                "thawed",
+                "divided",
+            ]
+        }
+        Fat => {
+            if rng.chance(0.15) {
+                let _ = write!(out, "1/2 cup (1 stick) {name}");
+            } else {
+                let plural = quantity(rng, out, 2);
+                let u = match rng.below(3) {
+                    0 => unit(plural, "cup", "cups"),
+                    1 => "c.",
+                    _ => unit(plural, "tablespoon", "tablespoons"),
+                };
+                let _ = write!(out, " {u} {name}");
+            }
+            &[
+                "melted",
+                "softened",
+                "at room temperature",
+                "cut into pieces",
+                "chilled",
+                "divided",
+            ]
+        }
+        Cheese => {
+            if rng.chance(0.3) {
+                let _ = write!(out, "{} oz. {name}", 4 * rng.range(1, 4));
+                &[
+                    "shredded", "grated", "cubed", "crumbled", "sliced", "divided",
+                ]
+            } else {
+                let plural = quantity(rng, out, 2);
+                let _ = write!(out, " {} shredded {name}", unit(plural, "cup", "cups"));
+                &["divided", "plus more for serving"]
+            }
+        }
+        Herb => {
+            if rng.chance(0.3) {
+                let _ = write!(out, "{} sprigs fresh {name}", rng.range(2, 6));
+            } else {
+                let plural = quantity(rng, out, 2);
+                let _ = write!(
+                    out,
+                    " {} chopped fresh {name}",
+                    unit(plural, "tablespoon", "tablespoons")
+                );
+            }
+            &["leaves only", "plus more for garnish", "stems removed"]
+        }
+        Clove => {
+            let n = rng.range(1, 6);
+            let _ = write!(out, "{n} {} {name}", unit(n > 1, "clove", "cloves"));
+            &[
+                "minced",
+                "crushed",
+                "finely chopped",
+                "thinly sliced",
+                "peeled",
+            ]
+        }
+    };
+    if rng.chance(0.3) {
+        let _ = write!(out, ", {}", rng.word(notes));
+    }
+    written
+}
+
+/// Joins names as "a", "a and b" or "a, b and c".
+fn join_names(out: &mut String, names: &[(String, Kind)]) {
+    for (i, (n, _)) in names.iter().enumerate() {
+        if i > 0 {
+            out.push_str(if i + 1 == names.len() { " and " } else { ", " });
+        }
+        out.push_str(n);
+    }
+}
+
+fn temperature(rng: &mut Rng, out: &mut String) {
+    const F: &[(u32, u32)] = &[
+        (350, 175),
+        (350, 175),
+        (350, 175),
+        (375, 190),
+        (325, 165),
+        (400, 200),
+        (425, 220),
+    ];
+    let (f, c) = *rng.pick(F);
+    if rng.chance(0.25) {
+        let _ = write!(out, "{f}°F ({c}°C)");
+    } else {
+        let _ = write!(out, "{f}°F");
+    }
+}
+
+/// Writes `n_steps` directions that walk through `names` in order.
+fn directions(
+    rng: &mut Rng,
+    sweet: bool,
+    method: Method,
+    names: &[(String, Kind)],
+    n_steps: usize,
+    out: &mut Vec<String>,
+) {
+    let done = match (sweet, method) {
+        (false, _) => SAVORY_DONE,
+        (true, Method::Bake) => SWEET_DONE,
+        (true, _) => SWEET_STOVE_DONE,
+    };
+    let bakes = matches!(method, Method::Bake);
+    let mut s = String::with_capacity(128);
+
+    // Opening and closing steps are fixed by the method; the middle consumes ingredients in small groups.
+    let mut opening = 0;
+    if bakes && rng.chance(0.8) {
+        s.push_str("Preheat oven to ");
+        temperature(rng, &mut s);
+        s.push('.');
+        if rng.chance(0.5) {
+            let _ = write!(s, " Grease a {}.", rng.pick(DISH));
+        }
+        out.push(std::mem::take(&mut s));
+        opening = 1;
+    }
+    let closing = if n_steps - opening >= 3 { 2 } else { 1 };
+    let middle = n_steps - opening - closing;
+
+    let mut idx = 0;
+    for step in 0..middle {
+        let remaining = names.len() - idx;
+        let left_steps = middle - step;
+        let take = if remaining == 0 {
+            0
+        } else {
+            remaining.div_ceil(left_steps).clamp(1, 4)
+        };
+        let group = &names[idx..idx + take];
+        idx += take;
+        if group.is_empty() {
+            filler_step(rng, sweet, method, done, &mut s);
+        } else {
+            ingredient_step(rng, sweet, method, step, group, done, &mut s);
+        }
+        out.push(std::mem::take(&mut s));
+    }
+
+    // Closing: cook/bake, then rest and serve.
+    match method {
+        Method::Bake => {
+            let _ = write!(s, "Bake at ");
+            temperature(rng, &mut s);
+            let m = 5 * rng.range(2, 12);
+            let _ = write!(
+                s,
+                " for {m} to {} minutes, or until {}.",
+                m + 5 * rng.range(1, 3),
+                rng.pick(done)
+            );
+        }
+        Method::Stove | Method::Fry => {
+            let _ = write!(
+                s,
+                "Cook over {} heat, stirring occasionally, until {}, about {} minutes.",
+                rng.pick(HEAT),
+                rng.pick(done),
+                rng.range(3, 20)
+            );
+        }
+        Method::Simmer => {
+            let _ = write!(
+                s,
+                "Bring to a boil; reduce heat, cover and simmer for {} minutes, or until {}.",
+                5 * rng.range(2, 18),
+                rng.pick(done)
+            );
+        }
+        Method::Cold => {
+            let _ = write!(
+                s,
+                "Cover and refrigerate for at least {} hours before serving.",
+                rng.range(1, 8)
+            );
+        }
+        Method::Grill => {
+            let _ = write!(
+                s,
+                "Grill over {} heat for {} to {} minutes per side, or until {}.",
+                rng.pick(HEAT),
+                rng.range(3, 6),
+                rng.range(7, 10),
+                rng.pick(done)
+            );
+        }
+        Method::SlowCooker => {
+            let _ = write!(
+                s,
+                "Cover and cook on {} for {} hours.",
+                if rng.chance(0.5) { "LOW" } else { "HIGH" },
+                rng.range(3, 8)
+            );
+        }
+    }
+    out.push(std::mem::take(&mut s));
+    if closing == 2 {
+        match rng.below(6) {
+            0 => {
+                let _ = write!(
+                    s,
+                    "Serve with {}.",
+                    rng.word(if sweet { SERVE_SWEET } else { SERVE_SAVORY })
+                );
+            }
+            1 => {
+                let _ = write!(s, "Let stand {} minutes before serving.", rng.range(5, 15));
+            }
+            2 => {
+                let _ = write!(s, "Makes {} servings.", rng.range(2, 12));
+            }
+            3 if sweet => {
+                let _ = write!(
+                    s,
+                    "Cool completely on a wire rack before cutting into {} squares.",
+                    rng.range(12, 36)
+                );
+            }
+            4 => {
+                s.push_str("Don't overcook; it will continue to firm up as it cools.");
+            }
+            _ => {
+                let _ = write!(
+                    s,
+                    "Garnish with {} and serve {}.",
+                    rng.word(if sweet { GARNISH_SWEET } else { GARNISH_SAVORY }),
+                    if rng.chance(0.5) {
+                        "warm"
+                    } else {
+                        "immediately"
+                    }
+                );
+            }
+        }
+        out.push(std::mem::take(&mut s));
+    }
+}
+
+fn ingredient_step(
+    rng: &mut Rng,
+    sweet: bool,
+    method: Method,
+    step: usize,
+    group: &[(String, Kind)],
+    done: &[&str],
+    s: &mut String,
+) {
+    let hot = matches!(method, Method::Stove | Method::Fry | Method::Simmer);
+    if step == 0 && !sweet && hot && rng.chance(0.6) {
+        let _ = write!(
+            s,
+            "Heat a {} {} over {} heat. Add ",
+            rng.word(&["large", "medium", "heavy", "deep", "12-inch"]),
+            rng.pick(PAN),
+            rng.pick(HEAT)
+        );
+        join_names(s, group);
+        let _ = write!(
+            s,
+            " and cook until {}, about {} minutes.",
+            rng.pick(done),
+            rng.range(2, 10)
+        );
+        return;
+    }
+    // Opening steps gather ingredients; sprinkling, folding and seasoning come later.
+    let choice = if step == 0 {
+        *rng.pick(&[0, 3, 4, 10, 11])
+    } else {
+        rng.below(12)
+    };
+    match choice {
+        0 => {
+            let _ = write!(s, "In a {} bowl, combine ", rng.pick(BOWL));
+            join_names(s, group);
+            s.push('.');
+        }
+        1 => {
+            s.push_str("Add ");
+            join_names(s, group);
+            let _ = write!(s, " and mix {}.", rng.pick(MIX_ADVERB));
+        }
+        2 => {
+            s.push_str("Stir in ");
+            join_names(s, group);
+            s.push('.');
+        }
+        3 => {
+            s.push_str("Whisk together ");
+            join_names(s, group);
+            let _ = write!(s, " in a {} bowl until smooth.", rng.pick(BOWL));
+        }
+        4 if !sweet && matches!(method, Method::Cold) => {
+            s.push_str("Toss ");
+            join_names(s, group);
+            s.push_str(" together in a large bowl.");
+        }
+        4 if !sweet => {
+            s.push_str("Add ");
+            join_names(s, group);
+            let _ = write!(
+                s,
+                " and cook, stirring often, until {}, about {} minutes.",
+                rng.pick(done),
+                rng.range(2, 12)
+            );
+        }
+        4 => {
+            s.push_str("Cream ");
+            join_names(s, group);
+            s.push_str(" until light and fluffy.");
+        }
+        5 => {
+            s.push_str("Gradually beat in ");
+            join_names(s, group);
+            s.push_str(", beating well after each addition.");
+        }
+        6 => {
+            s.push_str("Fold in ");
+            join_names(s, group);
+            s.push_str(" gently; don't overmix.");
+        }
+        7 => {
+            s.push_str("Sprinkle ");
+            join_names(s, group);
+            s.push_str(" evenly over the top.");
+        }
+        8 if !sweet => {
+            s.push_str("Season with ");
+            join_names(s, group);
+            s.push('.');
+        }
+        8 => {
+            let _ = write!(s, "In a separate bowl, sift together ");
+            join_names(s, group);
+            s.push('.');
+        }
+        9 => {
+            s.push_str("Place ");
+            join_names(s, group);
+            let _ = write!(s, " in a {} and toss to coat.", rng.pick(DISH));
+        }
+        10 => {
+            s.push_str("Mix ");
+            join_names(s, group);
+            let _ = write!(s, " {}; set aside.", rng.pick(MIX_ADVERB));
+        }
+        _ => {
+            s.push_str("Combine ");
+            join_names(s, group);
+            let _ = write!(
+                s,
+                " in a {} {}.",
+                rng.word(&["large", "medium", "small"]),
+                rng.pick(PAN)
+            );
+        }
+    }
+}
+
+fn filler_step(rng: &mut Rng, sweet: bool, method: Method, done: &[&str], s: &mut String) {
+    match rng.below(10) {
+        0 => {
+            let _ = write!(s, "Pour into a greased {}.", rng.pick(DISH));
+        }
+        1 => {
+            let _ = write!(s, "Cover and let stand for {} minutes.", rng.range(5, 30));
+        }
+        2 if !sweet => {
+            let _ = write!(
+                s,
+                "Reduce heat to {} and simmer, uncovered, until {}.",
+                rng.pick(HEAT),
+                rng.pick(done)
+            );
+        }
+        2 => {
+            let _ = write!(s, "Chill the dough for {} minutes.", 15 * rng.range(1, 8));
+        }
+        3 => s.push_str("Drain well and set aside."),
+        4 => s.push_str("Remove from heat and let cool slightly."),
+        5 => s.push_str("Stir well, scraping the bottom of the pan."),
+        6 if matches!(method, Method::Bake) => {
+            s.push_str("Spread the mixture evenly in the prepared pan.");
+        }
+        6 => {
+            let _ = write!(s, "Transfer to a {} bowl.", rng.pick(BOWL));
+        }
+        7 => s.push_str("Taste and adjust the seasoning if needed."),
+        8 => s.push_str("Repeat the layers with the remaining ingredients."),
+        _ => {
+            let _ = write!(s, "Mix {} and set aside.", rng.pick(MIX_ADVERB));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    fn sample(n: u64, seed: u64, format: SampleFormat) -> Vec<u8> {
+        let mut out = Vec::new();
+        write_sample(&mut out, n, seed, format).unwrap();
+        out
+    }
+
+    #[test]
+    fn same_seed_same_bytes_and_other_seed_differs() {
+        for format in [
+            SampleFormat::RecipeNlgCsv,
+            SampleFormat::FoodComCsv,
+            SampleFormat::Jsonl,
+        ] {
+            let a = sample(200, 7, format);
+            assert_eq!(a, sample(200, 7, format), "{format:?}");
+            assert_ne!(a, sample(200, 8, format), "{format:?}");
+        }
+        // A prefix of a longer run is the shorter run: the stream does not depend on n.
+        let short = sample(10, 3, SampleFormat::Jsonl);
+        let long = sample(20, 3, SampleFormat::Jsonl);
+        assert!(long.starts_with(&short));
+    }
+
+    #[test]
+    fn recipenlg_csv_parses_back() {
+        let data = sample(300, 1, SampleFormat::RecipeNlgCsv);
+        let mut rd = csv::Reader::from_reader(&data[..]);
+        let header: Vec<String> = rd.headers().unwrap().iter().map(String::from).collect();
+        assert_eq!(
+            header,
+            [
+                "",
+                "title",
+                "ingredients",
+                "directions",
+                "link",
+                "source",
+                "NER"
+            ]
+        );
+        let mut rows = 0;
+        for (i, row) in rd.records().enumerate() {
+            let row = row.unwrap();
+            assert_eq!(row.len(), 7);
+            assert_eq!(row[0], i.to_string());
+            let ing: Vec<String> = serde_json::from_str(&row[2]).unwrap();
+            let dir: Vec<String> = serde_json::from_str(&row[3]).unwrap();
+            let ner: Vec<String> = serde_json::from_str(&row[6]).unwrap();
+            assert_eq!(ing.len(), ner.len());
+            assert!(!dir.is_empty());
+            assert!(!row[1].is_empty());
+            assert!(row[5] == *"Gathered" || row[5] == *"Recipes1M");
+            rows += 1;
+        }
+        assert_eq!(rows, 300);
+    }
+
+    /// Reads a Python list literal of strings (the subset `push_py_list` writes).
+    fn parse_py_list(s: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut chars = s
+            .strip_prefix('[')
+            .unwrap()
+            .strip_suffix(']')
+            .unwrap()
+            .chars()
+            .peekable();
+        while let Some(c) = chars.next() {
+            if c == ',' || c == ' ' {
+                continue;
+            }
+            assert!(
+                c == '\'' || c == '"',
+                "item must start with a quote, got {c:?} in {s}"
+            );
+            let mut item = String::new();
+            loop {
+                match chars.next().unwrap() {
+                    '\\' => match chars.next().unwrap() {
+                        'n' => item.push('\n'),
+                        'r' => item.push('\r'),
+                        't' => item.push('\t'),
+                        e => item.push(e),
+                    },
+                    q if q == c => break,
+                    x => item.push(x),
+                }
+            }
+            out.push(item);
+        }
+        out
+    }
+
+    #[test]
+    fn py_repr_quotes_like_python() {
+        let mut s = String::new();
+        push_py_list(&mut s, &["salt", "cook's salt", "say \"hi\"", "it's \"x\""]);
+        assert_eq!(s, r#"['salt', "cook's salt", 'say "hi"', 'it\'s "x"']"#);
+        let mut s = String::new();
+        push_py_repr(&mut s, "a\\b\nc");
+        assert_eq!(s, r"'a\\b\nc'");
+    }
+
+    #[test]
+    fn foodcom_csv_parses_back() {
+        let data = sample(400, 2, SampleFormat::FoodComCsv);
+        let mut rd = csv::Reader::from_reader(&data[..]);
+        let header: Vec<String> = rd.headers().unwrap().iter().map(String::from).collect();
+        assert_eq!(
+            header,
+            [
+                "name",
+                "id",
+                "minutes",
+                "contributor_id",
+                "submitted",
+                "tags",
+                "nutrition",
+                "n_steps",
+                "steps",
+                "description",
+                "ingredients",
+                "n_ingredients"
+            ]
+        );
+        let mut apostrophes = 0;
+        for row in rd.records() {
+            let row = row.unwrap();
+            assert_eq!(row.len(), 12);
+            let steps = parse_py_list(&row[8]);
+            let ingredients = parse_py_list(&row[10]);
+            assert_eq!(steps.len(), row[7].parse::<usize>().unwrap());
+            assert_eq!(ingredients.len(), row[11].parse::<usize>().unwrap());
+            for item in ingredients.iter().chain(&steps) {
+                if item.contains('\'') {
+                    apostrophes += 1;
+                    assert!(
+                        row[8].contains(&format!("\"{item}\""))
+                            || row[10].contains(&format!("\"{item}\""))
+                    );
+                }
+                // Food.com ingredients are bare names: no leading quantity.
+                assert!(!item.is_empty());
+            }
+            for ing in &ingredients {
+                assert!(!ing.starts_with(|c: char| c.is_ascii_digit()), "{ing}");
+            }
+            let nutrition: Vec<f64> = row[6]
+                .trim_matches(['[', ']'])
+                .split(", ")
+                .map(|x| x.parse().unwrap())
+                .collect();
+            assert_eq!(nutrition.len(), 7);
+            assert_eq!(row[4].len(), 10);
+            row[1].parse::<u64>().unwrap();
+            row[2].parse::<u32>().unwrap();
+        }
+        assert!(
+            apostrophes > 0,
+            "the sample should exercise double-quoted items"
+        );
+    }
+
+    #[test]
+    fn counts_and_content_look_like_recipes() {
+        let mut gen = RecipeGen::new(11);
+        let n = 5000;
+        let (mut long, mut unicode_frac, mut ascii_frac, mut fahrenheit) = (0, 0, 0, 0);
+        let mut words = std::collections::HashSet::new();
+        for _ in 0..n {
+            let r = gen.next_recipe();
+            assert!(
+                (5..=20).contains(&r.ingredients.len()),
+                "{}",
+                r.ingredients.len()
+            );
+            assert_eq!(r.ner.len(), r.ingredients.len());
+            assert!(r.directions.len() >= 3 && r.directions.len() <= 60);
+            if r.directions.len() > 15 {
+                long += 1;
+            }
+            let text = format!(
+                "{} {} {}",
+                r.title,
+                r.ingredients.join(" "),
+                r.directions.join(" ")
+            );
+            unicode_frac += text.contains(['½', '¼', '¾', '⅓', '⅔', '⅛']) as usize;
+            ascii_frac += text.contains("1/2") as usize;
+            fahrenheit += text.contains("°F") as usize;
+            for w in text.split_whitespace() {
+                words.insert(
+                    w.trim_matches(|c: char| !c.is_alphanumeric())
+                        .to_lowercase(),
+                );
+            }
+            for (line, name) in r.ingredients.iter().zip(&r.ner) {
+                assert!(line.contains(name.as_str()), "{line} / {name}");
+            }
+        }
+        assert!((10..=150).contains(&long), "long outliers: {long}");
+        assert!(unicode_frac > n / 10 && ascii_frac > n / 10 && fahrenheit > n / 10);
+        assert!(words.len() > 2000, "vocabulary: {}", words.len());
+    }
+
+    #[test]
+    fn compressed_files_round_trip() {
+        let dir = std::env::temp_dir().join(format!("recipe_core_sample_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let plain = sample(50, 5, SampleFormat::Jsonl);
+        for name in ["s.jsonl.gz", "s.jsonl.zst", "s.jsonl"] {
+            let path = dir.join(name);
+            write_sample_file(&path, 50, 5, SampleFormat::Jsonl).unwrap();
+            let raw = std::fs::read(&path).unwrap();
+            let mut text = Vec::new();
+            match Compression::from_path(&path) {
+                Compression::Gzip => {
+                    flate2::read::GzDecoder::new(&raw[..])
+                        .read_to_end(&mut text)
+                        .unwrap();
+                }
+                Compression::Zstd => text = zstd::decode_all(&raw[..]).unwrap(),
+                Compression::None => text = raw,
+            }
+            assert_eq!(text, plain, "{name}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        let err =
+            write_sample_file(&dir.join("missing/x.csv"), 1, 0, SampleFormat::Jsonl).unwrap_err();
+        assert!(matches!(err, SampleError::Io { .. }) && err.to_string().contains("missing"));
+        assert!(matches!(
+            SampleFormat::parse("parquet"),
+            Err(SampleError::BadFormat(_))
+        ));
+    }
+}

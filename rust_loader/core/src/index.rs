@@ -1,0 +1,702 @@
+//! The first pass: one fast scan per file that records where every valid record is and how long it tokenizes.
+//!
+//! For each valid record the index keeps its byte offset and length in the (decompressed) file, its 1-based line,
+//! the source/target token lengths after truncation and a 64-bit hash of the rendered source and target (used for
+//! dedup and the eval split). Skipped records are counted by reason, with the first few kept as `file:line`
+//! examples. Parsing, rendering and tokenizing run on rayon over chunks of raw records read sequentially.
+//!
+//! The index is cached as a small binary file keyed by (path, size, mtime, tokenizer.json hash, templates, max
+//! lengths, format): beside the data file as `.<name>.<key>.rlidx` when that directory is writable, else in the cache
+//! directory (`cache_dir`, else `$XDG_CACHE_HOME/recipe-trainer`, else `~/.cache/recipe-trainer`). A `.gz`/`.zst`
+//! file cannot be read at random offsets, so it is decompressed once, streaming, into the cache directory, and that
+//! copy is indexed and read; it is reused while the compressed file's size and mtime are unchanged.
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{LoaderError, Result};
+use crate::formats::{self, Columns, Format, Parsed, Skip, MAX_RECORD_BYTES};
+use crate::hash::{hash_bytes, hash_parts};
+use crate::render::Renderer;
+use crate::tokenize::Tok;
+
+const MAGIC: &[u8; 8] = b"RLIDX002";
+const CHUNK: usize = 1024;
+/// Bad-record examples kept per file.
+pub const MAX_EXAMPLES: usize = 10;
+
+/// A skipped record kept as an example.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Example {
+    pub path: String,
+    pub line: u64,
+    pub reason: String,
+    pub detail: String,
+}
+
+impl std::fmt::Display for Example {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}:{}: {} ({})",
+            self.path, self.line, self.reason, self.detail
+        )
+    }
+}
+
+/// Everything the loader needs to know about one file.
+#[derive(Debug)]
+pub struct FileIndex {
+    pub path: PathBuf,
+    /// The file read at random offsets: `path` itself, or its decompressed copy.
+    pub data_path: PathBuf,
+    pub format: Format,
+    pub columns: Option<Columns>,
+    pub key: u64,
+    pub offsets: Vec<u64>,
+    pub lens: Vec<u32>,
+    pub lines: Vec<u32>,
+    pub src_len: Vec<u16>,
+    pub tgt_len: Vec<u16>,
+    pub hashes: Vec<u64>,
+    pub skipped: BTreeMap<String, u64>,
+    pub examples: Vec<Example>,
+    /// Whether this index came from the cache.
+    pub cached: bool,
+}
+
+impl FileIndex {
+    pub fn len(&self) -> usize {
+        self.offsets.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.offsets.is_empty()
+    }
+
+    /// Reads and parses record `i` (an index into this file's valid records).
+    pub fn read(&self, file: &File, i: usize) -> Result<Parsed> {
+        let mut buf = vec![0u8; self.lens[i] as usize];
+        file.read_exact_at(&mut buf, self.offsets[i]).map_err(|e| {
+            LoaderError::file(self.data_path.display(), format!("cannot read record: {e}"))
+        })?;
+        let parsed = match self.format {
+            Format::Jsonl => formats::parse_jsonl(&buf),
+            f => {
+                let mut rdr = csv::ReaderBuilder::new()
+                    .has_headers(false)
+                    .flexible(true)
+                    .from_reader(&buf[..]);
+                let mut rec = csv::ByteRecord::new();
+                match rdr.read_byte_record(&mut rec) {
+                    Ok(true) => {
+                        formats::parse_csv(&rec, f, self.columns.as_ref().expect("csv columns"))
+                    }
+                    _ => Err(Skip::new("malformed_csv", "record changed since indexing")),
+                }
+            }
+        };
+        parsed.map_err(|s| {
+            LoaderError::data(
+                self.path.display(),
+                self.lines[i] as u64,
+                format!(
+                    "{} ({}); the file changed since it was indexed?",
+                    s.reason, s.detail
+                ),
+            )
+        })
+    }
+}
+
+/// Settings that shape an index.
+pub struct IndexSettings<'a> {
+    pub tok: &'a Tok,
+    pub renderer: &'a Renderer,
+    pub max_source: usize,
+    pub max_target: usize,
+    pub format: Option<Format>,
+    pub cache_dir: Option<PathBuf>,
+    pub strict: bool,
+}
+
+/// Expands paths and globs, in the given order (each glob sorted).
+pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
+    if patterns.is_empty() {
+        return Err(LoaderError::Config("no data paths given".into()));
+    }
+    let mut out = Vec::new();
+    for p in patterns {
+        if p.contains(['*', '?', '[']) {
+            let entries =
+                glob::glob(p).map_err(|e| LoaderError::file(p, format!("bad glob: {e}")))?;
+            let mut found: Vec<PathBuf> = entries
+                .filter_map(|e| e.ok())
+                .filter(|p| p.is_file())
+                .collect();
+            if found.is_empty() {
+                return Err(LoaderError::file(p, "glob matches no file"));
+            }
+            found.sort();
+            out.extend(found);
+        } else {
+            let path = PathBuf::from(p);
+            if !path.exists() {
+                return Err(LoaderError::file(p, "no such file"));
+            }
+            if !path.is_file() {
+                return Err(LoaderError::file(p, "not a regular file"));
+            }
+            out.push(path);
+        }
+    }
+    Ok(out)
+}
+
+/// The cache directory used when the data's directory is not writable.
+pub fn cache_root(cache_dir: Option<&Path>) -> PathBuf {
+    if let Some(d) = cache_dir {
+        return d.to_path_buf();
+    }
+    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|x| !x.is_empty()) {
+        return PathBuf::from(x).join("recipe-trainer");
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    home.join(".cache").join("recipe-trainer")
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Compression {
+    None,
+    Gzip,
+    Zstd,
+}
+
+fn split_compression(path: &Path) -> (Compression, String) {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if let Some(stem) = name.strip_suffix(".gz") {
+        (Compression::Gzip, stem.to_string())
+    } else if let Some(stem) = name.strip_suffix(".zst") {
+        (Compression::Zstd, stem.to_string())
+    } else {
+        (Compression::None, name)
+    }
+}
+
+fn file_identity(path: &Path) -> Result<(String, u64, u128)> {
+    let meta = std::fs::metadata(path).map_err(|e| LoaderError::file(path.display(), e))?;
+    let canon = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    Ok((canon.display().to_string(), meta.len(), mtime))
+}
+
+/// Writes via a temporary file and rename, so a reader never sees half a file.
+fn write_atomic(
+    dest: &Path,
+    write: impl FnOnce(&mut File) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    let tmp = dest.with_extension(format!("tmp{}", std::process::id()));
+    let res = (|| {
+        let mut f = File::create(&tmp)?;
+        write(&mut f)?;
+        f.flush()?;
+        std::fs::rename(&tmp, dest)
+    })();
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res
+}
+
+fn decompress(path: &Path, comp: Compression, stem: &str, root: &Path) -> Result<PathBuf> {
+    let (canon, size, mtime) = file_identity(path)?;
+    let key = hash_parts(&[canon.as_bytes(), &size.to_le_bytes(), &mtime.to_le_bytes()]);
+    let dest = root.join(format!("{stem}.{key:016x}.data"));
+    if dest.is_file() {
+        return Ok(dest);
+    }
+    std::fs::create_dir_all(root).map_err(|e| {
+        LoaderError::file(
+            root.display(),
+            format!("cannot create cache directory: {e}"),
+        )
+    })?;
+    let src = File::open(path).map_err(|e| LoaderError::file(path.display(), e))?;
+    let kind = if comp == Compression::Gzip {
+        "gzip"
+    } else {
+        "zstd"
+    };
+    let mut failed_on_input = false;
+    let res = write_atomic(&dest, |out| {
+        let mut reader: Box<dyn Read> = match comp {
+            Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(BufReader::new(src))),
+            _ => Box::new(zstd::stream::read::Decoder::new(src)?),
+        };
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = match reader.read(&mut buf) {
+                Ok(0) => return Ok(()),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    failed_on_input = true;
+                    return Err(e);
+                }
+            };
+            out.write_all(&buf[..n])?;
+        }
+    });
+    match res {
+        Ok(()) => Ok(dest),
+        Err(e) if failed_on_input => Err(LoaderError::file(
+            path.display(),
+            format!("corrupt or truncated {kind} file: {e}"),
+        )),
+        Err(e) => Err(LoaderError::file(
+            dest.display(),
+            format!("cannot write decompressed copy: {e}"),
+        )),
+    }
+}
+
+fn csv_reader<R: Read>(r: R) -> csv::Reader<R> {
+    csv::ReaderBuilder::new()
+        .has_headers(true)
+        .flexible(true)
+        .buffer_capacity(1 << 20)
+        .from_reader(r)
+}
+
+fn read_header(data_path: &Path, shown: &Path) -> Result<Vec<String>> {
+    let f = File::open(data_path).map_err(|e| LoaderError::file(shown.display(), e))?;
+    let mut rdr = csv_reader(f);
+    let h = rdr.headers().map_err(|e| {
+        LoaderError::data(
+            shown.display(),
+            1,
+            format!("cannot read the CSV header: {e}"),
+        )
+    })?;
+    Ok(h.iter()
+        .map(|s| s.trim_start_matches('\u{feff}').to_string())
+        .collect())
+}
+
+enum RawData {
+    Csv(csv::ByteRecord),
+    Line(Vec<u8>),
+}
+
+struct Raw {
+    data: RawData,
+    start: u64,
+    len: u64,
+    line: u64,
+}
+
+struct Entry {
+    src: u16,
+    tgt: u16,
+    hash: u64,
+}
+
+/// Builds the index of one file, or loads it from the cache.
+pub fn index_file(path: &Path, s: &IndexSettings) -> Result<FileIndex> {
+    let meta = std::fs::metadata(path).map_err(|e| LoaderError::file(path.display(), e))?;
+    if meta.len() == 0 {
+        return Err(LoaderError::file(path.display(), "empty file"));
+    }
+    let root = cache_root(s.cache_dir.as_deref());
+    let (comp, stem) = split_compression(path);
+    let data_path = if comp == Compression::None {
+        path.to_path_buf()
+    } else {
+        decompress(path, comp, &stem, &root)?
+    };
+    let ext = Path::new(&stem)
+        .extension()
+        .map(|e| e.to_string_lossy().to_lowercase())
+        .unwrap_or_default();
+    let mut header = None;
+    let format = match s.format {
+        Some(f) => f,
+        None => match ext.as_str() {
+            "jsonl" | "json" | "ndjson" => Format::Jsonl,
+            "csv" => {
+                let h = read_header(&data_path, path)?;
+                let f = formats::sniff_csv(&h).ok_or_else(|| {
+                    LoaderError::data(path.display(), 1, "CSV header has neither `directions` (RecipeNLG) nor `steps` (Food.com)")
+                })?;
+                header = Some(h);
+                f
+            }
+            _ => {
+                return Err(LoaderError::file(
+                    path.display(),
+                    "cannot tell the format from the extension (.csv, .jsonl, .json, optionally .gz/.zst); pass data_format",
+                ))
+            }
+        },
+    };
+    let columns = match format {
+        Format::Jsonl => None,
+        f => {
+            let h = match header {
+                Some(h) => h,
+                None => read_header(&data_path, path)?,
+            };
+            Some(Columns::from_header(f, &h).map_err(|e| LoaderError::data(path.display(), 1, e))?)
+        }
+    };
+    let (canon, size, mtime) = file_identity(path)?;
+    let key = hash_parts(&[
+        MAGIC,
+        canon.as_bytes(),
+        &size.to_le_bytes(),
+        &mtime.to_le_bytes(),
+        &s.tok.file_hash.to_le_bytes(),
+        s.renderer.source.text.as_bytes(),
+        s.renderer.target.text.as_bytes(),
+        &(s.max_source as u64).to_le_bytes(),
+        &(s.max_target as u64).to_le_bytes(),
+        format.name().as_bytes(),
+        &(MAX_RECORD_BYTES as u64).to_le_bytes(),
+    ]);
+    let dir = if comp == Compression::None {
+        path.parent().map(Path::to_path_buf).unwrap_or_default()
+    } else {
+        root.clone()
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        PathBuf::from(".")
+    } else {
+        dir
+    };
+    let cache_name = format!(
+        ".{}.{key:016x}.rlidx",
+        path.file_name().unwrap_or_default().to_string_lossy()
+    );
+    let candidates = [dir.join(&cache_name), root.join(&cache_name)];
+    let mut idx = FileIndex {
+        path: path.to_path_buf(),
+        data_path,
+        format,
+        columns,
+        key,
+        offsets: vec![],
+        lens: vec![],
+        lines: vec![],
+        src_len: vec![],
+        tgt_len: vec![],
+        hashes: vec![],
+        skipped: BTreeMap::new(),
+        examples: vec![],
+        cached: false,
+    };
+    if candidates.iter().any(|c| load_cache(c, &mut idx).is_ok()) {
+        idx.cached = true;
+        if s.strict {
+            if let Some(ex) = idx.examples.first() {
+                return Err(LoaderError::data(
+                    &ex.path,
+                    ex.line,
+                    format!("{} ({})", ex.reason, ex.detail),
+                ));
+            }
+        }
+    } else {
+        scan(&mut idx, s)?;
+        if idx.is_empty() && idx.skipped.is_empty() {
+            return Err(LoaderError::file(path.display(), "empty file: no records"));
+        }
+        if !candidates.iter().any(|c| save_cache(c, &idx).is_ok()) {
+            log_warn(&format!(
+                "could not write the index cache for {}",
+                path.display()
+            ));
+        }
+    }
+    Ok(idx)
+}
+
+fn log_warn(msg: &str) {
+    eprintln!("recipe_core warning: {msg}");
+}
+
+fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
+    // A cache file that failed to load half-way may have filled some fields.
+    idx.offsets.clear();
+    idx.lens.clear();
+    idx.lines.clear();
+    idx.src_len.clear();
+    idx.tgt_len.clear();
+    idx.hashes.clear();
+    idx.skipped.clear();
+    idx.examples.clear();
+    let shown = idx.path.display().to_string();
+    let f = File::open(&idx.data_path).map_err(|e| LoaderError::file(&shown, e))?;
+    let io_err = |e: std::io::Error| LoaderError::file(&shown, format!("read error: {e}"));
+    match idx.format {
+        Format::Jsonl => {
+            let mut r = BufReader::with_capacity(1 << 20, f);
+            let mut pos = 0u64;
+            let mut line = 0u64;
+            loop {
+                let mut chunk = Vec::with_capacity(CHUNK);
+                while chunk.len() < CHUNK {
+                    let mut buf = Vec::new();
+                    let n = r.read_until(b'\n', &mut buf).map_err(io_err)?;
+                    if n == 0 {
+                        break;
+                    }
+                    line += 1;
+                    let mut start = pos;
+                    pos += n as u64;
+                    let mut body: &[u8] = &buf;
+                    if line == 1 && body.starts_with(b"\xef\xbb\xbf") {
+                        body = &body[3..];
+                        start += 3;
+                    }
+                    while body.last().is_some_and(|&c| c == b'\n' || c == b'\r') {
+                        body = &body[..body.len() - 1];
+                    }
+                    if body.iter().all(|c| c.is_ascii_whitespace()) {
+                        continue;
+                    }
+                    let len = body.len() as u64;
+                    chunk.push(Raw {
+                        data: RawData::Line(body.to_vec()),
+                        start,
+                        len,
+                        line,
+                    });
+                }
+                if chunk.is_empty() {
+                    break;
+                }
+                process_chunk(idx, s, chunk)?;
+            }
+        }
+        format => {
+            let mut rdr = csv_reader(BufReader::with_capacity(1 << 20, f));
+            rdr.byte_headers()
+                .map_err(|e| LoaderError::data(&shown, 1, e))?;
+            let _ = format;
+            // csv counts only line ends outside quotes; add the ones inside fields of earlier records.
+            let mut inner_newlines = 0u64;
+            loop {
+                let mut chunk = Vec::with_capacity(CHUNK);
+                while chunk.len() < CHUNK {
+                    let mut rec = csv::ByteRecord::new();
+                    let more = rdr.read_byte_record(&mut rec).map_err(|e| match e.kind() {
+                        csv::ErrorKind::Io(io) => {
+                            LoaderError::file(&shown, format!("read error: {io}"))
+                        }
+                        _ => LoaderError::data(
+                            &shown,
+                            e.position().map(|p| p.line()).unwrap_or(0),
+                            e,
+                        ),
+                    })?;
+                    if !more {
+                        break;
+                    }
+                    let p = rec.position().expect("csv record position").clone();
+                    let end = rdr.position().byte();
+                    let line = p.line() + inner_newlines;
+                    inner_newlines += rec.iter().map(memchr_count).sum::<u64>();
+                    if rec.len() == 1 && rec.get(0).is_some_and(|f| f.is_empty()) {
+                        continue; // a blank line
+                    }
+                    chunk.push(Raw {
+                        data: RawData::Csv(rec),
+                        start: p.byte(),
+                        len: end - p.byte(),
+                        line,
+                    });
+                }
+                if chunk.is_empty() {
+                    break;
+                }
+                process_chunk(idx, s, chunk)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn memchr_count(b: &[u8]) -> u64 {
+    b.iter().filter(|&&c| c == b'\n').count() as u64
+}
+
+fn process_chunk(idx: &mut FileIndex, s: &IndexSettings, chunk: Vec<Raw>) -> Result<()> {
+    let format = idx.format;
+    let cols = idx.columns.clone();
+    let results: Vec<std::result::Result<Entry, Skip>> = chunk
+        .par_iter()
+        .map(|raw| {
+            if raw.len as usize > MAX_RECORD_BYTES {
+                return Err(Skip::new(
+                    "over_long",
+                    format!("record of {} bytes (limit {MAX_RECORD_BYTES})", raw.len),
+                ));
+            }
+            let parsed = match &raw.data {
+                RawData::Line(b) => formats::parse_jsonl(b)?,
+                RawData::Csv(rec) => {
+                    formats::parse_csv(rec, format, cols.as_ref().expect("csv columns"))?
+                }
+            };
+            let (src, tgt) = s.renderer.render(&parsed)?;
+            let (si, ti) = s
+                .tok
+                .encode(&src, &tgt)
+                .map_err(|e| Skip::new("tokenizer_error", e))?;
+            let hash = hash_parts(&[src.as_bytes(), tgt.as_bytes()]);
+            Ok(Entry {
+                src: si.len() as u16,
+                tgt: ti.len() as u16,
+                hash,
+            })
+        })
+        .collect();
+    for (raw, res) in chunk.iter().zip(results) {
+        match res {
+            Ok(e) => {
+                idx.offsets.push(raw.start);
+                idx.lens.push(raw.len as u32);
+                idx.lines.push(raw.line.min(u32::MAX as u64) as u32);
+                idx.src_len.push(e.src);
+                idx.tgt_len.push(e.tgt);
+                idx.hashes.push(e.hash);
+            }
+            Err(skip) => {
+                if s.strict {
+                    return Err(LoaderError::data(
+                        idx.path.display(),
+                        raw.line,
+                        format!("{} ({})", skip.reason, skip.detail),
+                    ));
+                }
+                *idx.skipped.entry(skip.reason.to_string()).or_default() += 1;
+                if idx.examples.len() < MAX_EXAMPLES {
+                    idx.examples.push(Example {
+                        path: idx.path.display().to_string(),
+                        line: raw.line,
+                        reason: skip.reason.to_string(),
+                        detail: skip.detail,
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[derive(Serialize, Deserialize)]
+struct CacheMeta {
+    skipped: BTreeMap<String, u64>,
+    examples: Vec<Example>,
+}
+
+fn save_cache(dest: &Path, idx: &FileIndex) -> std::io::Result<()> {
+    if let Some(d) = dest.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    write_atomic(dest, |f| {
+        let mut w = std::io::BufWriter::new(f);
+        w.write_all(MAGIC)?;
+        w.write_all(&idx.key.to_le_bytes())?;
+        w.write_all(&(idx.len() as u64).to_le_bytes())?;
+        for &x in &idx.offsets {
+            w.write_all(&x.to_le_bytes())?;
+        }
+        for &x in &idx.lens {
+            w.write_all(&x.to_le_bytes())?;
+        }
+        for &x in &idx.lines {
+            w.write_all(&x.to_le_bytes())?;
+        }
+        for &x in &idx.src_len {
+            w.write_all(&x.to_le_bytes())?;
+        }
+        for &x in &idx.tgt_len {
+            w.write_all(&x.to_le_bytes())?;
+        }
+        for &x in &idx.hashes {
+            w.write_all(&x.to_le_bytes())?;
+        }
+        let meta = serde_json::to_vec(&CacheMeta {
+            skipped: idx.skipped.clone(),
+            examples: idx.examples.clone(),
+        })?;
+        w.write_all(&(meta.len() as u64).to_le_bytes())?;
+        w.write_all(&meta)?;
+        w.flush()
+    })
+}
+
+fn load_cache(src: &Path, idx: &mut FileIndex) -> std::io::Result<()> {
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "bad index cache");
+    let mut r = BufReader::new(File::open(src)?);
+    let mut magic = [0u8; 8];
+    r.read_exact(&mut magic)?;
+    let mut u64buf = [0u8; 8];
+    let mut read_u64 = |r: &mut BufReader<File>| -> std::io::Result<u64> {
+        r.read_exact(&mut u64buf)?;
+        Ok(u64::from_le_bytes(u64buf))
+    };
+    if &magic != MAGIC || read_u64(&mut r)? != idx.key {
+        return Err(bad());
+    }
+    let n = read_u64(&mut r)? as usize;
+    fn arr<const N: usize, T>(
+        r: &mut impl Read,
+        n: usize,
+        f: fn([u8; N]) -> T,
+    ) -> std::io::Result<Vec<T>> {
+        let mut raw = vec![0u8; n * N];
+        r.read_exact(&mut raw)?;
+        Ok(raw
+            .chunks_exact(N)
+            .map(|c| f(c.try_into().unwrap()))
+            .collect())
+    }
+    idx.offsets = arr(&mut r, n, u64::from_le_bytes)?;
+    idx.lens = arr(&mut r, n, u32::from_le_bytes)?;
+    idx.lines = arr(&mut r, n, u32::from_le_bytes)?;
+    idx.src_len = arr(&mut r, n, u16::from_le_bytes)?;
+    idx.tgt_len = arr(&mut r, n, u16::from_le_bytes)?;
+    idx.hashes = arr(&mut r, n, u64::from_le_bytes)?;
+    let m = read_u64(&mut r)? as usize;
+    if m > 1 << 24 {
+        return Err(bad());
+    }
+    let mut meta = vec![0u8; m];
+    r.read_exact(&mut meta)?;
+    let meta: CacheMeta = serde_json::from_slice(&meta).map_err(|_| bad())?;
+    idx.skipped = meta.skipped;
+    idx.examples = meta.examples;
+    Ok(())
+}
+
+/// Hash of the index keys of several files (part of the resume fingerprint).
+pub fn keys_hash(files: &[FileIndex]) -> u64 {
+    let bytes: Vec<u8> = files.iter().flat_map(|f| f.key.to_le_bytes()).collect();
+    hash_bytes(&bytes)
+}

@@ -1,0 +1,602 @@
+//! The stream: worker threads build the batches of the epoch plan in order (read at offsets, parse, render,
+//! tokenize, pad) into a bounded reorder buffer; the consumer receives them in plan order.
+//!
+//! Resume state is `(epoch, batches consumed in that epoch, fingerprint of data + settings)`: resuming recomputes
+//! the plan from the index and starts at that batch, so nothing skipped is read or tokenized again.
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{LoaderError, Result};
+use crate::formats::Format;
+use crate::hash::hash_parts;
+use crate::index::{self, Example, FileIndex, IndexSettings};
+use crate::plan::{self, Plan, PlanConfig};
+use crate::render::Renderer;
+use crate::tokenize::Tok;
+
+/// Everything that configures a [`Loader`].
+#[derive(Clone, Debug)]
+pub struct LoaderConfig {
+    pub paths: Vec<String>,
+    pub tokenizer: PathBuf,
+    pub task: String,
+    pub source_template: Option<String>,
+    pub target_template: Option<String>,
+    pub max_source_length: usize,
+    pub max_target_length: usize,
+    pub plan: PlanConfig,
+    pub epoch: u64,
+    pub strict: bool,
+    pub data_format: Option<String>,
+    pub num_threads: Option<usize>,
+    pub prefetch: usize,
+    pub cache_dir: Option<PathBuf>,
+}
+
+/// One padded batch, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    pub rows: usize,
+    pub source_len: usize,
+    pub target_len: usize,
+    pub input_ids: Vec<i64>,
+    pub attention_mask: Vec<i64>,
+    pub labels: Vec<i64>,
+    pub real_tokens: usize,
+}
+
+/// Resume position.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct State {
+    pub epoch: u64,
+    pub batches_consumed: u64,
+    pub fingerprint: String,
+}
+
+/// Counters and examples for `stats()`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Stats {
+    pub yielded: u64,
+    pub yielded_batches: u64,
+    pub skipped: BTreeMap<String, u64>,
+    pub examples: Vec<String>,
+    pub real_token_share: f64,
+    pub records: u64,
+    pub batches_per_epoch: u64,
+    pub oversize_batches: u64,
+    pub dropped_batches: u64,
+    pub epoch: u64,
+    pub position: u64,
+    pub files: Vec<String>,
+    pub index_cached: Vec<bool>,
+}
+
+struct Ctx {
+    files: Vec<FileIndex>,
+    starts: Vec<u32>,
+    src_len: Vec<u16>,
+    tgt_len: Vec<u16>,
+    tok: Tok,
+    renderer: Renderer,
+    pad_id: i64,
+    pad_multiple: usize,
+}
+
+impl Ctx {
+    fn locate(&self, id: u32) -> (usize, usize) {
+        let f = self.starts.partition_point(|&s| s <= id) - 1;
+        (f, (id - self.starts[f]) as usize)
+    }
+
+    fn build(&self, ids: &[u32], handles: &mut [Option<File>]) -> Result<Batch> {
+        let mut rows: Vec<(Vec<u32>, Vec<u32>)> = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let (f, i) = self.locate(id);
+            let fi = &self.files[f];
+            if handles[f].is_none() {
+                handles[f] = Some(
+                    File::open(&fi.data_path)
+                        .map_err(|e| LoaderError::file(fi.data_path.display(), e))?,
+                );
+            }
+            let parsed = fi.read(handles[f].as_ref().expect("opened"), i)?;
+            let (s, t) = self
+                .renderer
+                .render(&parsed)
+                .map_err(|s| LoaderError::data(fi.path.display(), fi.lines[i] as u64, s.detail))?;
+            let enc = self
+                .tok
+                .encode(&s, &t)
+                .map_err(|e| LoaderError::data(fi.path.display(), fi.lines[i] as u64, e))?;
+            rows.push(enc);
+        }
+        Ok(pad_batch(&rows, self.pad_id, self.pad_multiple))
+    }
+}
+
+/// Pads `(source ids, target ids)` rows: input_ids with `pad_id`, attention_mask 0/1, labels with -100, to the
+/// longest row rounded up to `multiple`.
+pub fn pad_batch(rows: &[(Vec<u32>, Vec<u32>)], pad_id: i64, multiple: usize) -> Batch {
+    let m = multiple.max(1);
+    let sl = rows
+        .iter()
+        .map(|r| r.0.len())
+        .max()
+        .unwrap_or(0)
+        .div_ceil(m)
+        * m;
+    let tl = rows
+        .iter()
+        .map(|r| r.1.len())
+        .max()
+        .unwrap_or(0)
+        .div_ceil(m)
+        * m;
+    let n = rows.len();
+    let mut input_ids = vec![pad_id; n * sl];
+    let mut attention_mask = vec![0i64; n * sl];
+    let mut labels = vec![-100i64; n * tl];
+    let mut real = 0;
+    for (r, (s, t)) in rows.iter().enumerate() {
+        for (j, &id) in s.iter().enumerate() {
+            input_ids[r * sl + j] = id as i64;
+            attention_mask[r * sl + j] = 1;
+        }
+        for (j, &id) in t.iter().enumerate() {
+            labels[r * tl + j] = id as i64;
+        }
+        real += s.len() + t.len();
+    }
+    Batch {
+        rows: n,
+        source_len: sl,
+        target_len: tl,
+        input_ids,
+        attention_mask,
+        labels,
+        real_tokens: real,
+    }
+}
+
+struct Pipeline {
+    jobs: Option<Sender<usize>>,
+    results: Option<Receiver<(usize, Result<Batch>)>>,
+    handles: Vec<JoinHandle<()>>,
+    next_submit: usize,
+    next: usize,
+    end: usize,
+    buf: BTreeMap<usize, Result<Batch>>,
+}
+
+impl Pipeline {
+    fn start(
+        ctx: Arc<Ctx>,
+        plan: Arc<Plan>,
+        from: usize,
+        threads: usize,
+        prefetch: usize,
+    ) -> Pipeline {
+        let (job_tx, job_rx) = unbounded::<usize>();
+        let (res_tx, res_rx) = unbounded();
+        let handles = (0..threads.max(1))
+            .map(|_| {
+                let (ctx, plan, job_rx, res_tx) =
+                    (ctx.clone(), plan.clone(), job_rx.clone(), res_tx.clone());
+                std::thread::spawn(move || {
+                    let mut files: Vec<Option<File>> = (0..ctx.files.len()).map(|_| None).collect();
+                    for k in job_rx.iter() {
+                        let r =
+                            catch_unwind(AssertUnwindSafe(|| ctx.build(plan.batch(k), &mut files)))
+                                .unwrap_or_else(|p| Err(LoaderError::Internal(panic_message(&p))));
+                        if res_tx.send((k, r)).is_err() {
+                            break;
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut p = Pipeline {
+            jobs: Some(job_tx),
+            results: Some(res_rx),
+            handles,
+            next_submit: from,
+            next: from,
+            end: plan.batches.len(),
+            buf: BTreeMap::new(),
+        };
+        for _ in 0..prefetch.max(1) {
+            p.submit();
+        }
+        p
+    }
+
+    fn submit(&mut self) {
+        if self.next_submit < self.end {
+            if let Some(j) = &self.jobs {
+                let _ = j.send(self.next_submit);
+            }
+            self.next_submit += 1;
+        }
+    }
+
+    fn next(&mut self) -> Option<Result<Batch>> {
+        if self.next >= self.end {
+            return None;
+        }
+        loop {
+            if let Some(b) = self.buf.remove(&self.next) {
+                self.next += 1;
+                self.submit();
+                return Some(b);
+            }
+            match self.results.as_ref().expect("results").recv() {
+                Ok((k, b)) => {
+                    self.buf.insert(k, b);
+                }
+                Err(_) => return Some(Err(LoaderError::Internal("loader workers stopped".into()))),
+            }
+        }
+    }
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        self.jobs.take();
+        self.results.take();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        format!("worker panicked: {s}")
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        format!("worker panicked: {s}")
+    } else {
+        "worker panicked".into()
+    }
+}
+
+/// The whole loader: index, plan, workers, position.
+pub struct Loader {
+    ctx: Arc<Ctx>,
+    cfg: PlanConfig,
+    selected: Vec<u32>,
+    duplicates: Vec<(u32, u32)>,
+    epoch: u64,
+    pos: usize,
+    plan: Option<(u64, Arc<Plan>)>,
+    pipe: Option<Pipeline>,
+    threads: usize,
+    prefetch: usize,
+    fingerprint: String,
+    yielded: u64,
+    yielded_batches: u64,
+    real: u64,
+    total: u64,
+}
+
+impl Loader {
+    /// Validates settings, indexes every file (or loads cached indexes) and computes the selection.
+    pub fn new(c: LoaderConfig) -> Result<Loader> {
+        let p = &c.plan;
+        if p.batch_size.is_some() == p.max_tokens.is_some() {
+            return Err(LoaderError::Config(
+                "give exactly one of batch_size and max_tokens".into(),
+            ));
+        }
+        if p.batch_size == Some(0) || p.max_tokens == Some(0) {
+            return Err(LoaderError::Config(
+                "batch_size/max_tokens must be positive".into(),
+            ));
+        }
+        if p.world_size == 0 || p.rank >= p.world_size {
+            return Err(LoaderError::Config(format!(
+                "rank {} must be < world_size {}",
+                p.rank, p.world_size
+            )));
+        }
+        if !(0.0..1.0).contains(&p.eval_fraction) {
+            return Err(LoaderError::Config(
+                "eval_fraction must be in [0, 1)".into(),
+            ));
+        }
+        for (n, v) in [
+            ("max_source_length", c.max_source_length),
+            ("max_target_length", c.max_target_length),
+        ] {
+            if v == 0 || v > u16::MAX as usize {
+                return Err(LoaderError::Config(format!(
+                    "{n} must be in 1..=65535, got {v}"
+                )));
+            }
+        }
+        let format = match &c.data_format {
+            None => None,
+            Some(f) => Some(Format::parse(f).ok_or_else(|| {
+                LoaderError::Config(format!(
+                    "unknown data_format {f:?} (recipenlg-csv, foodcom-csv, jsonl)"
+                ))
+            })?),
+        };
+        let renderer = Renderer::new(
+            &c.task,
+            c.source_template.as_deref(),
+            c.target_template.as_deref(),
+        )?;
+        let paths = index::expand_paths(&c.paths)?;
+        let tok = Tok::load(&c.tokenizer, c.max_source_length, c.max_target_length)?;
+        let settings = IndexSettings {
+            tok: &tok,
+            renderer: &renderer,
+            max_source: c.max_source_length,
+            max_target: c.max_target_length,
+            format,
+            cache_dir: c.cache_dir.clone(),
+            strict: c.strict,
+        };
+        let mut files = Vec::new();
+        for path in &paths {
+            files.push(index::index_file(path, &settings)?);
+        }
+        let total: usize = files.iter().map(|f| f.len()).sum();
+        if total > u32::MAX as usize {
+            return Err(LoaderError::Config("more than 2^32 records".into()));
+        }
+        let mut starts = Vec::with_capacity(files.len());
+        let (mut src_len, mut tgt_len, mut hashes) = (
+            Vec::with_capacity(total),
+            Vec::with_capacity(total),
+            Vec::with_capacity(total),
+        );
+        for f in &mut files {
+            starts.push(src_len.len() as u32);
+            src_len.append(&mut f.src_len);
+            tgt_len.append(&mut f.tgt_len);
+            hashes.append(&mut f.hashes);
+        }
+        let (selected, duplicates) = plan::select(&hashes, &c.plan);
+        drop(hashes);
+        if selected.is_empty() {
+            let skipped: u64 = files.iter().flat_map(|f| f.skipped.values()).sum();
+            return Err(LoaderError::data(
+                paths
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                0,
+                format!(
+                    "no usable records for split {:?} ({total} valid, {skipped} skipped)",
+                    c.plan.split
+                ),
+            ));
+        }
+        let fingerprint = format!(
+            "{:016x}",
+            hash_parts(&[
+                &index::keys_hash(&files).to_le_bytes(),
+                format!("{:?}", c.plan).as_bytes()
+            ])
+        );
+        let pad_id = tok.pad_id as i64;
+        let threads = c
+            .num_threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
+        Ok(Loader {
+            ctx: Arc::new(Ctx {
+                files,
+                starts,
+                src_len,
+                tgt_len,
+                tok,
+                renderer,
+                pad_id,
+                pad_multiple: c.plan.pad_to_multiple_of,
+            }),
+            cfg: c.plan,
+            selected,
+            duplicates,
+            epoch: c.epoch,
+            pos: 0,
+            plan: None,
+            pipe: None,
+            threads,
+            prefetch: c.prefetch.max(1),
+            fingerprint,
+            yielded: 0,
+            yielded_batches: 0,
+            real: 0,
+            total: 0,
+        })
+    }
+
+    /// The plan of the current epoch (computed once per epoch).
+    pub fn plan(&mut self) -> Arc<Plan> {
+        match &self.plan {
+            Some((e, p)) if *e == self.epoch => p.clone(),
+            _ => {
+                let p = Arc::new(plan::make_plan(
+                    &self.selected,
+                    &self.ctx.src_len,
+                    &self.ctx.tgt_len,
+                    &self.cfg,
+                    self.epoch,
+                ));
+                self.plan = Some((self.epoch, p.clone()));
+                p
+            }
+        }
+    }
+
+    /// Batches this rank yields per epoch.
+    pub fn len(&mut self) -> usize {
+        self.plan().batches.len()
+    }
+
+    pub fn is_empty(&mut self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Starts epoch `n` from its first batch.
+    pub fn set_epoch(&mut self, n: u64) {
+        self.pipe = None;
+        self.epoch = n;
+        self.pos = 0;
+    }
+
+    /// The next batch of the epoch; `None` at its end, after which the stream moves to the next epoch.
+    pub fn next_batch(&mut self) -> Result<Option<Batch>> {
+        if self.pipe.is_none() {
+            let plan = self.plan();
+            if self.pos >= plan.batches.len() {
+                self.epoch += 1;
+                self.pos = 0;
+                return Ok(None);
+            }
+            self.pipe = Some(Pipeline::start(
+                self.ctx.clone(),
+                plan,
+                self.pos,
+                self.threads,
+                self.prefetch,
+            ));
+        }
+        match self.pipe.as_mut().expect("pipeline").next() {
+            None => {
+                self.pipe = None;
+                self.epoch += 1;
+                self.pos = 0;
+                Ok(None)
+            }
+            Some(Err(e)) => {
+                self.pipe = None;
+                Err(e)
+            }
+            Some(Ok(b)) => {
+                self.pos += 1;
+                self.yielded += b.rows as u64;
+                self.yielded_batches += 1;
+                self.real += b.real_tokens as u64;
+                self.total += (b.rows * (b.source_len + b.target_len)) as u64;
+                Ok(Some(b))
+            }
+        }
+    }
+
+    pub fn state(&self) -> State {
+        State {
+            epoch: self.epoch,
+            batches_consumed: self.pos as u64,
+            fingerprint: self.fingerprint.clone(),
+        }
+    }
+
+    /// Moves to a saved position; refuses a state from other data or settings.
+    pub fn load_state(&mut self, s: &State) -> Result<()> {
+        if s.fingerprint != self.fingerprint {
+            return Err(LoaderError::Config(format!(
+                "cannot resume: the state was saved with other data or loader settings (fingerprint {} != {})",
+                s.fingerprint, self.fingerprint
+            )));
+        }
+        self.pipe = None;
+        self.epoch = s.epoch;
+        let n = self.len();
+        if s.batches_consumed as usize > n {
+            return Err(LoaderError::Config(format!(
+                "cannot resume at batch {} of an epoch of {n}",
+                s.batches_consumed
+            )));
+        }
+        self.pos = s.batches_consumed as usize;
+        Ok(())
+    }
+
+    pub fn stats(&mut self) -> Stats {
+        let plan = self.plan();
+        let ctx = &self.ctx;
+        let mut skipped: BTreeMap<String, u64> = BTreeMap::new();
+        let mut examples = Vec::new();
+        for f in &ctx.files {
+            for (k, v) in &f.skipped {
+                *skipped.entry(k.clone()).or_default() += v;
+            }
+            examples.extend(f.examples.iter().map(Example::to_string));
+        }
+        if !self.duplicates.is_empty() {
+            skipped.insert("duplicate".into(), self.duplicates.len() as u64);
+            let at = |id: u32| {
+                let (f, i) = ctx.locate(id);
+                format!("{}:{}", ctx.files[f].path.display(), ctx.files[f].lines[i])
+            };
+            for &(d, first) in self.duplicates.iter().take(index::MAX_EXAMPLES) {
+                examples.push(format!("{}: duplicate (same text as {})", at(d), at(first)));
+            }
+        }
+        let share = if self.total > 0 {
+            self.real as f64 / self.total as f64
+        } else {
+            plan::real_token_share(
+                &plan,
+                &ctx.src_len,
+                &ctx.tgt_len,
+                self.cfg.pad_to_multiple_of,
+            )
+        };
+        Stats {
+            yielded: self.yielded,
+            yielded_batches: self.yielded_batches,
+            skipped,
+            examples,
+            real_token_share: share,
+            records: self.selected.len() as u64,
+            batches_per_epoch: plan.batches.len() as u64,
+            oversize_batches: plan.oversize,
+            dropped_batches: plan.dropped_batches,
+            epoch: self.epoch,
+            position: self.pos as u64,
+            files: ctx
+                .files
+                .iter()
+                .map(|f| f.path.display().to_string())
+                .collect(),
+            index_cached: ctx.files.iter().map(|f| f.cached).collect(),
+        }
+    }
+
+    /// Token lengths `(source, target)` of the selected records (for `data inspect`).
+    pub fn lengths(&self) -> (Vec<u16>, Vec<u16>) {
+        let s = self
+            .selected
+            .iter()
+            .map(|&i| self.ctx.src_len[i as usize])
+            .collect();
+        let t = self
+            .selected
+            .iter()
+            .map(|&i| self.ctx.tgt_len[i as usize])
+            .collect();
+        (s, t)
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send() {
+    fn is_send<T: Send + Sync>() {}
+    is_send::<Loader>();
+    let _ = HashMap::<u8, u8>::new();
+}

@@ -1,0 +1,245 @@
+//! End-to-end tests of recipe_core: formats, quoting, compression, error paths, plan and stream properties.
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use recipe_core::plan::{PlanConfig, Split};
+use recipe_core::{Loader, LoaderConfig, LoaderError};
+
+fn tokenizer() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer.json")
+}
+
+fn config(paths: &[&Path], cache: &Path) -> LoaderConfig {
+    LoaderConfig {
+        paths: paths.iter().map(|p| p.display().to_string()).collect(),
+        tokenizer: tokenizer(),
+        task: "ingredients-to-recipe".into(),
+        source_template: None,
+        target_template: None,
+        max_source_length: 64,
+        max_target_length: 128,
+        plan: PlanConfig {
+            batch_size: Some(2),
+            max_tokens: None,
+            pad_to_multiple_of: 1,
+            shuffle: false,
+            seed: 0,
+            rank: 0,
+            world_size: 1,
+            split: Split::All,
+            eval_fraction: 0.0,
+            dedup: false,
+        },
+        epoch: 0,
+        strict: false,
+        data_format: None,
+        num_threads: Some(2),
+        prefetch: 4,
+        cache_dir: Some(cache.join("cache")),
+    }
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::File::create(&p).unwrap().write_all(bytes).unwrap();
+    p
+}
+
+fn all_rows(l: &mut Loader) -> Vec<Vec<i64>> {
+    let mut out = vec![];
+    while let Some(b) = l.next_batch().unwrap() {
+        for r in 0..b.rows {
+            let row = &b.labels[r * b.target_len..(r + 1) * b.target_len];
+            out.push(row.iter().copied().filter(|&x| x != -100).collect());
+        }
+    }
+    out
+}
+
+const RECIPENLG: &str = "\u{feff},title,ingredients,directions,link,source,NER\r\n\
+0,\"Mom's \"\"Best\"\" Pie\",\"[\"\"1 cup flour, sifted\"\", \"\"2 eggs\"\"]\",\"[\"\"Mix it.\"\", \"\"Bake\\nwell.\"\"]\",x,y,\"[\"\"flour\"\"]\"\r\n\
+1,\"Soup\nwith newline\",\"[\"\"water\"\"]\",\"[\"\"Boil.\"\"]\",x,y,\"[\"\"water\"\"]\"\r\n\
+2,Bad,not a list,\"[\"\"x\"\"]\",x,y,\"[]\"\r\n\
+3,,\"[\"\"a\"\"]\",\"[\"\"b\"\"]\",x,y,\"[]\"\r\n\
+4,Short,\"[\"\"a\"\"]\"\r\n\
+5,Tea,\"[\"\"tea\"\"]\",\"[\"\"Steep.\"\"]\",x,y,\"[\"\"tea\"\"]\"\r\n";
+
+#[test]
+fn recipenlg_quoting_bom_crlf_and_skips() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write(dir.path(), "r.csv", RECIPENLG.as_bytes());
+    let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+    let rows = all_rows(&mut l);
+    assert_eq!(rows.len(), 3);
+    let st = l.stats();
+    assert_eq!(
+        st.skipped.get("malformed_csv"),
+        Some(&2),
+        "{:?}",
+        st.skipped
+    );
+    assert_eq!(st.skipped.get("empty_title"), Some(&1));
+    assert!(
+        st.examples
+            .iter()
+            .any(|e| e.contains("r.csv:5: malformed_csv")),
+        "{:?}",
+        st.examples
+    );
+    assert!(
+        st.examples
+            .iter()
+            .any(|e| e.contains("r.csv:6: empty_title")),
+        "{:?}",
+        st.examples
+    );
+    // The record after a multi-line field is read back at the right offset.
+    let mut c = config(&[&p], dir.path());
+    c.strict = true;
+    let e = Loader::new(c).err().unwrap();
+    assert!(matches!(e, LoaderError::Data { line: 5, .. }), "{e}");
+}
+
+#[test]
+fn foodcom_and_jsonl() {
+    let dir = tempfile::tempdir().unwrap();
+    let food = "name,id,steps,ingredients,description\n\
+pie,1,\"['mix it', \"\"don't stop\"\"]\",\"['flour', \"\"baker's yeast\"\"]\",d\n\
+bad,2,\"['unterminated]\",\"['x']\",d\n";
+    let p = write(dir.path(), "RAW_recipes.csv", food.as_bytes());
+    let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+    assert_eq!(all_rows(&mut l).len(), 1);
+    assert_eq!(l.stats().skipped.get("malformed_csv"), Some(&1));
+
+    let jsonl = "\u{feff}{\"title\":\"A\",\"ingredients\":[\"x\"],\"directions\":[\"y\"]}\r\n\
+\n\
+{broken\n\
+{\"source\":\"s\",\"target\":\"t\"}\n\
+{\"title\":\"B\",\"ingredients\":\"x\"}\n";
+    let p = write(dir.path(), "r.jsonl", jsonl.as_bytes());
+    let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+    assert_eq!(all_rows(&mut l).len(), 2);
+    let st = l.stats();
+    assert_eq!(st.skipped.get("malformed_json"), Some(&1));
+    assert_eq!(st.skipped.get("missing_field"), Some(&1));
+    assert!(
+        st.examples
+            .iter()
+            .any(|e| e.contains("r.jsonl:3: malformed_json")),
+        "{:?}",
+        st.examples
+    );
+}
+
+#[test]
+fn compressed_and_truncated() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(RECIPENLG.as_bytes()).unwrap();
+    let gz = gz.finish().unwrap();
+    let zst = zstd::encode_all(RECIPENLG.as_bytes(), 3).unwrap();
+    let plain = write(dir.path(), "plain.csv", RECIPENLG.as_bytes());
+    let mut want = Loader::new(config(&[&plain], dir.path())).unwrap();
+    let want = all_rows(&mut want);
+    for (name, bytes) in [("a.csv.gz", &gz), ("a.csv.zst", &zst)] {
+        let p = write(dir.path(), name, bytes);
+        let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+        assert_eq!(all_rows(&mut l), want, "{name}");
+        let t = write(
+            dir.path(),
+            &format!("t{name}"),
+            &bytes[..bytes.len() * 2 / 3],
+        );
+        let e = Loader::new(config(&[&t], dir.path())).err().unwrap();
+        assert!(matches!(e, LoaderError::File { .. }), "{name}: {e}");
+        assert!(e.to_string().contains(&format!("t{name}")), "{e}");
+    }
+}
+
+#[test]
+fn file_errors_name_the_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.csv");
+    let e = Loader::new(config(&[&missing], dir.path())).err().unwrap();
+    assert!(matches!(e, LoaderError::File { .. }) && e.to_string().contains("nope.csv"));
+    let glob = dir.path().join("*.jsonl");
+    let e = Loader::new(config(&[&glob], dir.path())).err().unwrap();
+    assert!(e.to_string().contains("glob matches no file"), "{e}");
+    let empty = write(dir.path(), "empty.csv", b"");
+    let e = Loader::new(config(&[&empty], dir.path())).err().unwrap();
+    assert!(e.to_string().contains("empty"), "{e}");
+    let nocol = write(dir.path(), "x.csv", b"title,directions\na,b\n");
+    let e = Loader::new(config(&[&nocol], dir.path())).err().unwrap();
+    assert!(e.to_string().contains("ingredients"), "{e}");
+    let p = write(dir.path(), "r.csv", RECIPENLG.as_bytes());
+    let mut c = config(&[&p], dir.path());
+    c.tokenizer = write(dir.path(), "tok.json", b"{not json");
+    let e = Loader::new(c).err().unwrap();
+    assert!(
+        matches!(e, LoaderError::File { .. }) && e.to_string().contains("tok.json"),
+        "{e}"
+    );
+}
+
+fn many(dir: &Path, n: usize) -> PathBuf {
+    let mut s = String::new();
+    for i in 0..n {
+        let ingr: Vec<String> = (0..(1 + i % 9))
+            .map(|j| format!("\"{} cup item{}\"", j + 1, (i * 7 + j) % 50))
+            .collect();
+        let dirs: Vec<String> = (0..(1 + i % 5))
+            .map(|j| format!("\"Step {j} stir well for {i} minutes.\""))
+            .collect();
+        s.push_str(&format!(
+            "{{\"title\":\"Dish {i}\",\"ingredients\":[{}],\"directions\":[{}]}}\n",
+            ingr.join(","),
+            dirs.join(",")
+        ));
+    }
+    write(dir, "many.jsonl", s.as_bytes())
+}
+
+#[test]
+fn resume_and_determinism() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = many(dir.path(), 400);
+    let mut c = config(&[&p], dir.path());
+    c.plan.shuffle = true;
+    c.plan.batch_size = None;
+    c.plan.max_tokens = Some(600);
+    c.plan.pad_to_multiple_of = 8;
+    let mut full = Loader::new(c.clone()).unwrap();
+    let n = full.len();
+    let mut batches = vec![];
+    for _ in 0..2 {
+        while let Some(b) = full.next_batch().unwrap() {
+            assert!(b.rows * (b.source_len + b.target_len) <= 600 || b.rows == 1);
+            batches.push(b);
+        }
+    }
+    assert_eq!(batches.len(), 2 * n);
+    assert_ne!(batches[..n], batches[n..]);
+    // Resume at several points, including both sides of the epoch boundary.
+    let take = |l: &mut Loader| -> Option<recipe_core::Batch> {
+        match l.next_batch().unwrap() {
+            Some(b) => Some(b),
+            None => l.next_batch().unwrap(),
+        }
+    };
+    for at in [0, 1, n / 2, n - 1, n, n + 3] {
+        let mut l = Loader::new(c.clone()).unwrap();
+        for _ in 0..at {
+            take(&mut l).unwrap();
+        }
+        let mut r = Loader::new(c.clone()).unwrap();
+        r.load_state(&l.state()).unwrap();
+        for _ in 0..3 {
+            let got = take(&mut r).unwrap();
+            assert_eq!(got, take(&mut l).unwrap(), "resume at {at}");
+        }
+    }
+    let mut other = c.clone();
+    other.plan.seed = 1;
+    let mut o = Loader::new(other).unwrap();
+    assert!(o.load_state(&full.state()).is_err());
+}

@@ -1,0 +1,52 @@
+"""Type stub of the Rust extension `trainer._loader` (see trainer/data.py for the documented API)."""
+
+from os import PathLike
+
+import numpy as np
+import numpy.typing as npt
+
+class RecipeDataError(ValueError):
+    """A bad record (strict mode), bad template or settings; names file:line where there is one."""
+
+class RecipeFileError(OSError):
+    """A missing, empty, unreadable or corrupt file (or tokenizer); names the path."""
+
+class RecipeLoader:
+    def __init__(
+        self,
+        paths: list[str],
+        tokenizer: str | PathLike[str],
+        *,
+        task: str = "ingredients-to-recipe",
+        source_template: str | None = None,
+        target_template: str | None = None,
+        max_source_length: int = 512,
+        max_target_length: int = 512,
+        batch_size: int | None = None,
+        max_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        epoch: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        split: str = "all",
+        eval_fraction: float = 0.0,
+        strict: bool = False,
+        dedup: bool = False,
+        data_format: str | None = None,
+        num_threads: int | None = None,
+        prefetch: int = 8,
+        cache_dir: str | PathLike[str] | None = None,
+    ) -> None: ...
+    def next_batch(self) -> dict[str, npt.NDArray[np.int64]] | None: ...
+    def __len__(self) -> int: ...
+    def set_epoch(self, epoch: int) -> None: ...
+    @property
+    def epoch(self) -> int: ...
+    def state(self) -> tuple[int, int, str]: ...
+    def load_state(self, epoch: int, batches_consumed: int, fingerprint: str) -> None: ...
+    def stats_json(self) -> str: ...
+    def lengths(self) -> tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint16]]: ...
+
+def write_sample(path: str | PathLike[str], n: int, seed: int = 0, fmt: str = "recipenlg-csv") -> None: ...
