@@ -29,7 +29,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", required=True)
     sample.add_argument("--n", type=int, default=1000)
     sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--format", choices=["recipenlg-csv", "foodcom-csv", "jsonl"], default="recipenlg-csv")
+    sample.add_argument(
+        "--format", choices=["recipenlg-csv", "foodcom-csv", "jsonl"], default="recipenlg-csv"
+    )
     inspect = data.add_parser("inspect", help="count records, skips, token lengths and padding")
     inspect.add_argument("paths", nargs="+")
     inspect.add_argument("--config", help="YAML config whose tokenizer, task and batching to use")
@@ -38,6 +40,13 @@ def _build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-model", help="build a tiny random FLAN-T5 and tokenizer for offline use")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
+
+    health = sub.add_parser("healthcheck", help="exit 0 if the loop's heartbeat file is fresh, else 1")
+    where = health.add_mutually_exclusive_group(required=True)
+    where.add_argument("--file", help="heartbeat file to check")
+    where.add_argument("--config", help="YAML config of the run: checks <output_dir>/heartbeat")
+    health.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override config keys")
+    health.add_argument("--max-age", type=float, default=900.0, help="allowed seconds since the last beat")
     return parser
 
 
@@ -69,6 +78,22 @@ def _run(args: argparse.Namespace) -> int:
         from trainer.memory_plan import print_plan
 
         return print_plan(TrainConfig.load(args.config, args.set), args.gpu_memory)
+    if args.command == "healthcheck":
+        from trainer.healthcheck import check_heartbeat, heartbeat_path
+
+        if args.file:
+            path = args.file
+        else:
+            from trainer.config import ConfigError, TrainConfig
+
+            try:
+                path = heartbeat_path(TrainConfig.load(args.config, args.set).output_dir)
+            except ConfigError as e:  # exit 2 is reserved by Docker's HEALTHCHECK: report unhealthy instead
+                print(f"trainer: config error: {e}", file=sys.stderr)
+                return 1
+        fresh, reason = check_heartbeat(path, args.max_age)
+        print(reason)
+        return 0 if fresh else 1
     if args.command == "tiny-model":
         from trainer.tiny_model import build_tiny_model
 

@@ -28,6 +28,7 @@ class TrainConfig:
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     attn_implementation: str | None = None  # None: sdpa where transformers supports it for T5, else eager
     gradient_checkpointing: bool = True
+    random_init: bool = False  # build the architecture from model_name_or_path's config.json (benchmarks)
 
     # --- data ---
     train_files: list[str] = field(default_factory=list)  # paths or globs; csv, jsonl, optionally .gz/.zst
@@ -84,6 +85,7 @@ class TrainConfig:
     num_eval_generations: int = 3
     generation_max_new_tokens: int = 256
     progress_bar: bool = True
+    save_final: bool = True  # a checkpoint and final/ at the end (benchmarks turn it off)
 
     # --- monitoring (secrets come from the environment only) ---
     report_to: Literal["wandb", "none"] = "wandb"

@@ -1,0 +1,296 @@
+"""Recipe data for training: a thin typed wrapper over the Rust loader (`trainer._loader`).
+
+The Rust side reads recipe dumps (RecipeNLG CSV, Food.com CSV, JSONL; optionally .gz/.zst), renders each
+recipe into a source and a target text, tokenizes both with the model's `tokenizer.json` (ids identical to
+`transformers.AutoTokenizer(text, truncation=True, max_length=N)`), and hands over padded int64 batches.
+
+Rendering rules (T5's tokenizer turns newlines into spaces, so none are used):
+
+- `ingredients-to-recipe` (default): source ``"Write a recipe with these ingredients: {ingredients}"``,
+  target ``"title: {title} | ingredients: {ingredients} | directions: {directions}"``.
+- `title-to-recipe`: source ``"Write a recipe for: {title}"``, same target.
+- Lists: ingredients joined with ``"; "``; directions numbered ``"1. Mix. 2. Bake."``; NER joined with
+  ``", "``. Custom templates may use ``{title}``, ``{ingredients}``, ``{directions}``, ``{ner}``;
+  ``{{``/``}}`` are literal braces; an unknown placeholder raises `RecipeDataError` when the stream is built.
+- JSONL lines with ``source``/``target`` (or ``input``/``output``) are used verbatim.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from trainer._loader import RecipeDataError, RecipeFileError, RecipeLoader
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.config import TrainConfig
+
+__all__ = [
+    "DeviceLoader",
+    "RecipeDataError",
+    "RecipeFileError",
+    "RecipeStream",
+    "inspect_report",
+    "resolve_tokenizer_file",
+]
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, np.ndarray]
+
+
+def _as_list(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
+    if isinstance(paths, (str, os.PathLike)):
+        return [os.fspath(paths)]
+    return [os.fspath(p) for p in paths]
+
+
+class RecipeStream:
+    """Iterable of padded batches (dicts of int64 numpy arrays: input_ids, attention_mask, labels).
+
+    One pass over the stream is one epoch; afterwards the stream moves on to the next epoch (a new order when
+    shuffling). Give exactly one of `batch_size` (rows) or `max_tokens` (rows x (longest source + longest
+    target) per batch, with length bucketing). Bad records are skipped and counted (see `stats()`), or raise
+    `RecipeDataError` with `strict=True`. Missing/empty/corrupt files raise `RecipeFileError`.
+    """
+
+    def __init__(
+        self,
+        paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        tokenizer: str | os.PathLike[str],
+        *,
+        task: str = "ingredients-to-recipe",
+        source_template: str | None = None,
+        target_template: str | None = None,
+        max_source_length: int = 512,
+        max_target_length: int = 512,
+        batch_size: int | None = None,
+        max_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        epoch: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        split: str = "all",
+        eval_fraction: float = 0.0,
+        strict: bool = False,
+        dedup: bool = False,
+        data_format: str | None = None,
+        num_threads: int | None = None,
+        prefetch: int = 8,
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if batch_size is None and max_tokens is None:
+            raise RecipeDataError("give batch_size or max_tokens")
+        if batch_size is not None and max_tokens is not None:
+            raise RecipeDataError("give batch_size or max_tokens, not both")
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_tokens", max_tokens),
+            ("pad_to_multiple_of", pad_to_multiple_of),
+            ("num_threads", num_threads),
+        ):
+            if value is not None and value < 1:
+                raise RecipeDataError(f"{name} must be >= 1, got {value}")
+        if split not in ("all", "train", "eval"):
+            raise RecipeDataError(f"split must be 'all', 'train' or 'eval', got {split!r}")
+        if split != "all" and not 0.0 < eval_fraction < 1.0:
+            raise RecipeDataError(f"split={split!r} needs 0 < eval_fraction < 1, got {eval_fraction}")
+        if not 0 <= rank < world_size:
+            raise RecipeDataError(f"rank {rank} must be in [0, world_size={world_size})")
+        if seed < 0 or epoch < 0:
+            raise RecipeDataError("seed and epoch must be >= 0")
+        self._inner = RecipeLoader(
+            _as_list(paths),
+            os.fspath(tokenizer),
+            task=task,
+            source_template=source_template,
+            target_template=target_template,
+            max_source_length=max_source_length,
+            max_target_length=max_target_length,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            pad_to_multiple_of=pad_to_multiple_of,
+            shuffle=shuffle,
+            seed=seed,
+            epoch=epoch,
+            rank=rank,
+            world_size=world_size,
+            split=split,
+            eval_fraction=eval_fraction,
+            strict=strict,
+            dedup=dedup,
+            data_format=data_format,
+            num_threads=num_threads,
+            prefetch=prefetch,
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+        )
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Yields the remaining batches of the current epoch (all of them unless resumed mid-epoch)."""
+        while (batch := self._inner.next_batch()) is not None:
+            yield batch
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch."""
+        return len(self._inner)
+
+    @property
+    def epoch(self) -> int:
+        return self._inner.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts `epoch` from its first batch (as torch's DistributedSampler.set_epoch)."""
+        if epoch < 0:
+            raise RecipeDataError(f"epoch must be >= 0, got {epoch}")
+        self._inner.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position: epoch, batches consumed in it, and a fingerprint of data + settings."""
+        epoch, consumed, fingerprint = self._inner.state()
+        return {"epoch": epoch, "batches_consumed": consumed, "fingerprint": fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues exactly where `state` was taken; refuses a state from other data or settings."""
+        try:
+            epoch, consumed, fingerprint = (
+                int(state["epoch"]),
+                int(state["batches_consumed"]),
+                str(state["fingerprint"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise RecipeDataError(f"not a RecipeStream state: {state!r}") from e
+        self._inner.load_state(epoch, consumed, fingerprint)
+
+    def stats(self) -> dict[str, Any]:
+        """yielded (records), skipped (reason -> count), examples (file:line), real_token_share, and more."""
+        return json.loads(self._inner.stats_json())
+
+    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """Token lengths (source, target) of the records in this split, after truncation."""
+        return self._inner.lengths()
+
+
+class DeviceLoader:
+    """Iterates a stream's batches as torch tensors on `device`, copying the next batch while one is in use.
+
+    On CUDA, batches are pinned and copied with `non_blocking=True` one batch ahead; elsewhere they are plain
+    tensors (numpy memory shared, no copy).
+    """
+
+    def __init__(self, stream: RecipeStream, device: str | torch.device) -> None:
+        import torch
+
+        self.stream = stream
+        self.device = torch.device(device)
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
+        import torch
+
+        out = {}
+        for k, v in batch.items():
+            t = torch.from_numpy(v)
+            if self.device.type == "cuda":
+                t = t.pin_memory().to(self.device, non_blocking=True)
+            elif self.device.type != "cpu":
+                t = t.to(self.device)
+            out[k] = t
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        it = iter(self.stream)
+        nxt = next(it, None)
+        ahead = None if nxt is None else self._to_device(nxt)
+        while ahead is not None:
+            current = ahead
+            nxt = next(it, None)
+            ahead = None if nxt is None else self._to_device(nxt)
+            yield current
+
+
+def resolve_tokenizer_file(name: str) -> Path:
+    """tokenizer.json of `name`: a file, a local directory holding one, or a Hub model id found in the HF
+    cache (downloaded when online). Raises RecipeFileError when none is found."""
+    p = Path(name).expanduser()
+    if p.is_file():
+        return p
+    if p.is_dir():
+        if (p / "tokenizer.json").is_file():
+            return p / "tokenizer.json"
+        raise RecipeFileError(f"{p}: directory has no tokenizer.json")
+    try:
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "tokenizer.json")
+        if isinstance(cached, str):
+            return Path(cached)
+        return Path(hf_hub_download(name, "tokenizer.json"))
+    except Exception as e:  # offline, unknown repo, no tokenizer.json: one clear error
+        raise RecipeFileError(f"{name}: no tokenizer.json locally or in the Hugging Face cache ({e})") from e
+
+
+def _percentiles(a: np.ndarray) -> str:
+    if a.size == 0:
+        return "-"
+    q = np.percentile(a, [50, 90, 99, 100]).astype(int)
+    return f"p50 {q[0]}  p90 {q[1]}  p99 {q[2]}  max {q[3]}"
+
+
+def inspect_report(paths: list[str], cfg: TrainConfig) -> str:
+    """Text report for `trainer data inspect`: records, skips with examples, token lengths, padding waste."""
+    # Without a batching setting, show what HF's default (8 rows, random order) would waste.
+    batch_size = cfg.per_device_train_batch_size or (None if cfg.max_tokens else 8)
+    stream = RecipeStream(
+        paths,
+        resolve_tokenizer_file(cfg.model_name_or_path),
+        task=cfg.task,
+        source_template=cfg.source_template,
+        target_template=cfg.target_template,
+        max_source_length=cfg.max_source_length,
+        max_target_length=cfg.max_target_length,
+        batch_size=batch_size,
+        max_tokens=cfg.max_tokens,
+        pad_to_multiple_of=cfg.pad_to_multiple_of,
+        shuffle=cfg.shuffle,
+        seed=cfg.seed,
+        dedup=cfg.dedup,
+        data_format=cfg.data_format,
+        num_threads=cfg.loader_threads,
+    )
+    st = stream.stats()
+    src, tgt = stream.lengths()
+    n_src_cut = int((src >= cfg.max_source_length).sum())
+    n_tgt_cut = int((tgt >= cfg.max_target_length).sum())
+    share = st["real_token_share"]
+    batching = f"max_tokens={cfg.max_tokens}" if cfg.max_tokens else f"batch_size={batch_size}"
+    lines = [
+        f"files: {len(st['files'])} ({', '.join(st['files'])})",
+        f"records: {st['records']} usable, {sum(st['skipped'].values())} skipped",
+    ]
+    for reason, n in sorted(st["skipped"].items()):
+        lines.append(f"  {reason}: {n}")
+    if st["examples"]:
+        lines.append("examples:")
+        lines.extend(f"  {e}" for e in st["examples"][:20])
+    lines += [
+        f"source tokens (max {cfg.max_source_length}): {_percentiles(src)}",
+        f"target tokens (max {cfg.max_target_length}): {_percentiles(tgt)}",
+        f"truncated: source {n_src_cut}, target {n_tgt_cut}",
+        f"batching {batching}: {len(stream)} batches/epoch, padding wastes {100 * (1 - share):.1f}% "
+        f"of tokens (real-token share {100 * share:.1f}%)",
+    ]
+    if st["oversize_batches"]:
+        lines.append(f"records over the max_tokens budget (own batch each): {st['oversize_batches']}")
+    return "\n".join(lines)

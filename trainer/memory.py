@@ -1,0 +1,117 @@
+"""GPU memory environment: the caching allocator's settings, the empty_cache schedule, out-of-memory helpers.
+
+`set_alloc_conf` must run before anything initialises CUDA: the allocator reads its settings once, at the
+first CUDA allocation. `trainer.train.train` calls it first thing.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# torch >= 2.9 reads PYTORCH_ALLOC_CONF and still honours the older CUDA-specific name.
+ALLOC_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def set_alloc_conf(value: str | None) -> str | None:
+    """Put `value` in PYTORCH_CUDA_ALLOC_CONF unless the user set one; return the value in force.
+
+    Warns when CUDA is already initialised, because then the setting cannot take effect any more.
+    """
+    user = {name: os.environ[name] for name in ALLOC_ENV_VARS if os.environ.get(name)}
+    if user:
+        name, in_force = next(iter(user.items()))
+        if value and in_force != value:
+            log.info("allocator: keeping the user's %s=%s (config asks for %s)", name, in_force, value)
+    elif value:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = value
+        in_force = value
+    else:
+        in_force = None
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        log.warning("allocator: CUDA was initialised before the allocator settings could be applied")
+    return in_force
+
+
+def alloc_conf_in_force() -> str:
+    """The allocator settings torch runs with, for the log (read back from the environment torch saw)."""
+    values = [f"{name}={os.environ[name]}" for name in ALLOC_ENV_VARS if os.environ.get(name)]
+    text = ", ".join(values) if values else "allocator defaults"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        text += f" (backend {torch.cuda.memory.get_allocator_backend()})"
+    return text
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for a CUDA (or other accelerator) out-of-memory error."""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError)
+
+
+def free_memory() -> None:
+    """Drop what an out-of-memory step left behind (tracebacks hold tensors) and return cached blocks."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def memory_summary() -> str:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.memory_summary(abbreviated=True)
+    return "(no CUDA device: no memory summary)"
+
+
+def split_batch(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
+    """Split a batch's rows into `parts` consecutive pieces (fewer if it has fewer rows), same data order.
+
+    Columns that are padding in every row of a piece are trimmed so a half batch is also half the tokens.
+    """
+    if parts <= 1:
+        return [batch]
+    rows = len(batch["input_ids"])
+    parts = min(parts, rows)
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    pieces = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        piece = {k: v[lo:hi] for k, v in batch.items()}
+        src_len = int(piece["attention_mask"].sum(1).max())
+        tgt_len = int((piece["labels"] != -100).sum(1).max())
+        piece["input_ids"] = piece["input_ids"][:, :src_len]
+        piece["attention_mask"] = piece["attention_mask"][:, :src_len]
+        piece["labels"] = piece["labels"][:, :tgt_len]
+        pieces.append(piece)
+    return pieces
+
+
+class EmptyCacheSchedule:
+    """torch.cuda.empty_cache() every `every` optimizer steps (0: never); only called between steps.
+
+    With expandable segments the allocator rarely fragments, and each call costs a device sync plus
+    re-allocation on the next step, so the default is never.
+    """
+
+    def __init__(self, every: int):
+        self.every = every
+        self.calls = 0
+
+    def after_step(self, step: int) -> bool:
+        if self.every <= 0 or step % self.every:
+            return False
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        self.calls += 1
+        return True

@@ -1,0 +1,651 @@
+"""Predict the peak GPU memory of a training step, by component, before anything is loaded.
+
+The model is a T5 encoder-decoder (FLAN-T5) trained with bf16 weights and gradients, gradient checkpointing
+(non-reentrant) on every T5 block, and AdamW (optimi, Kahan-compensated) or Adafactor. Every term below names
+the tensor it counts, following `transformers.models.t5.modeling_t5` (eager attention, T5LayerNorm, gelu_new)
+and PyTorch's autograd rules for which tensors an op saves for backward.
+
+The step's peak is the largest of these moments (weights, gradients and optimizer states are alive at all of
+them: gradients persist across accumulated micro-batches and optimizer states across steps):
+- end of forward / start of backward: every checkpointed block input, the tensors saved outside the blocks
+  (final layer norms, dropout masks, LM head input), the logits, the loss's log-softmax and their gradients;
+- backward of one decoder block: the block is recomputed, so all its saved tensors exist at once, plus the
+  gradients of its widest op; the encoder's checkpoints and the gradient flowing into the encoder output are
+  still alive; likewise for an encoder block (all decoder checkpoints are freed by then);
+- the optimizer step: optimizer temporaries (optimi's foreach step reuses the gradients as scratch: none).
+Allocator slack (blocks the caching allocator holds but cannot reuse) is one fraction of the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+
+# Caching-allocator fragmentation as a fraction of the predicted allocated peak. With
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True freed blocks are remapped rather than split, so reserved
+# memory stays within a few percent of allocated; 5% also covers cuBLAS/cuDNN workspaces, which
+# `max_memory_reserved` sees but `max_memory_allocated` may not.
+ALLOCATOR_SLACK = 0.05
+# A budget is accepted only if its predicted peak (slack included) stays under this share of the card, because
+# the data loader's longest rows and the allocator's worst moment vary from step to step.
+SAFETY_MARGIN = 0.92
+# Typical recipe lengths (issue 8): source median ~96 tokens, target median ~256.
+TYPICAL_SOURCE, TYPICAL_TARGET = 96, 256
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a T5 config that decide memory."""
+
+    d_model: int
+    d_ff: int
+    d_kv: int
+    num_heads: int
+    num_layers: int
+    num_decoder_layers: int
+    vocab_size: int
+    gated: bool = True  # feed_forward_proj "gated-gelu": wi_0, wi_1 and wo
+    tie_word_embeddings: bool = False
+    dropout_rate: float = 0.1
+    gelu_python: bool = True  # "gelu_new" is written in Python: its tanh and products are saved
+    relative_attention_num_buckets: int = 32
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.d_kv
+
+    def num_params(self) -> int:
+        d, f, inner = self.d_model, self.d_ff, self.inner
+        attn = 4 * d * inner  # q, k, v, o
+        ff = (3 if self.gated else 2) * d * f  # wi_0, wi_1, wo (or wi, wo)
+        bias = self.relative_attention_num_buckets * self.num_heads  # in layer 0 of each stack
+        enc = self.num_layers * (attn + ff + 2 * d) + bias + d  # + 2 layer norms per block, final norm
+        dec = self.num_decoder_layers * (2 * attn + ff + 3 * d) + bias + d
+        embed = self.vocab_size * d  # `shared`, used by both stacks
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return enc + dec + embed + head
+
+    def largest_param(self) -> int:
+        return max(self.vocab_size * self.d_model, self.d_ff * self.d_model, self.d_model * self.inner)
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        """From a `transformers.T5Config` (or anything with its attribute names)."""
+        proj = getattr(config, "feed_forward_proj", "relu")
+        act = proj.split("-")[-1]
+        return cls(
+            d_model=config.d_model,
+            d_ff=config.d_ff,
+            d_kv=config.d_kv,
+            num_heads=config.num_heads,
+            num_layers=config.num_layers,
+            num_decoder_layers=getattr(config, "num_decoder_layers", None) or config.num_layers,
+            vocab_size=config.vocab_size,
+            gated=proj.startswith("gated-"),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            dropout_rate=float(getattr(config, "dropout_rate", 0.1)),
+            gelu_python=act == "gelu",  # T5Config maps "gated-gelu" to dense_act_fn "gelu_new"
+            relative_attention_num_buckets=getattr(config, "relative_attention_num_buckets", 32),
+        )
+
+
+def _t5(d: int, f: int, h: int, n: int) -> dict:
+    return dict(
+        d_model=d, d_ff=f, d_kv=64, num_heads=h, num_layers=n, num_decoder_layers=n, vocab_size=32128,
+        feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.1,
+    )  # fmt: skip
+
+
+# The config.json values of the public checkpoints, so `trainer plan` needs no download (nor the slow import
+# of transformers' config machinery).
+KNOWN_CONFIGS: dict[str, dict] = {
+    "google/flan-t5-small": _t5(512, 1024, 6, 8),
+    "google/flan-t5-base": _t5(768, 2048, 12, 12),
+    "google/flan-t5-large": _t5(1024, 2816, 16, 24),
+    "google/flan-t5-xl": _t5(2048, 5120, 32, 24),
+    "google/flan-t5-xxl": _t5(4096, 10240, 64, 24),
+    "google/t5-v1_1-small": _t5(512, 1024, 6, 8),
+    "google/t5-v1_1-base": _t5(768, 2048, 12, 12),
+    "google/t5-v1_1-large": _t5(1024, 2816, 16, 24),
+    "google/t5-v1_1-xl": _t5(2048, 5120, 32, 24),
+    "google/t5-v1_1-xxl": _t5(4096, 10240, 64, 24),
+}
+
+
+def _transformers_ties_t5_head() -> bool:
+    """transformers 5 ties T5's LM head to the shared embedding whatever `tie_word_embeddings` says (the flag
+    only decides the decoder-output scaling); 4.x keeps v1.1/FLAN's head separate."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return int(version("transformers").split(".")[0]) >= 5
+    except (PackageNotFoundError, ValueError):
+        return True
+
+
+def load_shape(model_name_or_path: str) -> ModelShape:
+    """A local model dir's config.json, else the built-in table, else the local Hugging Face cache."""
+    path = Path(model_name_or_path)
+    if (path / "config.json").is_file():
+        from transformers import AutoConfig
+
+        return ModelShape.from_config(AutoConfig.from_pretrained(str(path)))
+    if model_name_or_path in KNOWN_CONFIGS:
+        values = dict(KNOWN_CONFIGS[model_name_or_path])
+        values["tie_word_embeddings"] = _transformers_ties_t5_head()
+        return ModelShape.from_config(SimpleNamespace(**values))
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_name_or_path, local_files_only=True)
+    except OSError as e:
+        raise ValueError(
+            f"no config for {model_name_or_path!r}: not a local model dir, not a known FLAN-T5 id "
+            f"({', '.join(sorted(KNOWN_CONFIGS))}), and not in the local Hugging Face cache"
+        ) from e
+    return ModelShape.from_config(config)
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted peak bytes by component; `peak` is the sum (slack included)."""
+
+    weights: int
+    gradients: int
+    optimizer_states: int
+    activations: int  # at the peak moment, logits excluded
+    logits: int  # logits, log-softmax and their gradients when the peak is at the loss
+    optimizer_temp: int  # step scratch, when the optimizer step is the peak moment (then activations are 0)
+    allocator_slack: int
+    peak_moment: str  # "loss", "decoder block backward", "encoder block backward" or "optimizer step"
+
+    @property
+    def allocated(self) -> int:
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer_states
+            + self.activations
+            + self.logits
+            + self.optimizer_temp
+        )
+
+    @property
+    def peak(self) -> int:
+        return self.allocated + self.allocator_slack
+
+    def components(self) -> dict[str, int]:
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer states": self.optimizer_states,
+            "activations": self.activations,
+            "logits + loss": self.logits,
+            "optimizer step scratch": self.optimizer_temp,
+            "allocator slack": self.allocator_slack,
+        }
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def optimizer_state_bytes(
+    shape: ModelShape, optimizer: str, bf16_update: str, dtype: str = "bfloat16"
+) -> int:
+    """Bytes of optimizer state for the whole model."""
+    p, e = shape.num_params(), _DTYPE_BYTES[dtype]
+    kahan = p * e if (bf16_update == "kahan" and e == 2) else 0  # one compensation buffer, param dtype
+    if optimizer == "adamw":
+        return 2 * p * e + kahan  # optimi: exp_avg and exp_avg_sq in the param dtype
+    if optimizer == "adafactor":
+        # transformers' Adafactor (T5 settings, no first moment): a factored second moment, a row and a column
+        # vector (fp32) per matrix, a full fp32 vector for 1-D weights (layer norms).
+        d, f, inner, v = shape.d_model, shape.d_ff, shape.inner, shape.vocab_size
+        ff_mats = (3 if shape.gated else 2) * (d + f)
+        enc = shape.num_layers * (4 * (d + inner) + ff_mats + 2 * d)
+        dec = shape.num_decoder_layers * (8 * (d + inner) + ff_mats + 3 * d)
+        embeds = (1 if shape.tie_word_embeddings else 2) * (v + d)
+        bias = 2 * (shape.relative_attention_num_buckets + shape.num_heads)  # relative position bias tables
+        final_norms = 2 * d
+        # A 0-d fp32 RMS per weight tensor.
+        ff_n = 3 if shape.gated else 2
+        tensors = shape.num_layers * (4 + ff_n + 2) + shape.num_decoder_layers * (8 + ff_n + 3) + 2 + 2
+        tensors += 1 if shape.tie_word_embeddings else 2
+        return 4 * (enc + dec + embeds + bias + final_norms + tensors) + kahan
+    raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
+def _layer_norm_saved(n: int, d: int, e: int) -> int:
+    """T5LayerNorm on n tokens: fp32 copy of the input (saved by pow), rsqrt (fp32, per token), the bf16
+    normalised input (saved by `weight *`) and its output (saved by the following linear layers)."""
+    return n * d * 4 + n * 4 + n * d * e + n * d * e
+
+
+def _attention_sublayer(b, q_len, kv_len, shape, e, mask, *, sdpa=False, bias_rows=None):
+    """(saved bytes, bytes alive at its backward's widest moment) of a T5 attention sublayer.
+
+    Eager (transformers' eager_attention_forward) saves: the layer norm; bmm-ready copies of q (b x q_len) and
+    of k, v (b x kv_len; for cross-attention computed from the encoder output); the softmax output, dropout
+    mask and dropout output (B x H x q x k); the contiguous attention output (saved by the o projection); the
+    output dropout's mask; the residual sum (saved by the next layer norm's multiply). Its widest backward
+    moment is the dropout backward on the scores: the softmax output, the mask, the gradients of the dropout
+    output and of the softmax output, with the layer norm, q and k still saved, and the gradient of v.
+
+    SDPA (memory-efficient kernel with T5's bias as a float mask) saves q, k, v (the projections' outputs),
+    the bias mask `torch.where(padding, position_bias, min)` (bias_rows x H x q x k: B rows when a padding
+    mask exists), its output and log-sum-exp (fp32), and the contiguous output; in backward the bias gradient
+    and the `where`'s gradient for the position bias (both B x H x q x k) and the q/k/v gradients. Not
+    checked on CPU (with dropout the CPU runs the math path): the GPU calibration decides.
+    """
+    d, inner, h, p = shape.d_model, shape.inner, shape.num_heads, shape.dropout_rate
+    n, m = b * q_len, b * kv_len
+    scores = b * h * q_len * kv_len
+    drop = mask if p > 0 else 0
+    ln = _layer_norm_saved(n, d, e)
+    qkv = n * inner * e + 2 * m * inner * e
+    tail = n * inner * e + n * d * drop + n * d * e  # o's input, output dropout mask, residual sum
+    if sdpa:
+        bias = (b if bias_rows is None else bias_rows) * h * q_len * kv_len * e
+        lse = b * h * (-(-q_len // 32) * 32) * 4
+        saved = ln + qkv + bias + n * inner * e + lse + tail
+        # grad of the bias and the where's gradient for the position bias, both B x H x q x k; q/k/v grads.
+        widest = ln + qkv + bias + n * inner * e + lse + 2 * scores * e + qkv
+        return saved, widest
+    probs = scores * (e + drop + (e if p > 0 else 0))  # softmax out, dropout mask, dropout out
+    saved = ln + qkv + probs + tail
+    widest = ln + n * inner * e + m * inner * e + scores * (3 * e + drop) + m * inner * e
+    return saved, widest
+
+
+def _ff_sublayer(n, shape, e, mask):
+    """(saved bytes, widest backward moment) of the T5 feed-forward sublayer on n tokens.
+
+    Saved: the layer norm; wi_0's output (saved by gelu), gelu_new's tanh output, 0.5*x and (1 + tanh) (it is
+    written in Python), the gelu output and wi_1's output (saved by their product), the product's dropout mask
+    and output (saved by wo); wo's output dropout mask and the residual sum. Widest backward moment: the
+    product's backward, with the six n x d_ff tensors it and gelu saved, the product's gradient and the two
+    gradients it makes.
+    """
+    d, f, p = shape.d_model, shape.d_ff, shape.dropout_rate
+    nf = n * f
+    drop = mask if p > 0 else 0
+    acts = (1 + (3 if shape.gelu_python else 0) + (2 if shape.gated else 0)) * nf * e  # wi_0 .. wi_1 outputs
+    dropped = nf * (drop + e) if p > 0 else (nf * e if shape.gated else 0)  # wo's input (or its dropout)
+    ln = _layer_norm_saved(n, d, e)
+    saved = ln + acts + dropped + n * d * drop + n * d * e
+    widest = ln + acts + (3 if shape.gated else 2) * nf * e
+    return saved, max(widest, saved + nf * e)
+
+
+def _block_saved(
+    shape: ModelShape, b: int, length: int, e: int, cross_len: int | None, mask: int = 1, sdpa: bool = False
+) -> tuple[int, int]:
+    """(saved bytes, backward peak bytes) of one recomputed T5 block on b rows of `length` tokens.
+
+    The recompute saves every sublayer's tensors; the backward then walks the sublayers in reverse, freeing
+    each one's saved tensors, so the peak is the largest (saved by earlier sublayers + this sublayer's widest
+    moment). Excludes the block input (a checkpoint) and tensors shared across blocks (position bias, masks,
+    encoder output). cross_len: source length for a decoder block (adds cross-attention), None for encoder.
+    """
+    n = b * length
+    # SDPA's decoder self-attention has no padding mask (causal only): its bias mask is 1 x H x T x T.
+    self_rows = 1 if (sdpa and cross_len is not None) else None
+    subs = [_attention_sublayer(b, length, length, shape, e, mask, sdpa=sdpa, bias_rows=self_rows)]
+    if cross_len is not None:
+        subs.append(_attention_sublayer(b, length, cross_len, shape, e, mask, sdpa=sdpa))
+    subs.append(_ff_sublayer(n, shape, e, mask))
+    total = sum(saved for saved, _ in subs)
+    peak, before = 0, 0
+    for saved, widest in subs:
+        peak = max(peak, before + widest)
+        before += saved
+    return total, peak
+
+
+def plan_memory(
+    shape: ModelShape,
+    *,
+    dtype: str = "bfloat16",
+    optimizer: str = "adamw",
+    bf16_update: str = "kahan",
+    gradient_checkpointing: bool = True,
+    rows: int,
+    src_len: int,
+    tgt_len: int,
+    loss_upcast: bool = False,
+    device: str = "cuda",
+    attn_implementation: str = "eager",
+) -> MemoryPlan:
+    """Predicted peak of one training step on `rows` rows padded to src_len source and tgt_len target tokens.
+
+    loss_upcast: the loss upcasts the logits to fp32 before cross-entropy (HF's T5 loss does not).
+    device: "cuda" keeps dropout masks as bool (fused dropout); elsewhere dropout saves a mask in the compute
+    dtype (`input * noise`), which is how the CPU tests check these formulas.
+    attn_implementation: "eager" (checked term by term on CPU) or "sdpa" (memory-efficient kernel; its terms
+    are calibrated on the GPU only).
+    """
+    e = _DTYPE_BYTES[dtype]
+    b, s, t = rows, src_len, tgt_len
+    d, h, v = shape.d_model, shape.num_heads, shape.vocab_size
+    le, ld = shape.num_layers, shape.num_decoder_layers
+    p_drop = shape.dropout_rate
+    params = shape.num_params()
+    weights = params * e
+    gradients = params * e  # .grad in the param dtype, kept between accumulated micro-batches
+    states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype)
+
+    mask_bytes = (1 if device == "cuda" else e) if p_drop > 0 else 0
+    if attn_implementation not in ("eager", "sdpa"):
+        raise ValueError(f"attn_implementation must be eager or sdpa, got {attn_implementation!r}")
+    sdpa = attn_implementation == "sdpa"
+    enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, sdpa)
+    dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, sdpa)
+    # Padding masks, made once per stack and passed to every block (batches padded to the longest row almost
+    # always have padding): eager adds float masks B x 1 x q x k; SDPA takes bool masks (causal: none).
+    mask_e = 1 if sdpa else e
+
+    # Tensors alive through the whole backward of a stack, besides the per-block checkpoints:
+    # encoder: the embedding dropout's mask, the relative position bias (1 x H x S x S, made by block 0 and
+    # passed to every block), the padding mask (B x 1 x S x S), the final layer norm's saved tensors,
+    # the final dropout's mask and output (the encoder output every cross-attention reads).
+    enc_shared = b * s * d * mask_bytes + h * s * s * e + b * s * s * mask_e + _layer_norm_saved(b * s, d, e)
+    enc_shared += b * s * d * (mask_bytes + e)
+    # decoder: embedding dropout mask, relative position bias (1 x H x T x T), the cross-attention's zero bias
+    # (1 x H x T x S), causal mask (B x 1 x T x T, eager only) and padding mask for the encoder
+    # (B x 1 x T x S), the final layer norm and dropout (whose output the LM head saves).
+    dec_shared = b * t * d * mask_bytes + h * t * t * e + h * t * s * e + (0 if sdpa else b * t * t * e)
+    dec_shared += b * t * s * mask_e
+    dec_shared += _layer_norm_saved(b * t, d, e) + b * t * d * (mask_bytes + e)
+
+    if gradient_checkpointing:
+        enc_keep = le * b * s * d * e  # each encoder block's input hidden states
+        dec_keep = ld * b * t * d * e
+    else:  # everything every block saves stays until its backward
+        enc_keep = le * (b * s * d * e + enc_block)
+        dec_keep = ld * (b * t * d * e + dec_block)
+        enc_bwd, dec_bwd = enc_bwd - enc_block, dec_bwd - dec_block  # only the backward scratch is new
+
+    # Logits B x T x V (bf16) saved for the loss; cross-entropy's log-softmax output (saved for its backward),
+    # fp32 when the loss upcasts (then the fp32 copy of the logits exists too, briefly). At the start of the
+    # backward the log-softmax gradient and the logits gradient exist together with both.
+    btv = b * t * v
+    if loss_upcast:
+        loss_fwd = btv * e + btv * 4 + btv * 4  # logits, fp32 copy, fp32 log-softmax
+        loss_bwd = btv * 4 + btv * 4 + btv * e  # fp32 grads of log-softmax and of the copy, bf16 logits grad
+    else:
+        loss_fwd = btv * e + btv * e
+        loss_bwd = btv * e + btv * e
+    logits_peak = loss_fwd + loss_bwd
+
+    # Gradients flowing between blocks: the hidden-state gradient (two alive at a block boundary) and, during
+    # the decoder's backward, the accumulated gradients of the encoder output and of the shared position
+    # biases.
+    flow_dec = 2 * b * t * d * e + b * s * d * e + h * t * t * e + h * t * s * e
+    flow_enc = 2 * b * s * d * e + h * s * s * e
+
+    moments = {
+        "loss": (enc_keep + enc_shared + dec_keep + dec_shared, logits_peak),
+        "decoder block backward": (
+            enc_keep + enc_shared + dec_keep + dec_shared + flow_dec + dec_bwd,
+            0,
+        ),
+        "encoder block backward": (enc_keep + enc_shared + flow_enc + enc_bwd, 0),
+    }
+    # transformers' Adafactor steps one weight at a time with fp32 copies of it, its gradient and the update;
+    # optimi's foreach step uses the gradients as its scratch buffer.
+    opt_temp = 3 * shape.largest_param() * 4 if optimizer == "adafactor" else 0
+    moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
+    if opt_temp > acts + logits:
+        moment, acts, logits = "optimizer step", 0, 0
+    else:
+        opt_temp = 0
+    allocated = weights + gradients + states + acts + logits + opt_temp
+    return MemoryPlan(
+        weights=weights,
+        gradients=gradients,
+        optimizer_states=states,
+        activations=acts,
+        logits=logits,
+        optimizer_temp=opt_temp,
+        allocator_slack=int(allocated * ALLOCATOR_SLACK),
+        peak_moment=moment,
+    )
+
+
+def _budget_shapes(
+    max_tokens: int, src_cap: int, tgt_cap: int, worst_case: bool
+) -> list[tuple[int, int, int]]:
+    """Micro-batch shapes a budget can produce: typical recipe rows, and (worst case) the budget spent on rows
+    at the maximum lengths, or on short-source rows with maximal targets (the logits grow with the target)."""
+    src, tgt = min(src_cap, TYPICAL_SOURCE), min(tgt_cap, TYPICAL_TARGET)
+    shapes = [(max(1, max_tokens // (src + tgt)), src, tgt)]
+    if worst_case:
+        shapes.append((max(1, max_tokens // (src_cap + tgt_cap)), src_cap, tgt_cap))
+        short_src = min(src_cap, 32)
+        shapes.append((max(1, max_tokens // (short_src + tgt_cap)), short_src, tgt_cap))
+    return shapes
+
+
+def budget_peak(
+    shape: ModelShape, max_tokens: int, *, src_cap=512, tgt_cap=512, worst_case=True, **kw
+) -> MemoryPlan:
+    """The largest predicted plan over the micro-batch shapes `max_tokens` can produce."""
+    plans = [
+        plan_memory(shape, rows=r, src_len=s, tgt_len=t, **kw)
+        for r, s, t in _budget_shapes(max_tokens, src_cap, tgt_cap, worst_case)
+    ]
+    return max(plans, key=lambda p: p.peak)
+
+
+def largest_token_budget(
+    shape: ModelShape,
+    gpu_bytes: int,
+    *,
+    src_cap: int = 512,
+    tgt_cap: int = 512,
+    worst_case: bool = True,
+    margin: float = SAFETY_MARGIN,
+    multiple: int = 256,
+    **kw,
+) -> int:
+    """Largest max_tokens (a multiple of `multiple`) whose predicted peak is under margin x gpu_bytes, or 0.
+
+    worst_case: also check the budget spent on rows at the maximum lengths (what a token-budget loader can
+    yield for long recipes); else only typical recipe lengths.
+    """
+    limit = gpu_bytes * margin
+
+    def fits(tokens: int) -> bool:
+        return (
+            budget_peak(shape, tokens, src_cap=src_cap, tgt_cap=tgt_cap, worst_case=worst_case, **kw).peak
+            <= limit
+        )
+
+    lo, hi = 0, multiple
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 24:
+            return lo
+    while hi - lo > multiple:
+        mid = (lo + hi) // 2 // multiple * multiple
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def largest_batch_size(
+    shape: ModelShape, gpu_bytes: int, *, src_len: int, tgt_len: int, margin: float = SAFETY_MARGIN, **kw
+) -> int:
+    """Largest rows per micro-batch at src_len/tgt_len padded lengths that fits; 0 if none."""
+    limit = gpu_bytes * margin
+    rows = 0
+    while plan_memory(shape, rows=rows + 1, src_len=src_len, tgt_len=tgt_len, **kw).peak <= limit:
+        rows += 1
+        if rows > 1 << 16:
+            break
+    return rows
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)(B?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'32GiB' -> 32*2**30, '24GB' -> 24e9, '80G' -> 80*2**30 (a bare G means GiB, as nvidia-smi shows)."""
+    m = _SIZE.match(text)
+    if not m or not m.group(2):
+        raise ValueError(f"cannot read memory size {text!r}: use e.g. 32GiB, 24GB or 80G")
+    num, unit, binary, b = float(m.group(1)), m.group(2).upper(), m.group(3), m.group(4)
+    power = "KMGT".index(unit) + 1
+    base = 1000 if (b and not binary) else 1024
+    return int(num * base**power)
+
+
+def _plan_kwargs(cfg) -> dict:
+    # The trainer uses SDPA unless the config asks for eager; other kernels are planned like SDPA.
+    attn = "eager" if cfg.attn_implementation == "eager" else "sdpa"
+    return dict(
+        dtype=cfg.dtype,
+        optimizer=cfg.optimizer,
+        bf16_update=cfg.bf16_update,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        attn_implementation=attn,
+    )
+
+
+def choose_max_tokens(cfg, gpu_bytes: int) -> int:
+    """Starting token budget for the loop when the config sets neither batch size nor max_tokens."""
+    shape = load_shape(cfg.model_name_or_path)
+    tokens = largest_token_budget(
+        shape, gpu_bytes, src_cap=cfg.max_source_length, tgt_cap=cfg.max_target_length, **_plan_kwargs(cfg)
+    )
+    # Never below one row at the maximum lengths: the loader must be able to yield its longest row alone.
+    floor = cfg.max_source_length + cfg.max_target_length
+    if tokens < floor:
+        logger.warning("predicted budget %d tokens is below one maximal row; using %d", tokens, floor)
+        tokens = floor
+    logger.info("memory plan: max_tokens %d for %.1f GiB", tokens, gpu_bytes / GIB)
+    return tokens
+
+
+def print_plan(cfg, gpu_memory: str) -> int:
+    """`trainer plan`: the predicted peak by component.
+
+    Exit 0 if the configured micro-batch fits, 1 if not (with a suggestion), 2 if the card size or the model's
+    config cannot be read."""
+    try:
+        gpu_bytes = parse_size(gpu_memory)
+        shape = load_shape(cfg.model_name_or_path)
+    except ValueError as e:
+        print(f"trainer plan: {e}", file=sys.stderr)
+        return 2
+    kw = _plan_kwargs(cfg)
+    src_cap, tgt_cap = cfg.max_source_length, cfg.max_target_length
+    if cfg.per_device_train_batch_size is not None:
+        batch = (
+            f"{cfg.per_device_train_batch_size} rows x ({src_cap} + {tgt_cap}) tokens (padded to the maximum)"
+        )
+        plan = plan_memory(
+            shape, rows=cfg.per_device_train_batch_size, src_len=src_cap, tgt_len=tgt_cap, **kw
+        )
+    else:
+        tokens = cfg.max_tokens or choose_max_tokens(cfg, gpu_bytes)
+        source = "max_tokens" if cfg.max_tokens else "chosen by the plan"
+        batch = f"token budget {tokens} ({source}; worst case over typical and maximal-length rows)"
+        plan = budget_peak(shape, tokens, src_cap=src_cap, tgt_cap=tgt_cap, **kw)
+    print(f"model: {cfg.model_name_or_path} ({shape.num_params() / 1e9:.2f}B parameters)")
+    print(
+        f"optimizer: {cfg.optimizer} ({cfg.bf16_update} bf16 update), "
+        f"checkpointing: {cfg.gradient_checkpointing}, attention: {kw['attn_implementation']}"
+    )
+    print(f"micro-batch: {batch}")
+    print(f"peak at: {plan.peak_moment}")
+    print(f"{'component':<24}{'GiB':>8}")
+    for name, value in plan.components().items():
+        print(f"{name:<24}{value / GIB:>8.2f}")
+    print(f"{'total (predicted peak)':<24}{plan.peak / GIB:>8.2f}")
+    print(f"{'card':<24}{gpu_bytes / GIB:>8.2f}")
+    print(f"{'headroom':<24}{(gpu_bytes - plan.peak) / GIB:>8.2f}")
+    best = largest_token_budget(shape, gpu_bytes, src_cap=src_cap, tgt_cap=tgt_cap, **kw)
+    typical = largest_token_budget(shape, gpu_bytes, src_cap=src_cap, tgt_cap=tgt_cap, worst_case=False, **kw)
+    rows = largest_batch_size(shape, gpu_bytes, src_len=src_cap, tgt_len=tgt_cap, **kw)
+    print(
+        f"largest max_tokens that fits ({SAFETY_MARGIN:.0%} of the card): {best} "
+        f"(typical lengths only: {typical})"
+    )
+    print(f"largest per_device_train_batch_size at {src_cap}+{tgt_cap} tokens: {rows}")
+    if plan.peak > gpu_bytes * SAFETY_MARGIN:
+        print(
+            f"does not fit: the predicted peak exceeds {SAFETY_MARGIN:.0%} of the card; "
+            f"set max_tokens: {best} (or per_device_train_batch_size: {rows})"
+        )
+        return 1
+    return 0
+
+
+class LiveTensorBytes:
+    """Peak bytes of live tensor storages, seen through the dispatcher: `max_memory_allocated` for any device.
+
+    Counts every storage an op creates (forward, backward, recompute, optimizer) and the `existing` tensors
+    handed in, until autograd and Python drop them. Kernel-internal scratch is not seen. Used on CPU to check
+    the plan's formulas term by term; on CUDA the allocator's own counters are the truth.
+    """
+
+    def __init__(self, existing=()):
+        self._live: dict[int, int] = {}  # id of a live storage's Python object -> its bytes
+        self._total = 0
+        for t in existing:
+            self._add(t)
+        self.peak = self._total
+
+    def _add(self, t) -> None:
+        # Storages keep one Python object for their lifetime, so a finalizer on it fires when the memory is
+        # freed; ids are removed before they can be reused.
+        st = t.untyped_storage()
+        key = id(st)
+        if key not in self._live:
+            self._live[key] = st.nbytes()
+            self._total += st.nbytes()
+            weakref.finalize(st, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        self._total -= self._live.pop(key, 0)
+
+    def live(self) -> int:
+        return self._total
+
+    def reset_peak(self) -> None:
+        self.peak = self._total
+
+    def __enter__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                        tracker._add(t)
+                tracker.peak = max(tracker.peak, tracker._total)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)

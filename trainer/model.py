@@ -1,0 +1,101 @@
+"""Loading the model once, in its training dtype, straight onto the training device."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GIB = 1024**3
+LOAD_PEAK_FACTOR = 1.05  # peak GPU memory while loading, relative to the weights' bytes
+LAST_LOAD: dict = {}  # what the last load measured (weights and peak bytes), for the run summary
+
+
+def _dtype_kwarg() -> str:
+    """transformers 5 takes `dtype=`, 4.5x `torch_dtype=`."""
+    from transformers import PreTrainedModel
+
+    params = inspect.signature(PreTrainedModel.from_pretrained).parameters
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    return "dtype" if major >= 5 or "dtype" in params else "torch_dtype"
+
+
+def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: str, random_init: bool):
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    if random_init:  # architecture only (benchmarks): random weights built on the device in their dtype
+        config = AutoConfig.from_pretrained(path)
+        config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        with torch.device(device):
+            return AutoModelForSeq2SeqLM.from_config(
+                config, attn_implementation=attn, **{_dtype_kwarg(): dtype}
+            )
+    kwargs = {_dtype_kwarg(): dtype, "attn_implementation": attn}
+    if device.type != "cpu":
+        kwargs["device_map"] = {"": device}  # weights go straight to the GPU, no CPU copy of the model
+    return AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)
+
+
+def load_model(cfg, device: torch.device, *, path: str | Path | None = None, random_init: bool | None = None):
+    """Load cfg.model_name_or_path (or `path`, e.g. a checkpoint) once, in cfg.dtype, onto `device`.
+
+    On CUDA, asserts the peak memory during the load is at most 1.05x the weights (no fp32 copy, no second
+    copy on the device). Attention: cfg.attn_implementation, else SDPA if transformers supports it for T5,
+    else eager. Gradient checkpointing is non-reentrant; use_cache is off (turned on for generation).
+    """
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    path = str(path or cfg.model_name_or_path)
+    random_init = cfg.random_init if random_init is None else random_init
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    choices = [cfg.attn_implementation] if cfg.attn_implementation else ["sdpa", "eager"]
+    model = None
+    for i, attn in enumerate(choices):
+        try:
+            model = _from_pretrained(path, dtype, device, attn, random_init)
+            break
+        except (ValueError, ImportError) as e:
+            if i == len(choices) - 1 or "attn" not in str(e).lower() and "sdpa" not in str(e).lower():
+                raise
+            log.info("attention: %s not supported for this model (%s); trying %s", attn, e, choices[i + 1])
+    attn_used = getattr(model.config, "_attn_implementation", None) or attn
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
+    n_params = sum(p.numel() for p in model.parameters())
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        log.info(
+            "model: %s loaded in %s, %.2f GiB weights, load peak %.2f GiB (%.3fx the weights)",
+            path,
+            cfg.dtype,
+            weight_bytes / GIB,
+            peak / GIB,
+            peak / max(weight_bytes, 1),
+        )
+        LAST_LOAD.update(weight_bytes=weight_bytes, peak_bytes=peak)
+        if peak > LOAD_PEAK_FACTOR * weight_bytes:
+            raise RuntimeError(
+                f"loading {path} peaked at {peak / GIB:.2f} GiB on the GPU, more than "
+                f"{LOAD_PEAK_FACTOR}x its {weight_bytes / GIB:.2f} GiB of weights: it was copied twice"
+            )
+    else:
+        LAST_LOAD.update(weight_bytes=weight_bytes, peak_bytes=None)
+        log.info("model: %s loaded in %s on %s, %.1fM parameters", path, cfg.dtype, device, n_params / 1e6)
+    param_device = next(model.parameters()).device
+    if param_device.type != device.type:
+        raise RuntimeError(f"model loaded on {param_device}, expected {device}")
+    log.info("attention implementation: %s", attn_used)
+    model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model

@@ -1,0 +1,180 @@
+"""A tiny random FLAN-T5 and a T5-style tokenizer, built offline, standing in for `google/flan-t5-xl`.
+
+No machine here can reach the Hugging Face Hub, so tests and the quickstart use this: the FLAN-T5 architecture
+(gated-GELU feed-forward, untied LM head, relative attention) at toy size with random weights, and a
+SentencePiece-Unigram tokenizer trained with the `tokenizers` library on generated recipes, laid out like
+flan-t5's tokenizer.json (pad=0, eos=1, unk=2, `</s>` appended by the post-processor, 100 `<extra_id_N>`
+sentinels).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+from trainer.sample import write_sample
+
+log = logging.getLogger(__name__)
+
+N_RECIPES = 3000
+VOCAB_SIZE = 3000  # the trainer stops near 2,000 on this corpus; sentinels come on top
+EXTRA_IDS = 100
+SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]  # ids 0, 1, 2 as in T5
+
+
+def _recipe_texts(path: Path) -> list[str]:
+    """The kinds of text the loader renders: an ingredient-list prompt and a full recipe."""
+    texts = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            ingredients = r["ingredients"]
+            texts.append("Write a recipe with these ingredients: " + ", ".join(ingredients))
+            texts.append(
+                f"Title: {r['title']}\nIngredients: "
+                + "; ".join(ingredients)
+                + "\nDirections: "
+                + " ".join(r["directions"])
+            )
+    return texts
+
+
+def _canonical_vocab(vocab: list[list]) -> list[list]:
+    """Make the trained Unigram vocab independent of hash-map order, so one seed gives one tokenizer.json.
+
+    The trainer's scores vary in the last bits from run to run, and it appends the characters it must cover in
+    arbitrary order with scores stepping down by 1e-4. Round the scores, order pieces by score then text, and
+    give that trailing run of characters its scores in character order.
+    """
+    n_special = len(SPECIAL_TOKENS)
+    pieces = [(p, round(s, 6)) for p, s in vocab[n_special:]]
+    # The appended characters: single characters whose score is 1e-4 from another single character's.
+    char_scores = sorted(s for p, s in pieces if len(p) == 1)
+
+    def near(x: float) -> bool:
+        i = bisect.bisect_left(char_scores, x - 1e-7)
+        return i < len(char_scores) and char_scores[i] <= x + 1e-7
+
+    in_run = [len(p) == 1 and (near(s - 1e-4) or near(s + 1e-4)) for p, s in pieces]
+    run_chars = sorted(p for (p, _), r in zip(pieces, in_run, strict=True) if r)
+    run_scores = sorted((s for (_, s), r in zip(pieces, in_run, strict=True) if r), reverse=True)
+    pieces = [x for x, r in zip(pieces, in_run, strict=True) if not r] + list(
+        zip(run_chars, run_scores, strict=True)
+    )
+    pieces.sort(key=lambda x: (-x[1], x[0]))
+    return vocab[:n_special] + [list(x) for x in pieces]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
+    """Train a T5-style Unigram `tokenizers.Tokenizer` on `texts`."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+    from tokenizers.trainers import UnigramTrainer
+
+    tok = Tokenizer(Unigram())
+    # flan-t5 uses SentencePiece's precompiled nmt_nfkc charsmap; NFKC is the closest built-in equivalent.
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+        ]
+    )
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    trainer = UnigramTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        unk_token="<unk>",
+        max_piece_length=16,
+        n_sub_iterations=2,
+        shrinking_factor=0.75,
+    )
+    tok.train_from_iterator(texts, trainer)
+    data = json.loads(tok.to_str())
+    data["model"]["vocab"] = _canonical_vocab(data["model"]["vocab"])
+    tok = Tokenizer.from_str(json.dumps(data))
+    eos_id = tok.token_to_id("</s>")
+    if [tok.token_to_id(t) for t in SPECIAL_TOKENS] != [0, 1, 2]:
+        raise RuntimeError("tokenizer trainer did not put <pad>, </s>, <unk> at ids 0, 1, 2")
+    tok.post_processor = processors.TemplateProcessing(
+        single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", eos_id)]
+    )
+    # T5 puts the sentinels last, <extra_id_0> with the highest id.
+    tok.add_special_tokens([AddedToken(f"<extra_id_{i}>", special=True) for i in reversed(range(EXTRA_IDS))])
+    return tok
+
+
+def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random T5ForConditionalGeneration and its tokenizer to `out` (created); return `out`."""
+    import torch
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
+        corpus = Path(tmp) / "recipes.jsonl"
+        write_sample(corpus, N_RECIPES, seed=seed, fmt="jsonl")
+        tok = train_tokenizer(_recipe_texts(corpus))
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        additional_special_tokens=[f"<extra_id_{i}>" for i in range(EXTRA_IDS)],
+        model_max_length=512,
+    )
+    hf_tok.save_pretrained(out)
+    # transformers 5 rebuilds a "T5Tokenizer" from its vocab and keeps only a SentencePiece Precompiled
+    # normalizer, dropping our NFKC one, so its ids would differ from tokenizer.json on text like "½".
+    # The generic class loads tokenizer.json as is, in transformers 4 and 5 alike.
+    config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text(encoding="utf-8"))
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+    config = T5Config(
+        vocab_size=len(hf_tok),
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        dropout_rate=0.1,
+        layer_norm_epsilon=1e-6,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        is_encoder_decoder=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = T5ForConditionalGeneration(config)
+        # transformers 5 forces T5Config.tie_word_embeddings to True and ties lm_head to the embedding at
+        # init; FLAN-T5 has its own head. A separate head, scaled so initial logits are ~N(0, 1) (the loss
+        # starts near ln(vocab) and the quickstart learns within a minute), is saved as its own tensor, and
+        # from_pretrained keeps it untied because it differs from the embedding, as for google/flan-t5-xl.
+        model.lm_head.weight = torch.nn.Parameter(
+            torch.randn(config.vocab_size, config.d_model) * config.d_model**-0.5
+        )
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, max_new_tokens=128
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    # Write config.json as flan-t5-xl's reads ("tie_word_embeddings": false, no output scaling key), so
+    # loading this model goes down the same code path as loading the real one.
+    model_config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    model_config["tie_word_embeddings"] = False
+    model_config.pop("scale_decoder_outputs", None)
+    (out / "config.json").write_text(json.dumps(model_config, indent=2) + "\n", encoding="utf-8")
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("wrote a tiny FLAN-T5 (%d parameters, vocab %d) to %s", n_params, len(hf_tok), out)
+    return out

@@ -1,0 +1,630 @@
+"""The training loop: config -> data -> model -> optimizer -> steps -> checkpoints. Read `train` top down.
+
+One optimizer step = `gradient_accumulation_steps` loader batches. The loss is the sum of token
+cross-entropies over the whole accumulated batch divided by its number of target tokens, so k micro-batches
+give the same gradient as one batch of all of them. On CUDA out-of-memory the loader batches are split into
+halves (then quarters, ...) on the Python side: the same data in the same order, the same effective batch,
+more micro-steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer import memory
+from trainer.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+TRAIN_LOG = "train_log.jsonl"  # one line per optimizer step: step, loss, lr (rank 0)
+SUMMARY = "run_summary.json"  # written at the end: steps, wall time, throughput, memory
+HEARTBEAT_EVERY_S = 10.0
+GIB = 1024**3
+
+
+class StopRequested:
+    """SIGTERM/SIGINT set a flag; the loop checks it at micro-batch boundaries, saves, and exits."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops without waiting for the checkpoint
+        self.signal_name = signal.Signals(signum).name
+        log.warning("%s received: saving a checkpoint at the next micro-batch boundary", self.signal_name)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __bool__(self) -> bool:
+        return self.signal_name is not None
+
+
+def write_heartbeat(output_dir: str | Path, step: int) -> None:
+    """`<output_dir>/heartbeat`, replaced atomically (the container HEALTHCHECK reads it)."""
+    path = Path(output_dir) / "heartbeat"
+    tmp = path.with_name(f"heartbeat.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"step": step, "time": time.time()}), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class Heartbeat:
+    def __init__(self, output_dir: str | Path, every_s: float = HEARTBEAT_EVERY_S):
+        self.output_dir, self.every_s, self._last = output_dir, every_s, 0.0
+
+    def beat(self, step: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= self.every_s:
+            write_heartbeat(self.output_dir, step)
+            self._last = now
+
+
+# -- data -------------------------------------------------------------------------------------------------
+
+
+def ensure_demo_data(cfg: TrainConfig) -> None:
+    """make_demo_data: create missing sample recipe files and the tiny model (quickstart, first use)."""
+    from trainer.sample import write_sample
+
+    for f in cfg.train_files:
+        if any(ch in f for ch in "*?[") or Path(f).exists():
+            continue
+        log.info("make_demo_data: writing %d sample recipes to %s", cfg.demo_records, f)
+        write_sample(f, cfg.demo_records, seed=0, fmt=cfg.data_format or "recipenlg-csv")
+    model_dir = Path(cfg.model_name_or_path)
+    if not (model_dir / "config.json").exists():
+        from trainer.tiny_model import build_tiny_model
+
+        log.info("make_demo_data: building the tiny FLAN-T5 in %s", model_dir)
+        build_tiny_model(model_dir, seed=0)
+
+
+def tokenizer_file_for(cfg: TrainConfig) -> str:
+    from trainer.data import resolve_tokenizer_file
+
+    return str(resolve_tokenizer_file(cfg.model_name_or_path))
+
+
+def make_stream(cfg: TrainConfig, tokenizer_file: str, split: str, rank: int = 0, world_size: int = 1):
+    from trainer.data import RecipeStream
+
+    train = split == "train"
+    return RecipeStream(
+        cfg.train_files,
+        tokenizer_file,
+        task=cfg.task,
+        source_template=cfg.source_template,
+        target_template=cfg.target_template,
+        max_source_length=cfg.max_source_length,
+        max_target_length=cfg.max_target_length,
+        batch_size=cfg.per_device_train_batch_size,
+        max_tokens=cfg.max_tokens,
+        pad_to_multiple_of=cfg.pad_to_multiple_of,
+        shuffle=cfg.shuffle and train,
+        seed=cfg.seed,
+        rank=rank,
+        world_size=world_size,
+        split=split if cfg.eval_fraction > 0 else "all",
+        eval_fraction=cfg.eval_fraction,
+        strict=cfg.strict_data,
+        dedup=cfg.dedup,
+        data_format=cfg.data_format,
+        num_threads=cfg.loader_threads,
+    )
+
+
+def loader_batches(stream, resume_state: dict | None = None):
+    """Yield numpy batches forever, epoch after epoch; `resume_state` (a stream state_dict) continues
+    exactly where a checkpoint left off, mid-epoch included."""
+    if resume_state is not None:
+        stream.load_state_dict(resume_state)
+    else:
+        stream.set_epoch(0)
+    epoch, fresh = stream.state_dict()["epoch"], resume_state is None
+    while True:
+        yielded = False
+        for batch in stream:
+            yielded = True
+            yield batch
+        if fresh and not yielded:
+            raise RuntimeError("the training data yields no batches (all records skipped or held out?)")
+        epoch, fresh = epoch + 1, True
+        stream.set_epoch(epoch)
+
+
+def to_device(batch: dict, device) -> dict:
+    import torch
+
+    out = {}
+    for k in ("input_ids", "attention_mask", "labels"):
+        t = torch.as_tensor(batch[k])
+        if device.type == "cuda":
+            t = t.pin_memory().to(device, non_blocking=True)
+        out[k] = t
+    return out
+
+
+# -- the step ---------------------------------------------------------------------------------------------
+
+
+def token_loss_sum(model, batch: dict):
+    """Sum of target-token cross-entropies of `batch` (fp32), without HF's per-batch mean."""
+    import torch.nn.functional as F
+
+    labels = batch["labels"]
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels=labels)
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        decoder_input_ids=decoder_input_ids,
+        use_cache=False,
+    ).logits
+    if logits.element_size() < 4:
+        logits = logits.float()  # the loss in fp32, whatever the weights' precision
+    return F.cross_entropy(
+        logits.view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+
+
+def accumulate_gradients(model, group: list[dict], split: int, stop: StopRequested | None = None):
+    """Forward+backward over the loader batches of one optimizer step, each split into `split` micro-batches.
+
+    Gradients are of (sum of token losses) / (target tokens in the whole group). Returns (loss sum tensor,
+    number of target tokens), or None when a stop was requested at a micro-batch boundary.
+    """
+
+    n_target = sum(int((b["labels"] != -100).sum()) for b in group)
+    total = 0.0
+    for batch in group:
+        for micro in memory.split_batch(batch, split):
+            if stop:
+                return None
+            loss_sum = token_loss_sum(model, micro)
+            (loss_sum / max(n_target, 1)).backward()
+            total = total + loss_sum.detach()  # no sync with the GPU here
+    return total, n_target
+
+
+def accumulate_with_oom_backoff(
+    model, group, state: dict, cfg: TrainConfig, reporter=None, step: int = 0, stop=None
+):
+    """accumulate_gradients, halving the micro-batch (doubling state["split"]) on out-of-memory and
+    retrying the same data, at most cfg.max_oom_halvings times in the run."""
+    import torch
+
+    while True:
+        oom = False
+        try:
+            return accumulate_gradients(model, group, state["split"], stop)
+        except torch.OutOfMemoryError:
+            oom = True  # handled outside the except block, so the traceback's tensors can be freed
+        if oom:
+            model.zero_grad(set_to_none=True)
+            memory.free_memory()
+            state["halvings"] += 1
+            if state["halvings"] > cfg.max_oom_halvings:
+                raise RuntimeError(
+                    f"out of GPU memory at step {step} even after {cfg.max_oom_halvings} halvings of the "
+                    f"micro-batch (now 1/{state['split']} of a loader batch); lower max_tokens or "
+                    f"per_device_train_batch_size.\n{memory.memory_summary()}"
+                )
+            state["split"] *= 2
+            accumulation = cfg.gradient_accumulation_steps * state["split"]
+            micro = describe_micro_batch(cfg, state["split"])
+            log.warning(
+                "out of memory at step %d: micro-batch halved to %s, accumulation %d (same effective batch)",
+                step,
+                micro,
+                accumulation,
+            )
+            if reporter is not None:
+                reporter.oom_backoff(step=step, micro_batch=micro, accumulation=accumulation)
+
+
+def describe_micro_batch(cfg: TrainConfig, split: int = 1) -> str:
+    if cfg.max_tokens:
+        return f"{cfg.max_tokens // split} tokens"
+    if cfg.per_device_train_batch_size:
+        return f"{max(1, cfg.per_device_train_batch_size // split)} rows"
+    return "loader default"
+
+
+# -- evaluation -------------------------------------------------------------------------------------------
+
+
+def evaluate(
+    model, stream, device, cfg: TrainConfig, tokenizer_file: str
+) -> tuple[float, list[dict[str, str]]]:
+    """Eval loss (token mean) over at most cfg.eval_max_batches held-out batches, and a few generations."""
+    import torch
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_file)
+    model.eval()
+    loss_sum, n_tokens, generations = 0.0, 0, []
+    try:
+        with torch.no_grad():
+            stream.set_epoch(0)
+            for i, batch in enumerate(stream):
+                if i >= cfg.eval_max_batches:
+                    break
+                batch = to_device(batch, device)
+                loss_sum += float(token_loss_sum(model, batch))
+                n_tokens += int((batch["labels"] != -100).sum())
+                if len(generations) < cfg.num_eval_generations:
+                    generations += generate(
+                        model, tok, batch, cfg, cfg.num_eval_generations - len(generations)
+                    )
+    finally:
+        model.train()
+    return (loss_sum / n_tokens if n_tokens else float("nan")), generations
+
+
+def generate(model, tok, batch: dict, cfg: TrainConfig, n: int) -> list[dict[str, str]]:
+    """Greedy generations for the first `n` rows of a batch: {"ingredients", "generated", "reference"}."""
+    input_ids, mask = batch["input_ids"][:n], batch["attention_mask"][:n]
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=mask,
+        max_new_tokens=cfg.generation_max_new_tokens,
+        do_sample=False,
+        use_cache=True,
+    )
+    rows = []
+    for i in range(len(input_ids)):
+        src = input_ids[i][mask[i].bool()].tolist()
+        ref = [t for t in batch["labels"][i].tolist() if t != -100]
+        rows.append(
+            {
+                "ingredients": tok.decode(src, skip_special_tokens=True),
+                "generated": tok.decode(out[i].tolist(), skip_special_tokens=True),
+                "reference": tok.decode(ref, skip_special_tokens=True),
+            }
+        )
+    return rows
+
+
+# -- the run ----------------------------------------------------------------------------------------------
+
+
+def _dist_env() -> tuple[int, int, int]:
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def _device(local_rank: int):
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def train(cfg: TrainConfig, dry_run: bool = False) -> int:
+    """Train as `cfg` says; returns the process exit code. dry_run: check config, data and plan only."""
+    # 1. Allocator settings, before anything can initialise CUDA.
+    alloc_conf = memory.set_alloc_conf(cfg.cuda_alloc_conf)
+    rank, world_size, local_rank = _dist_env()
+    is_main = rank == 0
+    if world_size > 1:
+        raise NotImplementedError("multi-process (torchrun) training is not implemented yet; run one process")
+
+    # 2. Data: sample data on first use (quickstart), tokenizer, train and held-out eval streams.
+    if cfg.make_demo_data:
+        ensure_demo_data(cfg)
+    if not cfg.train_files:
+        from trainer.config import ConfigError
+
+        raise ConfigError("train_files is empty: name at least one recipe file or glob")
+    tokenizer_file = tokenizer_file_for(cfg)
+    train_stream = make_stream(cfg, tokenizer_file, "train", rank, world_size)
+    eval_stream = (
+        make_stream(cfg, tokenizer_file, "eval", rank, world_size) if cfg.eval_fraction > 0 else None
+    )
+    accum = cfg.gradient_accumulation_steps
+    batches_per_epoch = len(train_stream)
+    if cfg.max_steps > 0:
+        total_steps = cfg.max_steps
+    else:
+        total_steps = max(1, math.ceil(batches_per_epoch * cfg.num_train_epochs / accum))
+    effective = f"{describe_micro_batch(cfg)} x {accum} accumulation x {world_size} process(es)"
+    log.info(
+        "plan: %d optimizer steps (%d batches per epoch), effective batch %s, tokenizer %s, data %s",
+        total_steps,
+        batches_per_epoch,
+        effective,
+        tokenizer_file,
+        ", ".join(cfg.train_files),
+    )
+    if dry_run:
+        log.info("dry run: config, data and tokenizer are fine; not loading the model")
+        return 0
+
+    import numpy as np
+    import torch
+    from tqdm.auto import tqdm
+
+    from trainer import checkpoint as ckpt
+    from trainer.model import load_model
+    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.report import Reporter
+
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    heartbeat = Heartbeat(output_dir)
+    heartbeat.beat(0, force=True)
+    device = _device(local_rank)
+    log.info(
+        "allocator: %s", memory.alloc_conf_in_force() if alloc_conf or device.type == "cuda" else "n/a (CPU)"
+    )
+    if cfg.gpu_memory_limit_gib and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, cfg.gpu_memory_limit_gib * 1024**3 / total), device
+        )
+
+    # 3. Resume point, model (loaded once, from the checkpoint when resuming), optimizer, schedule.
+    resume_from = ckpt.find_resume_checkpoint(cfg.resume, output_dir)
+    state: dict[str, Any] = ckpt.load_trainer_state(resume_from) if resume_from else {}
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = load_model(cfg, device, path=resume_from, random_init=False if resume_from else None)
+    model.train()
+    optimizer = build_optimizer(model, cfg, device)
+    scheduler = build_scheduler(optimizer, cfg, total_steps)
+    step = int(state.get("step", 0))
+    if resume_from:
+        ckpt.load_training_state(resume_from, optimizer, scheduler)
+        log.info("resumed from step %d (%s)", step, resume_from)
+    oom = {"split": int(state.get("oom_split", 1)), "halvings": int(state.get("oom_halvings", 0))}
+    loader_state = state.get("loader")  # the train stream's position after the last completed step
+    best = state.get("best")  # {"eval_loss", "path"}
+    reporter = Reporter(cfg, is_main=is_main, run_id=state.get("wandb_run_id"))
+    reporter.started(
+        model=cfg.model_name_or_path,
+        data=", ".join(cfg.train_files),
+        effective_batch=effective,
+        planned_steps=total_steps,
+    )
+    empty_cache = memory.EmptyCacheSchedule(cfg.empty_cache_steps)
+    log.info(
+        "empty_cache: %s",
+        f"every {cfg.empty_cache_steps} optimizer steps" if cfg.empty_cache_steps else "never",
+    )
+
+    def save(at_step: int) -> Path:
+        nonlocal best
+        path = ckpt.save_checkpoint(
+            output_dir,
+            at_step,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            tokenizer_file=tokenizer_file,
+            rng=boundary_rng,
+            trainer_state={
+                "loader": loader_state,
+                "config": cfg.to_dict(),
+                "wandb_run_id": reporter.run_id,
+                "oom_split": oom["split"],
+                "oom_halvings": oom["halvings"],
+                "micro_batch": describe_micro_batch(cfg, oom["split"]),
+                "best": best,
+                "nan_skipped": nan_skipped,
+            },
+        )
+        ckpt.rotate_checkpoints(output_dir, cfg.save_total_limit, Path(best["path"]) if best else None)
+        reporter.checkpoint_saved(step=at_step, path=str(path))
+        return path
+
+    # 4. The loop.
+    stop = StopRequested()
+    stop.install()
+    batches = loader_batches(train_stream, loader_state)
+    nan_skipped = int(state.get("nan_skipped", 0))
+    consecutive_nan = 0
+    last_loss: float | None = None
+    last_generations: list[dict[str, str]] = []
+    saved_at = step if resume_from else -1
+    boundary_rng = ckpt.rng_state()  # RNG states at the last step boundary: what a checkpoint stores
+    started = time.monotonic()
+    window = {"t": time.monotonic(), "tokens": 0, "samples": 0}
+    run_tokens = 0
+    train_log = output_dir / TRAIN_LOG if is_main else None
+    bar = tqdm(
+        total=total_steps,
+        initial=step,
+        desc="train",
+        disable=not (is_main and cfg.progress_bar),
+        dynamic_ncols=True,
+    )
+    exit_code = 0
+    try:
+        while step < total_steps:
+            group_np = [next(batches) for _ in range(accum)]
+            pending_loader_state = train_stream.state_dict()
+            group = [to_device(b, device) for b in group_np]
+            result = accumulate_with_oom_backoff(model, group, oom, cfg, reporter, step, stop)
+            heartbeat.beat(step)
+            if result is None:  # stop requested mid-step: the partial gradients are dropped
+                model.zero_grad(set_to_none=True)
+                break
+            loader_state = pending_loader_state
+            loss_sum, n_target = result
+            loss = float(loss_sum) / max(n_target, 1)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            if math.isfinite(loss) and bool(torch.isfinite(grad_norm)):
+                optimizer.step()
+                consecutive_nan = 0
+                last_loss = loss
+            else:
+                nan_skipped += 1
+                consecutive_nan += 1
+                log.warning(
+                    "step %d: loss %s / grad norm %s is not finite; update skipped", step, loss, grad_norm
+                )
+                reporter.nan_skipped(step=step, skipped_total=nan_skipped)
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            boundary_rng = ckpt.rng_state()
+            lr = scheduler.get_last_lr()[0]
+            if consecutive_nan >= cfg.max_consecutive_nan_steps:
+                path = save(step)
+                raise RuntimeError(
+                    f"{consecutive_nan} optimizer steps in a row had a NaN/inf loss or gradient (at {step}); "
+                    f"saved {path}. Lower the learning rate or check the data."
+                )
+            empty_cache.after_step(step)
+
+            tokens = sum(int(b["attention_mask"].sum()) + int((b["labels"] != -100).sum()) for b in group_np)
+            samples = sum(len(b["input_ids"]) for b in group_np)
+            window["tokens"] += tokens
+            window["samples"] += samples
+            run_tokens += tokens
+            if train_log is not None:
+                with open(train_log, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"step": step, "loss": loss, "lr": lr}) + "\n")
+            heartbeat.beat(step)
+            mem_gib = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else None
+            bar.update(1)
+            if step % cfg.logging_steps == 0 or step == total_steps:
+                elapsed = max(time.monotonic() - window["t"], 1e-9)
+                tok_s, smp_s = window["tokens"] / elapsed, window["samples"] / elapsed
+                bar.set_postfix(
+                    loss=f"{loss:.4f}",
+                    lr=f"{lr:.2e}",
+                    tok_s=f"{tok_s:,.0f}",
+                    smp_s=f"{smp_s:.1f}",
+                    mem=f"{mem_gib:.1f}G" if mem_gib is not None else "cpu",
+                    refresh=False,
+                )
+                metrics = {
+                    "train/loss": loss,
+                    "train/lr": lr,
+                    "train/grad_norm": float(grad_norm),
+                    "train/tokens_per_s": tok_s,
+                    "train/samples_per_s": smp_s,
+                }
+                if mem_gib is not None:
+                    metrics["gpu/memory_peak_gib"] = mem_gib
+                    metrics["gpu/memory_reserved_gib"] = torch.cuda.memory_reserved(device) / 1024**3
+                reporter.log_metrics(metrics, step)
+                rate = (time.monotonic() - started) / max(step - (saved_at if saved_at > 0 else 0), 1)
+                reporter.progress(
+                    step=step,
+                    total=total_steps,
+                    loss=loss,
+                    tokens_per_s=tok_s,
+                    eta_s=rate * (total_steps - step),
+                    memory_gib=mem_gib,
+                )
+                if bar.disable:
+                    log.info("step %d/%d loss %.4f lr %.2e %.0f tok/s", step, total_steps, loss, lr, tok_s)
+                window = {"t": time.monotonic(), "tokens": 0, "samples": 0}
+            if eval_stream is not None and (step % cfg.eval_steps == 0 or step == total_steps):
+                eval_loss, generations = evaluate(model, eval_stream, device, cfg, tokenizer_file)
+                log.info("step %d: eval loss %.4f", step, eval_loss)
+                reporter.evaluated(step=step, eval_loss=eval_loss, generations=generations)
+                last_generations = generations
+                if math.isfinite(eval_loss) and (best is None or eval_loss < best["eval_loss"]):
+                    best = {
+                        "eval_loss": eval_loss,
+                        "path": str(output_dir / f"checkpoint-{step}"),
+                        "step": step,
+                    }
+                    # the best checkpoint must exist: save it now unless this step saves anyway
+                    if step % cfg.save_steps and step != total_steps:
+                        saved_at = step
+                        save(step)
+            if step % cfg.save_steps == 0 and saved_at != step:
+                saved_at = step
+                save(step)
+            if stop:
+                break
+    except BaseException as e:
+        bar.close()
+        stop.restore()
+        if not isinstance(e, KeyboardInterrupt):
+            reporter.crashed(e)
+        reporter.close()
+        raise
+    bar.close()
+    stop.restore()
+    duration = time.monotonic() - started
+
+    # 5. Stopped by a signal: checkpoint and exit. Else: the final checkpoint and model.
+    if stop:
+        path = save(step) if saved_at != step else output_dir / f"checkpoint-{step}"
+        reporter.stopped_by_signal(signal_name=stop.signal_name, step=step, checkpoint=str(path))
+        reporter.close()
+        log.info("stopped by %s at step %d; resume with the same command", stop.signal_name, step)
+        return 128 + getattr(signal, stop.signal_name)
+    final = output_dir / "final"
+    if cfg.save_final:
+        if saved_at != step:
+            save(step)
+        model.save_pretrained(final, safe_serialization=True)
+        _copy_tokenizer(cfg.model_name_or_path, tokenizer_file, final)
+    from trainer.model import LAST_LOAD
+
+    summary = {
+        "steps": step,
+        "duration_s": duration,
+        "tokens_per_s": run_tokens / max(duration, 1e-9),
+        "final_loss": last_loss,
+        "nan_skipped": nan_skipped,
+        "oom_split": oom["split"],
+        "load_weight_gib": LAST_LOAD.get("weight_bytes", 0) / GIB,
+        "load_peak_gib": LAST_LOAD["peak_bytes"] / GIB if LAST_LOAD.get("peak_bytes") else None,
+    }
+    if device.type == "cuda":
+        summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+    (output_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    for g in last_generations[:1]:
+        log.info("a recipe for held-out ingredients %r:\n%s", g["ingredients"], g["generated"])
+    log.info("finished: %d steps in %.0f s, final loss %s, model in %s", step, duration, last_loss, final)
+    reporter.finished(final_loss=last_loss, duration_s=duration, model_dir=str(final))
+    reporter.close()
+    heartbeat.beat(step, force=True)
+    return exit_code
+
+
+def _copy_tokenizer(model_name_or_path: str, tokenizer_file: str, out: Path) -> None:
+    import shutil
+
+    src = Path(model_name_or_path)
+    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model"]
+    copied = False
+    if src.is_dir():
+        for name in names:
+            if (src / name).exists():
+                shutil.copy(src / name, out / name)
+                copied = True
+    if not copied:
+        shutil.copy(tokenizer_file, out / "tokenizer.json")
