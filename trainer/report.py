@@ -1,0 +1,364 @@
+"""The one object the training loop calls for monitoring: W&B metrics plus Discord messages.
+
+Every method returns quickly and never raises: W&B failures are logged once and W&B is switched off, Discord
+messages go through a bounded queue to a background thread (trainer.notify). Only the main process reports.
+
+    reporter = Reporter(cfg, is_main=rank == 0, run_id=checkpoint_run_id)
+    reporter.started(model=..., data=..., effective_batch=..., planned_steps=...)
+    ...
+    reporter.finished(final_loss=..., duration_s=..., model_dir=...)
+    reporter.close()
+
+Metric names for `log_metrics` (W&B plots them against `train/global_step`, which the Reporter adds):
+train/loss, train/lr, train/grad_norm, train/tokens_per_s (real, non-pad tokens), train/samples_per_s,
+train/real_token_share, gpu/memory_allocated_gib, gpu/memory_reserved_gib, gpu/memory_peak_gib. The Reporter
+itself logs eval/loss and the eval/generations table (`evaluated`), train/oom_backoffs (`oom_backoff`) and
+train/skipped_nan_steps (`nan_skipped`). System metrics (GPU utilisation, power, CPU) come from wandb itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import traceback
+from typing import Any
+
+from trainer.notify import DiscordNotifier, Priority, make_embed, webhook_url_from_env
+from trainer.redact import install_log_redaction, redact
+
+logger = logging.getLogger(__name__)
+
+TRACEBACK_CHARS = 3500  # what a crash message keeps of the traceback: the end, where the error is
+TRACEBACK_LINE_CHARS = 400
+_GENERATIONS_IN_DISCORD = 3
+
+
+def _never_raise(method):
+    """Reporting must never take a training run down: log the first error of each method and carry on."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            if method.__name__ not in self._errors_logged:
+                self._errors_logged.add(method.__name__)
+                logger.warning(
+                    "reporting: %s failed: %s: %s", method.__name__, type(e).__name__, redact(str(e))
+                )
+            return None
+
+    return wrapper
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "unknown"
+    seconds = int(round(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h {minutes}m"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {secs}s"
+    return f"{secs}s"
+
+
+def _num(value: float | None, fmt: str = ".4f") -> str:
+    if value is None:
+        return "n/a"
+    try:
+        return format(value, fmt)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _rate(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.1f}"
+
+
+class Reporter:
+    """W&B + Discord for one training run. See the module docstring; all methods are safe to call always.
+
+    cfg.report_to == "wandb" turns W&B on; DISCORD_WEBHOOK_URL (or DISCORD_WEBHOOK) in the environment turns
+    Discord on. cfg.discord_progress_minutes: a progress message at most this often (the first progress call
+    sends one); 0 sends every call, a negative value turns progress messages off.
+    """
+
+    def __init__(self, cfg: Any, *, is_main: bool = True, run_id: str | None = None):
+        self._errors_logged: set[str] = set()
+        self.cfg = cfg
+        self.is_main = is_main
+        self._given_run_id = run_id
+        self._wandb = None
+        self._discord: DiscordNotifier | None = None
+        self._last_progress_at: float | None = None
+        self._oom_backoffs = 0
+        self._exit_code = 0
+        self._closed = False
+        self._name = getattr(cfg, "run_name", None) or os.path.basename(
+            os.path.normpath(getattr(cfg, "output_dir", "") or "run")
+        )
+        self._host = socket.gethostname()
+        # Idempotent; here too so that no entry point can forget it (log handlers added later need their own
+        # call, which the CLI makes after configuring logging).
+        install_log_redaction()
+        if not is_main:
+            return
+        self._setup_wandb(cfg, run_id)
+        self._setup_discord()
+        atexit.register(self._close_at_exit)
+
+    def _setup_wandb(self, cfg: Any, run_id: str | None) -> None:
+        if getattr(cfg, "report_to", "none") != "wandb":
+            return
+        try:
+            from trainer.metrics import WandbLogger
+
+            config = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+            self._wandb = WandbLogger(
+                config=config,
+                project=getattr(cfg, "wandb_project", None),
+                entity=getattr(cfg, "wandb_entity", None),
+                name=getattr(cfg, "run_name", None),
+                run_id=run_id,
+                # W&B files live with the run they describe (output_dir/wandb) unless WANDB_DIR says else.
+                directory=None if os.environ.get("WANDB_DIR") else getattr(cfg, "output_dir", None),
+            )
+            # Remembered, so run_id still answers after W&B is finished or has failed.
+            self._given_run_id = self._wandb.run_id or run_id
+        except Exception as e:
+            logger.warning("W&B could not start, training goes on: %s: %s", type(e).__name__, redact(str(e)))
+            self._wandb = None
+
+    def _setup_discord(self) -> None:
+        try:
+            self._start_discord()
+        except Exception as e:
+            logger.warning("Discord notifications off: %s: %s", type(e).__name__, redact(str(e)))
+            self._discord = None
+
+    def _start_discord(self) -> None:
+        url = webhook_url_from_env()
+        if not url:
+            logger.info("Discord notifications off (DISCORD_WEBHOOK_URL is not set)")
+            return
+        if not url.startswith(("https://", "http://")):
+            logger.warning("Discord notifications off: the webhook URL is not an http(s) URL")
+            return
+        self._discord = DiscordNotifier(url)
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str | None:
+        """The W&B run id to store with checkpoints (the given one when W&B is off)."""
+        if self._wandb is not None and self._wandb.run_id:
+            return self._wandb.run_id
+        return self._given_run_id
+
+    def _footer(self) -> str:
+        parts = [self._name, self._host]
+        if self._wandb is not None and self._wandb.run_id:
+            parts.append(f"W&B {self._wandb.run_id}")
+        return " · ".join(parts)
+
+    def _notify(self, kind: str, title: str, description: str = "", fields=None, *, priority, keep="head"):
+        if self._discord is None:
+            return
+        embed = make_embed(kind, title, description, fields, footer=self._footer(), keep=keep)
+        self._discord.send({"embeds": [embed]}, kind=kind, priority=priority)
+
+    def _wandb_log(self, metrics: dict[str, Any], step: int) -> None:
+        if self._wandb is not None:
+            self._wandb.log(metrics, step)
+
+    # -- events ------------------------------------------------------------------------------------
+
+    @_never_raise
+    def started(self, *, model: str, data: str, effective_batch: str, planned_steps: int) -> None:
+        fields = [
+            ("Model", model, True),
+            ("Effective batch", effective_batch, True),
+            (
+                "Planned steps",
+                f"{planned_steps:,}" if planned_steps and planned_steps > 0 else "unknown",
+                True,
+            ),
+            ("Data", data, False),
+        ]
+        url = self._wandb.url if self._wandb is not None else None
+        if url:
+            fields.append(("W&B", url, False))
+        self._notify("started", f"Training started: {self._name}", "", fields, priority=Priority.CRITICAL)
+        if self._wandb is not None:
+            self._wandb.set_summary({"planned_steps": planned_steps})
+
+    @_never_raise
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._wandb_log(dict(metrics), step)
+
+    @_never_raise
+    def progress(
+        self,
+        *,
+        step: int,
+        total: int,
+        loss: float,
+        tokens_per_s: float,
+        eta_s: float,
+        memory_gib: float | None,
+    ) -> None:
+        minutes = getattr(self.cfg, "discord_progress_minutes", 30.0)
+        if self._discord is None or minutes is None or minutes < 0:
+            return
+        now = time.monotonic()
+        if self._last_progress_at is not None and now - self._last_progress_at < minutes * 60:
+            return
+        self._last_progress_at = now
+        share = f" ({100 * step / total:.1f}%)" if total and total > 0 else ""
+        fields = [
+            ("Step", f"{step:,} / {total:,}{share}" if total and total > 0 else f"{step:,}", True),
+            ("Loss", _num(loss), True),
+            ("Tokens/s", _rate(tokens_per_s), True),
+            ("ETA", format_duration(eta_s), True),
+            ("GPU memory", f"{memory_gib:.1f} GiB" if memory_gib is not None else "n/a", True),
+        ]
+        self._notify("progress", "Progress", "", fields, priority=Priority.PROGRESS)
+
+    @_never_raise
+    def evaluated(self, *, step: int, eval_loss: float, generations: list[dict[str, str]]) -> None:
+        self._wandb_log({"eval/loss": eval_loss}, step)
+        if self._wandb is not None:
+            self._wandb.log_generations(step, generations)
+        fields: list[tuple[str, Any, bool]] = [
+            ("Step", f"{step:,}", True),
+            ("Eval loss", _num(eval_loss), True),
+        ]
+        for i, g in enumerate(generations[:_GENERATIONS_IN_DISCORD], 1):
+            fields.append((f"Sample {i}: ingredients", g.get("ingredients", "") or "-", False))
+            fields.append((f"Sample {i}: generated", g.get("generated", "") or "-", False))
+        self._notify("evaluated", "Evaluation", "", fields, priority=Priority.NORMAL)
+
+    @_never_raise
+    def checkpoint_saved(self, *, step: int, path: str) -> None:
+        self._notify(
+            "checkpoint",
+            "Checkpoint saved",
+            "",
+            [("Step", f"{step:,}", True), ("Path", path, False)],
+            priority=Priority.NORMAL,
+        )
+
+    @_never_raise
+    def oom_backoff(self, *, step: int, micro_batch: str, accumulation: int) -> None:
+        self._oom_backoffs += 1
+        self._wandb_log({"train/oom_backoffs": self._oom_backoffs}, step)
+        fields = [
+            ("Step", f"{step:,}", True),
+            ("New micro-batch", micro_batch, True),
+            ("Accumulation", str(accumulation), True),
+            ("Back-offs so far", str(self._oom_backoffs), True),
+        ]
+        self._notify(
+            "oom",
+            "Out of memory: micro-batch halved",
+            "The effective batch is unchanged.",
+            fields,
+            priority=Priority.NORMAL,
+        )
+
+    @_never_raise
+    def nan_skipped(self, *, step: int, skipped_total: int) -> None:
+        self._wandb_log({"train/skipped_nan_steps": skipped_total}, step)
+        fields = [("Step", f"{step:,}", True), ("Skipped so far", str(skipped_total), True)]
+        self._notify("nan", "Non-finite loss: step skipped", "", fields, priority=Priority.NORMAL)
+
+    @_never_raise
+    def crashed(self, exc: BaseException) -> None:
+        self._exit_code = 1
+        kind = type(exc).__name__
+        # Each line is capped so a huge exception message cannot push the frames out; then the end is kept,
+        # where the failing frame and the error are.
+        lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        lines = [
+            line if len(line) <= TRACEBACK_LINE_CHARS else line[:TRACEBACK_LINE_CHARS] + "…\n"
+            for line in lines
+        ]
+        # A ``` inside the text would end the code block early.
+        tb = redact("".join(lines).rstrip()).replace("```", "`\u200b``")
+        if len(tb) > TRACEBACK_CHARS:
+            tb = "…" + tb[-TRACEBACK_CHARS:]
+        message = redact(str(exc))
+        fields = [("Exception", kind, True)]
+        if message:
+            fields.append(("Message", message, False))
+        self._notify(
+            "crashed", f"Training crashed: {kind}", f"```\n{tb}\n```", fields, priority=Priority.CRITICAL
+        )
+        if self._wandb is not None:
+            self._wandb.set_summary({"crashed": kind})
+
+    @_never_raise
+    def stopped_by_signal(self, *, signal_name: str, step: int, checkpoint: str | None) -> None:
+        self._exit_code = 0 if self._exit_code == 0 else self._exit_code
+        fields = [
+            ("Signal", signal_name, True),
+            ("Step", f"{step:,}", True),
+            ("Checkpoint", checkpoint or "none written", False),
+        ]
+        text = "The run can resume from the checkpoint." if checkpoint else ""
+        self._notify("signal", f"Training stopped by {signal_name}", text, fields, priority=Priority.CRITICAL)
+        if self._wandb is not None:
+            # Tells W&B the run was interrupted on purpose (it shows as preempted, not crashed).
+            self._wandb.mark_preempting()
+            self._wandb.set_summary({"stopped_by": signal_name, "stopped_at_step": step})
+
+    @_never_raise
+    def finished(self, *, final_loss: float | None, duration_s: float, model_dir: str) -> None:
+        fields = [
+            ("Final loss", _num(final_loss), True),
+            ("Duration", format_duration(duration_s), True),
+            ("Model", model_dir, False),
+        ]
+        self._notify("finished", f"Training finished: {self._name}", "", fields, priority=Priority.CRITICAL)
+        if self._wandb is not None:
+            self._wandb.set_summary({"final_loss": final_loss, "duration_s": duration_s})
+
+    @_never_raise
+    def close(self, timeout: float = 10.0) -> None:
+        """Give queued Discord messages up to `timeout` seconds to go out, and finish the W&B run."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._close_at_exit)
+        start = time.monotonic()
+        closer = None
+        if self._discord is not None:
+            # Discord drains in its own thread while W&B finishes here.
+            closer = threading.Thread(target=self._discord.close, args=(timeout,), daemon=True)
+            closer.start()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=self._exit_code)
+        if closer is not None:
+            closer.join(max(0.0, timeout - (time.monotonic() - start)) + 0.2)
+
+    def _close_at_exit(self) -> None:
+        # The loop forgot close() (or exited through an uncaught path): still flush, briefly.
+        self.close(timeout=5.0)
