@@ -1,0 +1,45 @@
+"""Container HEALTHCHECK: is the training loop's heartbeat file fresh?
+
+The loop writes `<output_dir>/heartbeat` (JSON {"step": ..., "time": unix seconds}) at least every 30 s while
+it trains. A run that hangs (a stuck collective, a dead data thread) stops refreshing it; "CUDA is available"
+would still be true.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+HEARTBEAT_NAME = "heartbeat"
+
+
+def heartbeat_path(output_dir: str | Path) -> Path:
+    """Where the training loop writes its heartbeat for a run with this output_dir."""
+    return Path(output_dir) / HEARTBEAT_NAME
+
+
+def check_heartbeat(path: str | Path, max_age: float, now: float | None = None) -> tuple[bool, str]:
+    """(fresh, one-line reason). The age is taken from the file's "time" field, else from its mtime."""
+    path = Path(path)
+    now = time.time() if now is None else now
+    try:
+        stamp = path.stat().st_mtime
+        raw = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return False, f"no heartbeat at {path} (training has not started, or writes elsewhere)"
+    except OSError as e:
+        return False, f"cannot read heartbeat {path}: {e.strerror}"
+    step = None
+    try:
+        beat = json.loads(raw)
+        if isinstance(beat, dict) and isinstance(beat.get("time"), (int, float)):
+            stamp = float(beat["time"])
+            step = beat.get("step")
+    except ValueError:
+        pass  # half-written or foreign file: its mtime still says when it was last touched
+    age = now - stamp
+    at = f" at step {step}" if step is not None else ""
+    if age > max_age:
+        return False, f"heartbeat {path} is stale: last beat{at} {age:.0f} s ago (max {max_age:.0f} s)"
+    return True, f"heartbeat ok: last beat{at} {max(age, 0.0):.0f} s ago"
