@@ -1,0 +1,40 @@
+"""Shared fixtures: generated sample recipes and a tiny offline FLAN-T5, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer.sample import write_sample
+from trainer.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random FLAN-T5 and its T5-style tokenizer (`tokenizer.json` inside), built with seed 0."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def sample_csv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """RecipeNLG `full_dataset.csv` layout, 500 recipes."""
+    path = tmp_path_factory.mktemp("samples") / "full_dataset.csv"
+    write_sample(path, 500, seed=1, fmt="recipenlg-csv")
+    return path
+
+
+@pytest.fixture(scope="session")
+def sample_foodcom(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Food.com `RAW_recipes.csv` layout, 300 recipes."""
+    path = tmp_path_factory.mktemp("samples") / "RAW_recipes.csv"
+    write_sample(path, 300, seed=2, fmt="foodcom-csv")
+    return path
+
+
+@pytest.fixture(scope="session")
+def sample_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """JSONL with title, ingredients, directions and NER, 300 recipes."""
+    path = tmp_path_factory.mktemp("samples") / "recipes.jsonl"
+    write_sample(path, 300, seed=3, fmt="jsonl")
+    return path

@@ -1,0 +1,83 @@
+"""Checkpoints: atomic writes, rotation that keeps the best, resume picks the newest complete one."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
+
+from trainer import checkpoint as ckpt
+
+
+def _setup():
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+        feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0,
+    )  # fmt: skip
+    model = T5ForConditionalGeneration(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    return model, opt, sched
+
+
+def _save(out, step, model, opt, sched, **state):
+    return ckpt.save_checkpoint(out, step, model=model, optimizer=opt, scheduler=sched, trainer_state=state)
+
+
+def test_save_and_restore_round_trip(tmp_path):
+    model, opt, sched = _setup()
+    x = torch.randint(2, 64, (2, 5))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    sched.step()
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    path = _save(tmp_path, 7, model, opt, sched, data_position={"epoch": 0, "batches_done": 7})
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+
+    assert path == tmp_path / "checkpoint-7" and not list(tmp_path.glob("*.tmp-*"))
+    assert (path / "model.safetensors").is_file()
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(path)
+    for a, b in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    _, opt2, sched2 = _setup()
+    opt2 = torch.optim.AdamW(loaded.parameters(), lr=1e-3)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0 / (s + 1))
+    ckpt.load_training_state(path, opt2, sched2)
+    assert sched2.last_epoch == 1
+    assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    state = ckpt.load_trainer_state(path)
+    assert state["step"] == 7 and state["data_position"] == {"epoch": 0, "batches_done": 7}
+
+
+def test_incomplete_checkpoints_are_never_picked(tmp_path):
+    model, opt, sched = _setup()
+    _save(tmp_path, 10, model, opt, sched)
+    # A save killed mid-write: a temporary dir, and a renamed dir without its completion marker.
+    (tmp_path / "checkpoint-30.tmp-99999").mkdir()
+    broken = tmp_path / "checkpoint-20"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"partial")
+    assert ckpt.find_resume_checkpoint("auto", tmp_path) == tmp_path / "checkpoint-10"
+    assert ckpt.find_resume_checkpoint("never", tmp_path) is None
+    assert ckpt.find_resume_checkpoint("auto", tmp_path / "nothing-here") is None
+    with pytest.raises(FileNotFoundError, match="checkpoint-20"):
+        ckpt.find_resume_checkpoint(str(broken), tmp_path)
+
+
+def test_rotation_keeps_the_last_n_and_the_best(tmp_path):
+    model, opt, sched = _setup()
+    for step in (1, 2, 3, 4, 5):
+        _save(tmp_path, step, model, opt, sched)
+    (tmp_path / "checkpoint-6.tmp-99999").mkdir()  # left by a crashed earlier run
+    ckpt.rotate_checkpoints(tmp_path, 2, best=tmp_path / "checkpoint-2")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+    assert json.loads((tmp_path / "checkpoint-5" / ckpt.MARKER).read_text())["step"] == 5

@@ -1,0 +1,282 @@
+"""The memory plan against real tensors: exact bytes for weights, gradients and optimizer states after a real
+step, and the activation terms against the live tensor bytes of a real checkpointed T5 training micro-step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+from transformers.optimization import Adafactor
+
+from trainer.cli import main as cli_main
+from trainer.config import TrainConfig
+from trainer.memory_plan import (
+    GIB,
+    KNOWN_CONFIGS,
+    SAFETY_MARGIN,
+    LiveTensorBytes,
+    ModelShape,
+    budget_peak,
+    choose_max_tokens,
+    largest_batch_size,
+    largest_token_budget,
+    load_shape,
+    optimizer_state_bytes,
+    parse_size,
+    plan_memory,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny bf16 models run faster on one thread, and much faster when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**kw) -> T5Config:
+    values = dict(
+        d_model=64,
+        d_ff=160,
+        d_kv=16,
+        num_heads=4,
+        num_layers=2,
+        num_decoder_layers=2,
+        vocab_size=512,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        dropout_rate=0.1,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        attn_implementation="eager",
+        use_cache=False,
+    )
+    values.update(kw)
+    return T5Config(**values)
+
+
+def build_bf16(config: T5Config, checkpointing: bool = True) -> T5ForConditionalGeneration:
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = T5ForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def batch(config: T5Config, rows: int, src: int, tgt: int):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, config.vocab_size, (rows, src), generator=gen)
+    labels = torch.randint(2, config.vocab_size, (rows, tgt), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0  # longest-padding batches have padding: masks take their real shapes
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+def test_weights_gradients_and_states_are_exact_after_a_real_step(optimizer):
+    import optimi
+
+    config = tiny_config()
+    model = build_bf16(config, checkpointing=False)
+    if optimizer == "adamw":
+        opt = optimi.AdamW(model.parameters(), lr=1e-3, kahan_sum=True)
+    else:
+        opt = Adafactor(
+            model.parameters(), lr=1e-3, scale_parameter=False, relative_step=False, warmup_init=False
+        )
+    model(**batch(config, 2, 8, 8)).loss.backward()
+    opt.step()
+
+    shape = ModelShape.from_config(config)
+    plan = plan_memory(shape, optimizer=optimizer, rows=2, src_len=8, tgt_len=8)
+    params = list(model.parameters())
+    assert shape.num_params() == sum(p.numel() for p in params)
+    assert plan.weights == tensor_bytes(params)
+    assert plan.gradients == tensor_bytes(p.grad for p in params)
+    states = [v for st in opt.state.values() for v in st.values()]
+    update = "kahan" if optimizer == "adamw" else "naive"  # transformers' Adafactor has no Kahan buffer
+    assert optimizer_state_bytes(shape, optimizer, update) == tensor_bytes(states)
+
+
+def measured_activation_peak(
+    config: T5Config, rows: int, src: int, tgt: int, checkpointing: bool = True
+) -> int:
+    """Peak live tensor bytes of one accumulated micro-step above weights + gradients + optimizer states."""
+    import optimi
+
+    model = build_bf16(config, checkpointing)
+    opt = optimi.AdamW(model.parameters(), lr=1e-4, kahan_sum=True)
+    inputs = batch(config, rows, src, tgt)
+    model(**inputs).loss.backward()
+    opt.step()  # states now exist; the gradients stay, as between accumulated micro-batches
+    fixed = list(model.parameters()) + [p.grad for p in model.parameters()]
+    fixed += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    with LiveTensorBytes(fixed) as tracker:
+        base = tracker.live()
+        out = model(**inputs)
+        out.loss.backward()
+        del out
+    return tracker.peak - base
+
+
+@pytest.mark.parametrize(
+    "rows,src,tgt,vocab,moment",
+    [
+        (8, 64, 128, 512, "decoder block backward"),  # long targets: the decoder's recompute is the peak
+        (4, 32, 200, 2000, "loss"),  # a large vocabulary: logits and their gradients are the peak
+        (8, 100, 40, 300, "encoder block backward"),  # long sources, short targets
+        (2, 128, 128, 256, "decoder block backward"),  # few long rows: attention scores dominate
+    ],
+)
+def test_activation_terms_match_live_tensor_bytes_of_a_real_checkpointed_step(rows, src, tgt, vocab, moment):
+    config = tiny_config(vocab_size=vocab)
+    measured = measured_activation_peak(config, rows, src, tgt)
+    # On CPU dropout keeps its mask in the compute dtype: the plan is told so (device="cpu").
+    plan = plan_memory(ModelShape.from_config(config), rows=rows, src_len=src, tgt_len=tgt, device="cpu")
+    predicted = plan.activations + plan.logits
+    assert plan.peak_moment == moment
+    assert predicted == pytest.approx(measured, rel=0.10)
+
+
+def test_activation_terms_without_checkpointing():
+    config = tiny_config()
+    measured = measured_activation_peak(config, 4, 24, 40, checkpointing=False)
+    plan = plan_memory(
+        ModelShape.from_config(config),
+        rows=4,
+        src_len=24,
+        tgt_len=40,
+        device="cpu",
+        gradient_checkpointing=False,
+    )
+    assert plan.activations + plan.logits == pytest.approx(measured, rel=0.10)
+    with_ckpt = plan_memory(ModelShape.from_config(config), rows=4, src_len=24, tgt_len=40, device="cpu")
+    assert with_ckpt.activations + with_ckpt.logits < plan.activations + plan.logits
+
+
+@pytest.mark.parametrize("name", ["google/flan-t5-small", "google/flan-t5-base", "google/flan-t5-xl"])
+def test_known_models_count_the_parameters_the_real_model_has(name):
+    shape = load_shape(name)  # offline: the built-in table through the installed T5Config
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(T5Config(**KNOWN_CONFIGS[name]))
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    if name == "google/flan-t5-xl":
+        assert (shape.d_model, shape.d_ff, shape.num_heads, shape.num_layers, shape.vocab_size) == (
+            2048, 5120, 32, 24, 32128
+        )  # fmt: skip
+        assert shape.gated and shape.dropout_rate == 0.1
+
+
+def test_load_shape_reads_a_local_model_dir(tmp_path):
+    config = tiny_config(d_model=96, num_layers=3, num_decoder_layers=1, feed_forward_proj="relu")
+    config.save_pretrained(tmp_path)
+    shape = load_shape(str(tmp_path))
+    assert (shape.d_model, shape.num_layers, shape.num_decoder_layers, shape.gated) == (96, 3, 1, False)
+    with pytest.raises(ValueError, match="no config for"):
+        load_shape(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("32GiB", 32 * GIB),
+        ("24GB", 24 * 10**9),
+        ("80G", 80 * GIB),
+        ("1.5 TiB", int(1.5 * 1024**4)),
+        ("512MiB", 2**29),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["32", "lots", "32XB", ""])
+def test_parse_size_rejects_unclear_sizes(text):
+    with pytest.raises(ValueError, match="memory size"):
+        parse_size(text)
+
+
+def test_largest_token_budget_is_the_edge_of_what_fits():
+    xl = load_shape("google/flan-t5-xl")
+    card = 32 * GIB
+    for optimizer in ("adamw", "adafactor"):
+        tokens = largest_token_budget(xl, card, optimizer=optimizer)
+        assert tokens > 0 and tokens % 256 == 0
+        assert budget_peak(xl, tokens, optimizer=optimizer).peak <= SAFETY_MARGIN * card
+        assert budget_peak(xl, tokens + 256, optimizer=optimizer).peak > SAFETY_MARGIN * card
+    adamw = largest_token_budget(xl, card, optimizer="adamw")
+    adafactor = largest_token_budget(xl, card, optimizer="adafactor")
+    assert adafactor > adamw  # Adafactor's states are ~3x smaller
+    assert largest_token_budget(xl, 80 * GIB, optimizer="adamw") > adamw
+    # Typical recipe lengths pack more tokens than the worst case of maximal rows.
+    assert largest_token_budget(xl, card, optimizer="adafactor", worst_case=False) >= adafactor
+    # A card too small for the weights, gradients and states fits nothing.
+    assert largest_token_budget(xl, 16 * GIB, optimizer="adamw") == 0
+
+
+def test_largest_batch_size():
+    xl = load_shape("google/flan-t5-xl")
+    rows = largest_batch_size(xl, 32 * GIB, src_len=512, tgt_len=512, optimizer="adafactor")
+    assert rows >= 1
+    peak = plan_memory(xl, optimizer="adafactor", rows=rows, src_len=512, tgt_len=512).peak
+    assert peak <= SAFETY_MARGIN * 32 * GIB
+    assert (
+        plan_memory(xl, optimizer="adafactor", rows=rows + 1, src_len=512, tgt_len=512).peak
+        > SAFETY_MARGIN * 32 * GIB
+    )
+
+
+def test_choose_max_tokens_for_the_loop():
+    cfg = TrainConfig(model_name_or_path="google/flan-t5-xl", optimizer="adafactor")
+    tokens = choose_max_tokens(cfg, 32 * GIB)
+    assert tokens >= cfg.max_source_length + cfg.max_target_length
+    assert tokens == largest_token_budget(
+        load_shape("google/flan-t5-xl"), 32 * GIB, optimizer="adafactor", attn_implementation="sdpa"
+    )
+
+
+def write_config(tmp_path, text: str):
+    path = tmp_path / "plan.yaml"
+    path.write_text("model_name_or_path: google/flan-t5-xl\nreport_to: none\n" + text)
+    return str(path)
+
+
+def test_trainer_plan_prints_components_and_fits(tmp_path, capsys):
+    code = cli_main(["plan", "--config", write_config(tmp_path, "optimizer: adafactor\nmax_tokens: 4096\n")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for line in ("weights", "gradients", "optimizer states", "activations", "allocator slack", "headroom"):
+        assert line in out
+    assert "largest max_tokens that fits" in out
+    assert "32.00" in out  # the card
+
+
+def test_trainer_plan_fails_with_a_suggestion_when_the_batch_does_not_fit(tmp_path, capsys):
+    config = write_config(tmp_path, "optimizer: adamw\nper_device_train_batch_size: 64\n")
+    code = cli_main(["plan", "--config", config, "--gpu-memory", "24GB"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "does not fit" in out and "max_tokens" in out
+
+
+def test_trainer_plan_rejects_a_bad_card_size_or_model(tmp_path, capsys):
+    assert cli_main(["plan", "--config", write_config(tmp_path, ""), "--gpu-memory", "big"]) == 2
+    assert "cannot read memory size 'big'" in capsys.readouterr().err
+    missing = str(tmp_path / "no-model")
+    assert (
+        cli_main(["plan", "--config", write_config(tmp_path, ""), "--set", f"model_name_or_path={missing}"])
+        == 2
+    )
+    assert "no config for" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""The training loop end to end on the tiny model: dry run, a real SIGTERM, resume, the same loss sequence."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from trainer.checkpoint import find_resume_checkpoint, load_trainer_state
+from trainer.config import TrainConfig
+from trainer.train import SUMMARY, TRAIN_LOG, train
+
+STEPS = 8
+
+
+def _cfg(tiny_model_dir, sample_csv, out, **kw) -> TrainConfig:
+    values = dict(
+        model_name_or_path=str(tiny_model_dir),
+        dtype="float32",
+        train_files=[str(sample_csv)],
+        max_source_length=64,
+        max_target_length=96,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        eval_fraction=0.05,
+        eval_max_batches=2,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        max_steps=STEPS,
+        logging_steps=1,
+        eval_steps=1000,
+        save_steps=1000,
+        num_eval_generations=1,
+        generation_max_new_tokens=8,
+        gradient_checkpointing=False,
+        output_dir=str(out),
+        report_to="none",
+        progress_bar=False,
+        discord_progress_minutes=-1,
+    )
+    values.update(kw)
+    return TrainConfig.from_dict(values)
+
+
+def _losses(out) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def test_dry_run_checks_data_and_loads_no_model(tiny_model_dir, sample_csv, tmp_path, caplog):
+    caplog.set_level("INFO")
+    assert train(_cfg(tiny_model_dir, sample_csv, tmp_path / "out"), dry_run=True) == 0
+    assert "plan: 8 optimizer steps" in caplog.text
+    assert not (tmp_path / "out").exists()
+
+
+def test_sigterm_saves_and_resume_continues_the_same_loss_sequence(
+    tiny_model_dir, sample_csv, tmp_path, caplog
+):
+    caplog.set_level("INFO")
+    straight = tmp_path / "straight"
+    assert train(_cfg(tiny_model_dir, sample_csv, straight)) == 0
+    expected = _losses(straight)
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    assert (straight / "final" / "model.safetensors").is_file()
+    assert (straight / "final" / "tokenizer.json").is_file()
+    assert json.loads((straight / SUMMARY).read_text())["steps"] == STEPS
+    beat = json.loads((straight / "heartbeat").read_text())
+    assert beat["step"] == STEPS and abs(beat["time"] - time.time()) < 600
+
+    # A real SIGTERM (what `docker stop` sends) once a few steps are logged: the loop saves and exits.
+    stopped = tmp_path / "stopped"
+    log_file = stopped / TRAIN_LOG
+
+    def send_sigterm():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if log_file.exists() and len(log_file.read_text().splitlines()) >= 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=send_sigterm, daemon=True)
+    killer.start()
+    rc = train(_cfg(tiny_model_dir, sample_csv, stopped))
+    killer.join()
+    assert rc == 128 + signal.SIGTERM
+    ckpt = find_resume_checkpoint("auto", stopped)
+    assert ckpt is not None
+    stop_step = load_trainer_state(ckpt)["step"]
+    assert 3 <= stop_step < STEPS
+    assert not (stopped / "final").exists()
+
+    caplog.clear()
+    assert train(_cfg(tiny_model_dir, sample_csv, stopped)) == 0
+    assert f"resumed from step {stop_step}" in caplog.text
+    resumed = _losses(stopped)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    # CPU, fp32: bit-identical losses, before and after the stop.
+    assert [resumed[s] for s in range(1, STEPS + 1)] == [expected[s] for s in range(1, STEPS + 1)]
+
+
+def test_unknown_model_path_fails_before_training(sample_csv, tmp_path):
+    from trainer.data import RecipeFileError
+
+    with pytest.raises(RecipeFileError):
+        train(_cfg(tmp_path / "no-such-model", sample_csv, tmp_path / "out"), dry_run=True)
