@@ -58,12 +58,22 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     from trainer.config import ConfigError
+    from trainer.redact import install_log_redaction, redact
 
+    # Secrets (W&B key, Discord webhook, HF token) are masked in every log line from here on.
+    install_log_redaction()
     try:
         return _run(args)
     except ConfigError as e:
-        print(f"trainer: config error: {e}", file=sys.stderr)
+        print(f"trainer: config error: {redact(str(e))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("trainer: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        # Through the logger, not Python's default hook, so the traceback is redacted like every log line.
+        logging.getLogger("trainer").critical("failed", exc_info=True)
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -1,8 +1,8 @@
 """Container HEALTHCHECK: is the training loop's heartbeat file fresh?
 
-The loop writes `<output_dir>/heartbeat` (JSON {"step": ..., "time": unix seconds}) at least every 30 s while
-it trains. A run that hangs (a stuck collective, a dead data thread) stops refreshing it; "CUDA is available"
-would still be true.
+The loop writes `<output_dir>/heartbeat` (JSON {"step": ..., "time": unix seconds}) after optimizer steps (at
+most every 10 s) while it trains. A run that hangs (a stuck collective, a dead data thread) stops refreshing
+it; "CUDA is available" would still be true.
 """
 
 from __future__ import annotations
