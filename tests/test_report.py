@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from discord_server import discord_server, files_containing  # noqa: F401
+import yaml
+from discord_server import dead_webhook_url, discord_server, files_containing, limit_violations  # noqa: F401
 
 from trainer.config import TrainConfig
 from trainer.metrics import FAST_TEST_ENV, GENERATION_COLUMNS
@@ -244,3 +249,278 @@ def test_wandb_off_when_not_asked_or_not_main(wandb_env):
     assert not (wandb_env / "a").exists() and not (wandb_env / "b").exists()
     # A run id from a checkpoint survives even with W&B off, so a later resume with W&B on can continue it.
     assert Reporter(_cfg(wandb_env / "c", report_to="none"), run_id="abc123").run_id == "abc123"
+
+
+# --- a real tiny training run, through the `trainer` CLI, against the local Discord server ---------------
+
+# Faults a 32 GB card meets on a multi-day run, injected into a real run with torch's global module hooks (the
+# loop under test is unchanged): a CUDA out-of-memory error on one training micro-batch, NaN activations on
+# another, and
+# optionally an error whose message carries every secret (as some library errors carry URLs and tokens).
+_RUN_WITH_FAULTS = """
+import os, sys, torch
+from torch.nn.modules import module as nn_module
+from trainer.cli import main
+
+OOM_AT = int(os.environ.get("FAULT_OOM_AT", 0))
+NAN_AT = {int(x) for x in os.environ.get("FAULT_NAN_AT", "").split(",") if x}
+NAN_FROM = int(os.environ.get("FAULT_NAN_FROM", 0))
+CRASH_AT = int(os.environ.get("FAULT_CRASH_AT", 0))
+forwards = 0
+
+
+def encoder_in_training(module):
+    # The encoder runs once per training micro-batch, whichever way the loop computes its loss.
+    return module.training and type(module).__name__ == "T5Stack" and not module.is_decoder
+
+
+def pre_hook(module, args):
+    global forwards
+    if not encoder_in_training(module):
+        return None
+    forwards += 1
+    if forwards == OOM_AT:
+        raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+    if forwards == CRASH_AT:
+        secrets = [os.environ[n] for n in ("WANDB_API_KEY", "HF_TOKEN", "DISCORD_WEBHOOK_URL")]
+        raise RuntimeError("upstream call failed: " + " ".join(secrets))
+    return None
+
+
+def post_hook(module, args, output):
+    if encoder_in_training(module) and (forwards in NAN_AT or (NAN_FROM and forwards >= NAN_FROM)):
+        output.last_hidden_state = output.last_hidden_state * float("nan")
+    return output
+
+
+nn_module.register_module_forward_pre_hook(pre_hook)
+nn_module.register_module_forward_hook(post_hook)
+sys.exit(main(sys.argv[1:]))
+"""
+
+RUN_SECRETS = {
+    "WANDB_API_KEY": "wandb-fake-key-5f0e1d2c3b4a59687766554433221100",
+    "HF_TOKEN": "hf_fakeRunTokenAbCdEf0123456789",
+    "HUGGING_FACE_HUB_TOKEN": "hf_fakeHubTokenZyXwVu9876543210",
+}
+RUN_STEPS = 6
+# Reporter.close() gives queued Discord messages this long at exit (its default; the loop calls close()).
+CLOSE_TIMEOUT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def fault_script(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("faults") / "run_with_faults.py"
+    path.write_text(_RUN_WITH_FAULTS)
+    return path
+
+
+def _run_config(tmp_path: Path, tiny_model_dir: Path, sample_csv: Path, name: str, **kw) -> tuple[Path, Path]:
+    out = tmp_path / name
+    values = {
+        "model_name_or_path": str(tiny_model_dir),
+        "dtype": "float32",
+        "train_files": [str(sample_csv)],
+        "max_source_length": 64,
+        "max_target_length": 96,
+        "per_device_train_batch_size": 8,
+        "eval_fraction": 0.05,
+        "eval_max_batches": 1,
+        "learning_rate": 1e-3,
+        "max_steps": RUN_STEPS,
+        "logging_steps": 1,
+        "eval_steps": 3,
+        "save_steps": 3,
+        "num_eval_generations": 1,
+        "generation_max_new_tokens": 8,
+        "gradient_checkpointing": False,
+        "output_dir": str(out),
+        "report_to": "wandb",
+        "run_name": name,
+        "wandb_project": "e2e",
+        "discord_progress_minutes": 0,
+        **kw,
+    }
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(values))
+    return config, out
+
+
+def _run_env(tmp_path: Path, webhook_url: str, **faults: int | str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "DISCORD_", "HF_", "FAULT_"))}
+    env.pop("HUGGING_FACE_HUB_TOKEN", None)
+    home = tmp_path / "home"
+    env.update(
+        RUN_SECRETS,
+        DISCORD_WEBHOOK_URL=webhook_url,
+        WANDB_MODE="offline",  # a key is set, but the test must not go online
+        HOME=str(home),
+        NETRC=str(home / ".netrc"),
+        WANDB_CONFIG_DIR=str(home / ".config" / "wandb"),
+        WANDB_CACHE_DIR=str(home / ".cache" / "wandb"),
+        WANDB_DATA_DIR=str(home / ".local" / "wandb"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.update({f"FAULT_{k.upper()}": str(v) for k, v in faults.items()})
+    return env
+
+
+def _train(script: Path, config: Path, env: dict[str, str], timeout: float = 300):
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script), "train", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done, time.monotonic() - start
+
+
+def _no_secret_anywhere(out: Path, console: str, webhook_url: str, token: str) -> None:
+    needles = [*RUN_SECRETS.values(), webhook_url, token]
+    assert files_containing(out, needles) == [], "a secret was written into the run's output directory"
+    for needle in needles:
+        assert needle not in console, f"{needle[:8]}… on the console"
+
+
+def test_a_real_run_reports_every_event_to_discord_and_wandb(
+    tmp_path,
+    tiny_model_dir,
+    sample_csv,
+    fault_script,
+    discord_server,  # noqa: F811
+):
+    from trainer.checkpoint import find_resume_checkpoint, load_trainer_state
+
+    config, out = _run_config(tmp_path, tiny_model_dir, sample_csv, "good")
+    # Micro-batch 2 runs out of memory (step 2 is retried as two half batches: 3 and 4); micro-batch 6, the
+    # second half of step 3, turns NaN, so that step is skipped.
+    env = _run_env(tmp_path, discord_server.url, oom_at=2, nan_at="6")
+    done, _ = _train(fault_script, config, env)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console
+
+    titles = discord_server.titles()
+    assert titles[0] == "Training started: good" and titles[-1] == "Training finished: good", titles
+    assert titles.count("Progress") == RUN_STEPS
+    assert titles.count("Out of memory: micro-batch halved") == 1
+    assert titles.count("Non-finite loss: step skipped") == 1
+    assert titles.count("Evaluation") == 2  # steps 3 and 6
+    assert titles.count("Checkpoint saved") == 2
+    assert all(q.status == 204 for q in discord_server.requests)
+    assert all(limit_violations(p) == [] for p in discord_server.payloads)
+    started = {f["name"]: f["value"] for f in discord_server.payloads[0]["embeds"][0]["fields"]}
+    assert started["Planned steps"] == str(RUN_STEPS) and started["Model"] == str(tiny_model_dir)
+
+    # W&B, offline: the run directory read back with wandb's own record format.
+    (run_dir,) = sorted((out / "wandb").glob("offline-run-*"))
+    run = read_wandb_run(run_dir)
+    assert run["exited"]
+    steps = {row["train/global_step"] for row in run["history"] if "train/loss" in row}
+    assert steps == set(range(1, RUN_STEPS + 1))
+    logged = {k for row in run["history"] for k in row}
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/samples_per_s",
+        "train/oom_backoffs",
+        "train/skipped_nan_steps",
+        "eval/loss",
+    } <= logged, sorted(logged)
+    tables = [row for row in run["history"] if "eval/generations/_type" in row]
+    assert len(tables) == 2 and all(row["eval/generations/_type"] == "table-file" for row in tables)
+    assert run["summary"]["train/oom_backoffs"] == 1 and run["summary"]["train/skipped_nan_steps"] == 1
+    assert run["config"]["run_name"] == "good"
+    # The run id is stored with the checkpoint, so a resume continues this W&B run.
+    assert load_trainer_state(find_resume_checkpoint("auto", out))["wandb_run_id"] == run["run_id"]
+
+    _no_secret_anywhere(out, console, discord_server.url, discord_server.token)
+
+
+def test_a_crash_in_a_real_run_is_reported_and_redacted(
+    tmp_path,
+    tiny_model_dir,
+    sample_csv,
+    fault_script,
+    discord_server,  # noqa: F811
+):
+    config, out = _run_config(tmp_path, tiny_model_dir, sample_csv, "crash", report_to="none")
+    # Steps 1 and 2 turn NaN, then step 3 raises an error quoting every secret.
+    env = _run_env(tmp_path, discord_server.url, nan_from=1, crash_at=3)
+    done, _ = _train(fault_script, config, env)
+    console = done.stdout + done.stderr
+    assert done.returncode == 1, console
+    assert "RuntimeError: upstream call failed" in console and "***" in console
+    titles = discord_server.titles()
+    assert titles[0] == "Training started: crash" and titles[-1] == "Training crashed: RuntimeError", titles
+    assert titles.count("Non-finite loss: step skipped") == 2
+    crash = discord_server.payloads[-1]["embeds"][0]
+    assert "Traceback" in crash["description"] and "upstream call failed: *** *** " in crash["description"]
+    assert all(limit_violations(p) == [] for p in discord_server.payloads)
+    _no_secret_anywhere(out, console, discord_server.url, discord_server.token)
+
+
+def test_sigterm_in_a_real_run_is_reported(
+    tmp_path,
+    tiny_model_dir,
+    sample_csv,
+    fault_script,
+    discord_server,  # noqa: F811
+):
+    config, out = _run_config(
+        tmp_path, tiny_model_dir, sample_csv, "stopped", report_to="none", max_steps=500
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(fault_script), "train", "--config", str(config)],
+        env=_run_env(tmp_path, discord_server.url),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while "Progress" not in discord_server.titles() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # what `docker stop` sends
+        console, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, console
+    titles = discord_server.titles()
+    assert titles[-1] == "Training stopped by SIGTERM", titles
+    assert "Checkpoint saved" in titles
+    _no_secret_anywhere(out, console, discord_server.url, discord_server.token)
+
+
+def test_a_slow_or_dead_server_adds_at_most_the_close_timeout(
+    tmp_path,
+    tiny_model_dir,
+    sample_csv,
+    fault_script,
+    discord_server,  # noqa: F811
+    dead_webhook_url,  # noqa: F811
+):
+    """The same real run against a healthy server, a slow one (4 s per answer) and a dead one: steps never
+    wait on the network, and the exit waits at most the close timeout for what is still queued."""
+
+    def run(name: str, url: str) -> tuple[float, float]:
+        config, out = _run_config(tmp_path, tiny_model_dir, sample_csv, name, report_to="none")
+        done, wall_s = _train(fault_script, config, _run_env(tmp_path, url))
+        assert done.returncode == 0, done.stderr
+        if name != "healthy":
+            assert "not sent within the 10.0s close timeout" in done.stderr, (name, done.stderr)
+        return wall_s, json.loads((out / "run_summary.json").read_text())["duration_s"]
+
+    healthy_s, healthy_loop_s = run("healthy", discord_server.url)
+    n_messages = len(discord_server.payloads)
+    assert n_messages >= RUN_STEPS + 4  # started, progress per step, evaluations, checkpoints, finished
+    discord_server.script.delay = 4.0
+    # Had each message held up the loop, the slow server alone would add n_messages * 4 s (> 40 s).
+    slack_s = 15.0  # the same few-second run, twice on shared CPUs, differs by this much at worst
+    for name, url in (("slow", discord_server.url), ("dead", dead_webhook_url)):
+        wall_s, loop_s = run(name, url)
+        assert wall_s <= healthy_s + CLOSE_TIMEOUT_S + slack_s, (name, healthy_s, wall_s)
+        assert loop_s <= 2 * healthy_loop_s + 5.0, (name, healthy_loop_s, loop_s)
