@@ -49,6 +49,13 @@ AWKWARD = [
     "quotes \"double\" and 'single', commas, semi;colons",
     "ﬁ ligature and ＦＵＬＬＷＩＤＴＨ",
     "back\\slash and {braces}",
+    # Where words meet: the per-word cache must give the ids of the whole text.
+    "combining \u0301accent after a space, e\u0301 decomposed",
+    "ideographic\u3000space, zero\u200bwidth, thin\u2009space",
+    "literal </s> and <extra_id_0> and <pad> in the text",
+    "  leading and trailing spaces  ",
+    "line\nbreak and\r\ncrlf inside",
+    "shouting!!! ... ??? (parens) [brackets] 1/2-inch 350°F",
 ]
 
 
@@ -118,6 +125,10 @@ def test_batches_are_padded(tmp_path, tiny_model_dir, sample_csv):
     for b in s:
         ids, mask, labels = b["input_ids"], b["attention_mask"], b["labels"]
         assert ids.dtype == mask.dtype == labels.dtype == np.int64
+        # Handed over without copying: numpy views memory owned by the Rust buffers.
+        for a in (ids, mask, labels):
+            assert a.flags.c_contiguous and not a.flags.owndata
+            assert type(a.base.base).__name__ == "PySliceContainer"
         assert ids.shape == mask.shape and ids.shape[0] == labels.shape[0] <= 7
         assert ids.shape[1] % 8 == 0 and labels.shape[1] % 8 == 0
         assert (ids[mask == 0] == 0).all() and (ids[mask == 1] != 0).all()

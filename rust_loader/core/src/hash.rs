@@ -26,21 +26,61 @@ pub fn hash_parts(parts: &[&[u8]]) -> u64 {
     hash_bytes(&buf)
 }
 
-/// splitmix64 stream.
-pub struct Rng(u64);
+/// xoshiro256** (Blackman & Vigna) seeded with splitmix64: the one PRNG of the crate (epoch orders and the
+/// sample generator). Fixed forever: changing it changes every generated file and every shuffled order.
+#[derive(Clone, Debug)]
+pub struct Rng {
+    s: [u64; 4],
+}
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(mix(seed ^ 0x9e37_79b9_7f4a_7c15))
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            mix(x)
+        };
+        Rng {
+            s: [next(), next(), next(), next()],
+        }
     }
+
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
+        let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        result
     }
-    /// Uniform in `0..n` (Lemire's multiply; bias is negligible for n < 2^32).
+
+    /// Uniform in `0..n` (Lemire's multiply-shift on 32 bits; the bias is negligible). `0 < n < 2^32`.
     pub fn below(&mut self, n: usize) -> usize {
-        ((self.next_u64() as u128 * n as u128) >> 64) as usize
+        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
     }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.below(hi - lo + 1)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    pub fn chance(&mut self, p: f64) -> bool {
+        self.unit() < p
+    }
+
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len())]
+    }
+
+    /// Fisher-Yates.
     pub fn shuffle<T>(&mut self, v: &mut [T]) {
         for i in (1..v.len()).rev() {
             let j = self.below(i + 1);

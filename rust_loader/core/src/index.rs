@@ -492,11 +492,10 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
                 process_chunk(idx, s, chunk)?;
             }
         }
-        format => {
+        Format::RecipeNlg | Format::FoodCom => {
             let mut rdr = csv_reader(BufReader::with_capacity(1 << 20, f));
             rdr.byte_headers()
                 .map_err(|e| LoaderError::data(&shown, 1, e))?;
-            let _ = format;
             // csv counts only line ends outside quotes; add the ones inside fields of earlier records.
             let mut inner_newlines = 0u64;
             loop {

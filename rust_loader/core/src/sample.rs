@@ -18,6 +18,8 @@ use std::io::{self, BufWriter, Write};
 use std::path::Path;
 use std::sync::OnceLock;
 
+use crate::hash::Rng;
+
 /// Output layout of [`write_sample`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SampleFormat {
@@ -291,62 +293,8 @@ pub fn push_py_list<S: AsRef<str>>(out: &mut String, items: &[S]) {
 // ---------------------------------------------------------------------------------------------------------------
 // PRNG
 
-/// xoshiro256** (Blackman & Vigna), seeded with splitmix64. Small, fast and fixed forever.
-#[derive(Clone, Debug)]
-pub struct Rng {
-    s: [u64; 4],
-}
-
+/// Generator-only draws on the crate's one PRNG.
 impl Rng {
-    pub fn new(seed: u64) -> Self {
-        let mut x = seed;
-        let mut next = || {
-            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        };
-        Self {
-            s: [next(), next(), next(), next()],
-        }
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = self.s[1] << 17;
-        self.s[2] ^= self.s[0];
-        self.s[3] ^= self.s[1];
-        self.s[1] ^= self.s[2];
-        self.s[0] ^= self.s[3];
-        self.s[2] ^= t;
-        self.s[3] = self.s[3].rotate_left(45);
-        result
-    }
-
-    /// Uniform in `0..n` (Lemire's multiply-shift; the tiny bias is irrelevant here). `n` must be > 0.
-    pub fn below(&mut self, n: usize) -> usize {
-        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
-    }
-
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + self.below(hi - lo + 1)
-    }
-
-    /// Uniform in `[0, 1)`.
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-
-    pub fn chance(&mut self, p: f64) -> bool {
-        self.unit() < p
-    }
-
-    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
-
     /// A uniformly drawn word.
     pub fn word(&mut self, items: &[&'static str]) -> &'static str {
         items[self.below(items.len())]
@@ -2331,6 +2279,7 @@ fn filler_step(rng: &mut Rng, sweet: bool, method: Method, done: &[&str], s: &mu
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::formats::parse_py_list;
     use std::io::Read;
 
     fn sample(n: u64, seed: u64, format: SampleFormat) -> Vec<u8> {
@@ -2390,42 +2339,6 @@ mod tests {
         assert_eq!(rows, 300);
     }
 
-    /// Reads a Python list literal of strings (the subset `push_py_list` writes).
-    fn parse_py_list(s: &str) -> Vec<String> {
-        let mut out = Vec::new();
-        let mut chars = s
-            .strip_prefix('[')
-            .unwrap()
-            .strip_suffix(']')
-            .unwrap()
-            .chars()
-            .peekable();
-        while let Some(c) = chars.next() {
-            if c == ',' || c == ' ' {
-                continue;
-            }
-            assert!(
-                c == '\'' || c == '"',
-                "item must start with a quote, got {c:?} in {s}"
-            );
-            let mut item = String::new();
-            loop {
-                match chars.next().unwrap() {
-                    '\\' => match chars.next().unwrap() {
-                        'n' => item.push('\n'),
-                        'r' => item.push('\r'),
-                        't' => item.push('\t'),
-                        e => item.push(e),
-                    },
-                    q if q == c => break,
-                    x => item.push(x),
-                }
-            }
-            out.push(item);
-        }
-        out
-    }
-
     #[test]
     fn py_repr_quotes_like_python() {
         let mut s = String::new();
@@ -2462,8 +2375,8 @@ mod tests {
         for row in rd.records() {
             let row = row.unwrap();
             assert_eq!(row.len(), 12);
-            let steps = parse_py_list(&row[8]);
-            let ingredients = parse_py_list(&row[10]);
+            let steps = parse_py_list(&row[8]).unwrap();
+            let ingredients = parse_py_list(&row[10]).unwrap();
             assert_eq!(steps.len(), row[7].parse::<usize>().unwrap());
             assert_eq!(ingredients.len(), row[11].parse::<usize>().unwrap());
             for item in ingredients.iter().chain(&steps) {
