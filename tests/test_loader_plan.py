@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -151,3 +152,22 @@ def test_eval_split_is_disjoint_and_deterministic(data, tiny_model_dir):
 def test_len_matches_batches(data, tiny_model_dir):
     s = make(data, tiny_model_dir, max_tokens=None, batch_size=64, shuffle=False)
     assert len(s) == int(np.ceil(3000 / 64)) == len(list(s))
+
+
+def test_index_cache_reused_until_the_file_changes(tmp_path, tiny_model_dir):
+    p = tmp_path / "r.jsonl"
+    write_sample(p, 200, seed=4, fmt="jsonl")
+
+    def opened():
+        s = RecipeStream(p, tiny_model_dir, batch_size=16)
+        return s.stats()["index_cached"], s.stats()["records"]
+
+    assert opened() == ([False], 200)
+    assert opened() == ([True], 200)  # a restart reads the cached index
+    assert list(tmp_path.glob(".r.jsonl.*.rlidx"))  # beside the data
+    st = p.stat()
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert opened() == ([False], 200)  # same size, new mtime: rebuilt
+    with open(p, "a") as f:
+        f.write(json.dumps({"title": "New", "ingredients": ["egg"], "directions": ["Boil."]}) + "\n")
+    assert opened() == ([False], 201)
