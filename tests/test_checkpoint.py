@@ -49,7 +49,7 @@ def test_save_and_restore_round_trip(tmp_path):
     _, opt2, sched2 = _setup()
     opt2 = torch.optim.AdamW(loaded.parameters(), lr=1e-3)
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0 / (s + 1))
-    ckpt.load_training_state(path, opt2, sched2)
+    ckpt.load_training_state(path, loaded, opt2, sched2)
     assert sched2.last_epoch == 1
     assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected

@@ -401,6 +401,9 @@ def test_multi_gpu_override_runs_torchrun_with_the_same_command():
     assert args.nproc_per_node == "4" and args.standalone
     assert _service(COMPOSE_MULTI)["entrypoint"] == [*entrypoint[:3], "2", *entrypoint[4:]], "default: 2 GPUs"
     assert (REPO / "trainer" / "__main__.py").is_file(), "`-m trainer` needs trainer/__main__.py"
+    # On `docker compose stop` torchrun waits for the ranks' checkpoint, but not past Docker's own SIGKILL.
+    shutdown = int(multi["environment"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    assert 30 < shutdown < _seconds(base["stop_grace_period"])
 
 
 def test_env_example_documents_every_variable():

@@ -1,25 +1,46 @@
-"""Atomic, resumable checkpoints: `<output_dir>/checkpoint-<step>/`.
+"""Atomic, resumable checkpoints: `<output_dir>/checkpoint-<step>/`, for one process or several.
 
-A checkpoint is written into `checkpoint-<step>.tmp-<pid>` and renamed into place only once complete, and its
-last file is the completion marker `trainer_state.json`; a directory without it (a run killed mid-write) is
-never picked for resume. Contents: the model via save_pretrained (safetensors), `optimizer.pt`,
-`scheduler.pt`, `rng.pt` (python, numpy, torch, cuda), and `trainer_state.json` (step, loader state, config,
-W&B run id, OOM-adjusted micro-batch, eval losses).
+A checkpoint is written into `checkpoint-<step>.tmp-<pid of rank 0>` and renamed into place only once
+complete, and its last file is the completion marker `trainer_state.json`; a directory without it (a run
+killed mid-write) is never picked for resume. Contents:
+
+- `dcp/`: model weights and optimizer states through `torch.distributed.checkpoint` (DCP), keyed by parameter
+  name. Each rank writes its own part (with FSDP, its shards) and DCP re-splits on load, so a checkpoint saved
+  by 2 ranks resumes on 1, 4, or with the other strategy. This is what resume loads the optimizer from.
+- `model.safetensors` + `config.json`: the whole model via save_pretrained (rank 0, FSDP shards gathered), so
+  any checkpoint loads with `from_pretrained` (the best one, for evaluation); resume builds the model from it.
+- `scheduler.pt`; `rng.pt` (python, numpy, torch, cuda) and `rng-<rank>.pt` for the other ranks.
+- `trainer_state.json`: step, loader position, world size, config, W&B run id, OOM-adjusted micro-batch, eval
+  losses.
+
+Several ranks: every rank calls `save_checkpoint` (it is collective); the output directory must be one shared
+filesystem for all of them (a multi-node run needs a network filesystem there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from trainer import distributed
 
 log = logging.getLogger(__name__)
 
@@ -55,31 +76,64 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint-<step> atomically and return its path (an existing one for `step` is replaced).
 
-    `rng`: the RNG states to store (default: the current ones); the loop passes those of the step boundary,
-    since a step interrupted by a signal has already drawn dropout masks."""
+    `model` is the HF model (not its DDP/FSDP wrapper: its parameter names are the checkpoint's keys). Under
+    torchrun every rank calls this; rank 0 writes the shared files. `rng`: the RNG states to store (default:
+    the current ones); the loop passes those of the step boundary, since a step interrupted by a signal has
+    already drawn dropout masks."""
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    rank = distributed.rank()
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f"checkpoint-{step}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer_file is not None:
-        shutil.copy(tokenizer_file, tmp / "tokenizer.json")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
-    state = dict(trainer_state, step=step)
-    with open(tmp / MARKER, "w", encoding="utf-8") as f:  # written last: the completion marker
-        json.dump(state, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    log.info("saved checkpoint %s", final)
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    tmp = distributed.broadcast_object(tmp)  # rank 0's directory, made before any rank writes into it
+    save_pretrained(model, tmp)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with _one_process_is_intended():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / "dcp")
+    torch.save(rng if rng is not None else rng_state(), tmp / _rng_file(rank))
+    distributed.barrier()  # every rank's files are in place
+    if rank == 0:
+        if tokenizer_file is not None:
+            shutil.copy(tokenizer_file, tmp / "tokenizer.json")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        state = dict(trainer_state, step=step)
+        with open(tmp / MARKER, "w", encoding="utf-8") as f:  # written last: the completion marker
+            json.dump(state, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        log.info("saved checkpoint %s", final)
+    distributed.barrier()  # no rank reads or rotates checkpoints before the rename
     return final
+
+
+def save_pretrained(model, path: str | Path) -> None:
+    """`model.save_pretrained(path)` of the whole model, written by rank 0. Under FSDP the shards are gathered
+    first (collective: every rank calls this)."""
+    if not distributed.is_distributed():
+        model.save_pretrained(path, safe_serialization=True)
+        return
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if distributed.rank() == 0:  # cpu_offload + full_state_dict: only rank 0 receives the tensors
+        model.save_pretrained(path, state_dict=full, safe_serialization=True)
+
+
+@contextlib.contextmanager
+def _one_process_is_intended():
+    """DCP without a process group works in one process, and warns that it assumes so: it is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _rng_file(rank: int) -> str:
+    return "rng.pt" if rank == 0 else f"rng-{rank}.pt"
 
 
 def is_complete(path: Path) -> bool:
@@ -116,12 +170,22 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))
 
 
-def load_training_state(path: str | Path, optimizer, scheduler) -> None:
-    """Restore optimizer, scheduler and RNG states from a checkpoint (the model loads via from_pretrained)."""
+def load_training_state(path: str | Path, model, optimizer, scheduler) -> None:
+    """Restore model weights and optimizer states (DCP, re-split for this run's ranks and strategy), the
+    scheduler and the RNG states from a checkpoint. `model` is the HF model, already wrapped for this run and
+    with `optimizer` built over it. Collective under torchrun.
+
+    RNG: each rank restores its own states; a rank the saving run did not have (more ranks now) takes rank
+    0's."""
     path = Path(path)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with _one_process_is_intended():
+        dcp.load(state, checkpoint_id=path / "dcp")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    rng_file = path / _rng_file(distributed.rank())
+    set_rng_state(torch.load(rng_file if rng_file.exists() else path / "rng.pt", weights_only=False))
 
 
 def rotate_checkpoints(output_dir: str | Path, save_total_limit: int, best: Path | None = None) -> list[Path]:

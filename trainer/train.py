@@ -5,6 +5,12 @@ cross-entropies over the whole accumulated batch divided by its number of target
 give the same gradient as one batch of all of them. On CUDA out-of-memory the loader batches are split into
 halves (then quarters, ...) on the Python side: the same data in the same order, the same effective batch,
 more micro-steps.
+
+Under torchrun (`torchrun --nproc_per_node=N -m trainer train --config ...`) every process runs this loop on
+its own shard of the data (the loader's rank/world_size; equal batch counts), with the model in DDP or FSDP2
+(trainer/distributed.py). The loss is still the global one: the target-token count and the loss sum are
+summed over ranks, so the gradients equal those of one process over the same global batch. Rank 0 alone
+writes the train log, the progress bar, W&B and Discord; checkpoints are collective (trainer/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -20,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer import memory
+from trainer import distributed, memory
 from trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
-TRAIN_LOG = "train_log.jsonl"  # one line per optimizer step: step, loss, lr (rank 0)
+TRAIN_LOG = "train_log.jsonl"  # one line per optimizer step: loss, lr, time, real tokens (rank 0)
 SUMMARY = "run_summary.json"  # written at the end: steps, wall time, throughput, memory
 HEARTBEAT_EVERY_S = 10.0
 GIB = 1024**3
@@ -68,12 +74,12 @@ def write_heartbeat(output_dir: str | Path, step: int) -> None:
 
 
 class Heartbeat:
-    def __init__(self, output_dir: str | Path, every_s: float = HEARTBEAT_EVERY_S):
-        self.output_dir, self.every_s, self._last = output_dir, every_s, 0.0
+    def __init__(self, output_dir: str | Path, every_s: float = HEARTBEAT_EVERY_S, enabled: bool = True):
+        self.output_dir, self.every_s, self._last, self.enabled = output_dir, every_s, 0.0, enabled
 
     def beat(self, step: int, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - self._last >= self.every_s:
+        if self.enabled and (force or now - self._last >= self.every_s):
             write_heartbeat(self.output_dir, step)
             self._last = now
 
@@ -151,6 +157,40 @@ def loader_batches(stream, resume_state: dict | None = None):
         stream.set_epoch(epoch)
 
 
+def resume_position(
+    saved: dict, saved_world_size: int, stream, cfg: TrainConfig, tokenizer_file: str
+) -> dict:
+    """This rank's train-stream state for resuming from `saved`, rank 0's state in a checkpoint written by
+    `saved_world_size` ranks.
+
+    Rank r of W reads the epoch's global batches r, r+W, r+2W, ... (rust_loader/core/src/plan.rs), so after
+    k batches per rank the first k*W global batches are consumed, whatever the rank. With the same W every
+    rank continues at k. With another W' every rank continues at floor(k*W / W'): when W' does not divide
+    k*W, up to W'-1 global batches are read a second time, none is skipped. (The epoch's order is the same for
+    every W; only its last few batches, cut so that every rank has as many, differ.)
+
+    The loader's fingerprint covers the data, the loader settings and the rank/world size; rank 0 checks the
+    saved one (against a stream built like the saving run's rank 0 when W changed: its index is cached) and
+    refuses other data or settings. The other ranks read the same files with the same config."""
+    world_size = distributed.world_size()
+    if distributed.rank() == 0:
+        reference = stream
+        if saved_world_size != world_size:
+            reference = make_stream(cfg, tokenizer_file, "train", 0, saved_world_size)
+        reference.load_state_dict(saved)  # raises on other data or settings
+    consumed = int(saved["batches_consumed"]) * saved_world_size // world_size
+    if saved_world_size != world_size:
+        log.info(
+            "resuming on %d ranks from a checkpoint of %d: %d batches per rank consumed in epoch %d -> %d",
+            world_size,
+            saved_world_size,
+            saved["batches_consumed"],
+            saved["epoch"],
+            consumed,
+        )
+    return dict(stream.state_dict(), epoch=int(saved["epoch"]), batches_consumed=consumed)
+
+
 def to_device(batch: dict, device) -> dict:
     import torch
 
@@ -167,22 +207,15 @@ def to_device(batch: dict, device) -> dict:
 
 
 def token_loss_sum(model, batch: dict):
-    """Sum of target-token cross-entropies of `batch` (fp32), without HF's per-batch mean."""
-    import torch.nn.functional as F
+    """Sum of target-token cross-entropies of `batch` (fp32), without HF's per-batch mean.
 
-    labels = batch["labels"]
-    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels=labels)
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        decoder_input_ids=decoder_input_ids,
-        use_cache=False,
-    ).logits
-    if logits.element_size() < 4:
-        logits = logits.float()  # the loss in fp32, whatever the weights' precision
-    return F.cross_entropy(
-        logits.view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
+    `model` is the HF model, or a `Seq2SeqLMLoss` possibly wrapped by DDP (`.module`) or FSDP: what
+    distributed training wraps, so that its hooks see the whole step."""
+    from trainer.loss import Seq2SeqLMLoss
+
+    if not isinstance(model, Seq2SeqLMLoss) and not isinstance(getattr(model, "module", None), Seq2SeqLMLoss):
+        model = Seq2SeqLMLoss(model)
+    return model(batch["input_ids"], batch["attention_mask"], batch["labels"])
 
 
 def accumulate_gradients(model, group: list[dict], split: int, stop: StopRequested | None = None):
@@ -190,17 +223,25 @@ def accumulate_gradients(model, group: list[dict], split: int, stop: StopRequest
 
     Gradients are of (sum of token losses) / (target tokens in the whole group). Returns (loss sum tensor,
     number of target tokens), or None when a stop was requested at a micro-batch boundary.
+
+    Several ranks: the group is this rank's part of the global one. The target-token count is summed over
+    ranks before any backward, and each rank's loss is scaled by world_size because DDP and FSDP average
+    gradients over ranks: the result is (sum of all ranks' token losses) / (global target tokens), as one
+    process would compute over the global batch. DDP all-reduces after the last micro-batch only. The
+    returned count is the global one, the loss sum this rank's.
     """
 
-    n_target = sum(int((b["labels"] != -100).sum()) for b in group)
+    n_target = int(distributed.all_sum([sum(int((b["labels"] != -100).sum()) for b in group)])[0])
+    per_rank_tokens = max(n_target, 1) / distributed.world_size()
+    micro_batches = [micro for batch in group for micro in memory.split_batch(batch, split)]
     total = 0.0
-    for batch in group:
-        for micro in memory.split_batch(batch, split):
-            if stop:
-                return None
+    for i, micro in enumerate(micro_batches):
+        if stop:
+            return None
+        with distributed.gradient_sync(model, sync=i == len(micro_batches) - 1):
             loss_sum = token_loss_sum(model, micro)
-            (loss_sum / max(n_target, 1)).backward()
-            total = total + loss_sum.detach()  # no sync with the GPU here
+            (loss_sum / per_rank_tokens).backward()
+        total = total + loss_sum.detach()  # no sync with the GPU here
     return total, n_target
 
 
@@ -216,6 +257,13 @@ def accumulate_with_oom_backoff(
         try:
             return accumulate_gradients(model, group, state["split"], stop)
         except torch.OutOfMemoryError:
+            if distributed.is_distributed():
+                # The other ranks are waiting in a collective of this step: no retry, torchrun stops them all.
+                raise RuntimeError(
+                    f"out of GPU memory on rank {distributed.rank()} at step {step}; with several processes "
+                    "the micro-batch is not halved automatically: lower max_tokens or "
+                    "per_device_train_batch_size, or use distributed_strategy: fsdp"
+                ) from None
             oom = True  # handled outside the except block, so the traceback's tensors can be freed
         if oom:
             model.zero_grad(set_to_none=True)
@@ -252,14 +300,21 @@ def describe_micro_batch(cfg: TrainConfig, split: int = 1) -> str:
 
 
 def evaluate(
-    model, stream, device, cfg: TrainConfig, tokenizer_file: str
+    model, stream, device, cfg: TrainConfig, tokenizer_file: str, loss_module=None
 ) -> tuple[float, list[dict[str, str]]]:
-    """Eval loss (token mean) over at most cfg.eval_max_batches held-out batches, and a few generations."""
+    """Eval loss (token mean) over at most cfg.eval_max_batches held-out batches, and a few generations.
+
+    Several ranks: each evaluates its shard of the held-out data (as many batches on every rank) through
+    `loss_module` (the FSDP module; DDP's inner module), and the loss is the global token mean. Under FSDP the
+    ranks generate together (`synced_gpus`), from their first batch only so that all run `generate` equally
+    often."""
     import torch
     from tokenizers import Tokenizer
 
+    loss_module = model if loss_module is None else loss_module
+    sharded = distributed.is_sharded(loss_module)
     tok = Tokenizer.from_file(tokenizer_file)
-    model.eval()
+    loss_module.eval()
     loss_sum, n_tokens, generations = 0.0, 0, []
     try:
         with torch.no_grad():
@@ -268,19 +323,22 @@ def evaluate(
                 if i >= cfg.eval_max_batches:
                     break
                 batch = to_device(batch, device)
-                loss_sum += float(token_loss_sum(model, batch))
+                loss_sum += float(token_loss_sum(loss_module, batch))
                 n_tokens += int((batch["labels"] != -100).sum())
-                if len(generations) < cfg.num_eval_generations:
-                    generations += generate(
-                        model, tok, batch, cfg, cfg.num_eval_generations - len(generations)
-                    )
+                if len(generations) < cfg.num_eval_generations and (i == 0 or not sharded):
+                    with distributed.full_weights(loss_module):
+                        generations += generate(
+                            model, tok, batch, cfg, cfg.num_eval_generations - len(generations), sharded
+                        )
     finally:
-        model.train()
+        loss_module.train()
+    loss_sum, n_tokens = distributed.all_sum([loss_sum, n_tokens])
     return (loss_sum / n_tokens if n_tokens else float("nan")), generations
 
 
-def generate(model, tok, batch: dict, cfg: TrainConfig, n: int) -> list[dict[str, str]]:
-    """Greedy generations for the first `n` rows of a batch: {"ingredients", "generated", "reference"}."""
+def generate(model, tok, batch: dict, cfg: TrainConfig, n: int, synced: bool = False) -> list[dict[str, str]]:
+    """Greedy generations for the first `n` rows of a batch: {"ingredients", "generated", "reference"}.
+    `synced`: the ranks generate in lockstep until all are done (FSDP gathers weights for every step)."""
     input_ids, mask = batch["input_ids"][:n], batch["attention_mask"][:n]
     out = model.generate(
         input_ids=input_ids,
@@ -288,6 +346,7 @@ def generate(model, tok, batch: dict, cfg: TrainConfig, n: int) -> list[dict[str
         max_new_tokens=cfg.generation_max_new_tokens,
         do_sample=False,
         use_cache=True,
+        synced_gpus=synced,
     )
     rows = []
     for i in range(len(input_ids)):
@@ -306,14 +365,6 @@ def generate(model, tok, batch: dict, cfg: TrainConfig, n: int) -> list[dict[str
 # -- the run ----------------------------------------------------------------------------------------------
 
 
-def _dist_env() -> tuple[int, int, int]:
-    return (
-        int(os.environ.get("RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
-        int(os.environ.get("LOCAL_RANK", 0)),
-    )
-
-
 def _device(local_rank: int):
     import torch
 
@@ -324,13 +375,20 @@ def _device(local_rank: int):
 
 
 def train(cfg: TrainConfig, dry_run: bool = False) -> int:
-    """Train as `cfg` says; returns the process exit code. dry_run: check config, data and plan only."""
+    """Train as `cfg` says; returns the process exit code. dry_run: check config, data and plan only.
+    Under torchrun every process calls this; the process group lives for the call."""
+    try:
+        return _train(cfg, dry_run)
+    finally:
+        distributed.destroy()
+
+
+def _train(cfg: TrainConfig, dry_run: bool) -> int:
     # 1. Allocator settings, before anything can initialise CUDA.
     alloc_conf = memory.set_alloc_conf(cfg.cuda_alloc_conf)
-    rank, world_size, local_rank = _dist_env()
+    rank, world_size, local_rank = distributed.env()
     is_main = rank == 0
-    if world_size > 1:
-        raise NotImplementedError("multi-process (torchrun) training is not implemented yet; run one process")
+    distributed.quiet_other_ranks()
 
     # 2. Data: sample data on first use (quickstart), tokenizer, train and held-out eval streams.
     if cfg.make_demo_data:
@@ -351,6 +409,8 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
     else:
         total_steps = max(1, math.ceil(batches_per_epoch * cfg.num_train_epochs / accum))
     effective = f"{describe_micro_batch(cfg)} x {accum} accumulation x {world_size} process(es)"
+    if world_size > 1:
+        effective += f" ({cfg.distributed_strategy})"
     log.info(
         "plan: %d optimizer steps (%d batches per epoch), effective batch %s, tokenizer %s, data %s",
         total_steps,
@@ -374,9 +434,10 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
 
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    heartbeat = Heartbeat(output_dir)
+    heartbeat = Heartbeat(output_dir, enabled=is_main)
     heartbeat.beat(0, force=True)
     device = _device(local_rank)
+    distributed.init(device)
     log.info(
         "allocator: %s", memory.alloc_conf_in_force() if alloc_conf or device.type == "cuda" else "n/a (CPU)"
     )
@@ -394,14 +455,20 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
     torch.manual_seed(cfg.seed)
     model = load_model(cfg, device, path=resume_from, random_init=False if resume_from else None)
     model.train()
+    # What the loop calls for the loss: the model itself, or DDP/FSDP2 around it (several processes).
+    train_module = distributed.wrap(model, cfg.distributed_strategy, device)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     step = int(state.get("step", 0))
     if resume_from:
-        ckpt.load_training_state(resume_from, optimizer, scheduler)
+        ckpt.load_training_state(resume_from, model, optimizer, scheduler)
         log.info("resumed from step %d (%s)", step, resume_from)
     oom = {"split": int(state.get("oom_split", 1)), "halvings": int(state.get("oom_halvings", 0))}
-    loader_state = state.get("loader")  # the train stream's position after the last completed step
+    loader_state = state.get("loader")  # the train stream's position after the last completed step (rank 0)
+    if loader_state is not None:
+        loader_state = resume_position(
+            loader_state, int(state.get("world_size", 1)), train_stream, cfg, tokenizer_file
+        )
     best = state.get("best")  # {"eval_loss", "path"}
     reporter = Reporter(cfg, is_main=is_main, run_id=state.get("wandb_run_id"))
     reporter.started(
@@ -428,6 +495,7 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
             rng=boundary_rng,
             trainer_state={
                 "loader": loader_state,
+                "world_size": world_size,
                 "config": cfg.to_dict(),
                 "wandb_run_id": reporter.run_id,
                 "oom_split": oom["split"],
@@ -437,7 +505,8 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
                 "nan_skipped": nan_skipped,
             },
         )
-        ckpt.rotate_checkpoints(output_dir, cfg.save_total_limit, Path(best["path"]) if best else None)
+        if is_main:
+            ckpt.rotate_checkpoints(output_dir, cfg.save_total_limit, Path(best["path"]) if best else None)
         reporter.checkpoint_saved(step=at_step, path=str(path))
         return path
 
@@ -452,7 +521,7 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
     saved_at = step if resume_from else -1
     boundary_rng = ckpt.rng_state()  # RNG states at the last step boundary: what a checkpoint stores
     started = time.monotonic()
-    window = {"t": time.monotonic(), "tokens": 0, "samples": 0}
+    window = {"t": time.monotonic(), "tokens": 0, "padded": 0, "samples": 0}
     run_tokens = 0
     train_log = output_dir / TRAIN_LOG if is_main else None
     bar = tqdm(
@@ -468,15 +537,18 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
             group_np = [next(batches) for _ in range(accum)]
             pending_loader_state = train_stream.state_dict()
             group = [to_device(b, device) for b in group_np]
-            result = accumulate_with_oom_backoff(model, group, oom, cfg, reporter, step, stop)
+            # Several ranks stop together at a step boundary (below), never inside a step.
+            result = accumulate_with_oom_backoff(
+                train_module, group, oom, cfg, reporter, step, stop if world_size == 1 else None
+            )
             heartbeat.beat(step)
             if result is None:  # stop requested mid-step: the partial gradients are dropped
                 model.zero_grad(set_to_none=True)
                 break
             loader_state = pending_loader_state
             loss_sum, n_target = result
-            loss = float(loss_sum) / max(n_target, 1)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            loss = distributed.all_sum([float(loss_sum)])[0] / max(n_target, 1)  # the same on every rank
+            grad_norm = distributed.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             if math.isfinite(loss) and bool(torch.isfinite(grad_norm)):
                 optimizer.step()
                 consecutive_nan = 0
@@ -501,14 +573,26 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
                 )
             empty_cache.after_step(step)
 
-            tokens = sum(int(b["attention_mask"].sum()) + int((b["labels"] != -100).sum()) for b in group_np)
+            source_tokens = sum(int(b["attention_mask"].sum()) for b in group_np)
+            target_tokens = sum(int((b["labels"] != -100).sum()) for b in group_np)
+            tokens = source_tokens + target_tokens  # real (non-pad) tokens
+            padded_tokens = sum(b["input_ids"].size + b["labels"].size for b in group_np)
             samples = sum(len(b["input_ids"]) for b in group_np)
+            # Summed over ranks: the train log and tokens/s count the whole job.
+            source_tokens, target_tokens, padded_tokens, samples = (
+                int(c) for c in distributed.all_sum([source_tokens, target_tokens, padded_tokens, samples])
+            )
+            tokens = source_tokens + target_tokens
             window["tokens"] += tokens
+            window["padded"] += padded_tokens
             window["samples"] += samples
             run_tokens += tokens
             if train_log is not None:
                 with open(train_log, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"step": step, "loss": loss, "lr": lr}) + "\n")
+                    row = {"step": step, "loss": loss, "lr": lr, "time": time.time()}
+                    row.update(samples=samples, source_tokens=source_tokens, target_tokens=target_tokens)
+                    row.update(padded_tokens=padded_tokens)
+                    f.write(json.dumps(row) + "\n")
             heartbeat.beat(step)
             mem_gib = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else None
             bar.update(1)
@@ -529,9 +613,11 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
                     "train/grad_norm": float(grad_norm),
                     "train/tokens_per_s": tok_s,
                     "train/samples_per_s": smp_s,
+                    "train/real_token_share": window["tokens"] / max(window["padded"], 1),
                 }
                 if mem_gib is not None:
                     metrics["gpu/memory_peak_gib"] = mem_gib
+                    metrics["gpu/memory_allocated_gib"] = torch.cuda.memory_allocated(device) / 1024**3
                     metrics["gpu/memory_reserved_gib"] = torch.cuda.memory_reserved(device) / 1024**3
                 reporter.log_metrics(metrics, step)
                 rate = (time.monotonic() - started) / max(step - (saved_at if saved_at > 0 else 0), 1)
@@ -545,9 +631,11 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
                 )
                 if bar.disable:
                     log.info("step %d/%d loss %.4f lr %.2e %.0f tok/s", step, total_steps, loss, lr, tok_s)
-                window = {"t": time.monotonic(), "tokens": 0, "samples": 0}
+                window = {"t": time.monotonic(), "tokens": 0, "padded": 0, "samples": 0}
             if eval_stream is not None and (step % cfg.eval_steps == 0 or step == total_steps):
-                eval_loss, generations = evaluate(model, eval_stream, device, cfg, tokenizer_file)
+                eval_loss, generations = evaluate(
+                    model, eval_stream, device, cfg, tokenizer_file, distributed.unwrap(train_module)
+                )
                 log.info("step %d: eval loss %.4f", step, eval_loss)
                 reporter.evaluated(step=step, eval_loss=eval_loss, generations=generations)
                 last_generations = generations
@@ -564,7 +652,8 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
             if step % cfg.save_steps == 0 and saved_at != step:
                 saved_at = step
                 save(step)
-            if stop:
+            if distributed.any_rank(bool(stop)):  # collective: all ranks leave the loop at the same step
+                stop.signal_name = stop.signal_name or "SIGTERM"  # the signal reached another rank first
                 break
     except BaseException as e:
         bar.close()
@@ -588,8 +677,9 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
     if cfg.save_final:
         if saved_at != step:
             save(step)
-        model.save_pretrained(final, safe_serialization=True)
-        _copy_tokenizer(cfg.model_name_or_path, tokenizer_file, final)
+        ckpt.save_pretrained(model, final)  # rank 0 writes the whole model (FSDP: gathered)
+        if is_main:
+            _copy_tokenizer(cfg.model_name_or_path, tokenizer_file, final)
     from trainer.model import LAST_LOAD
 
     summary = {
@@ -605,7 +695,8 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
     if device.type == "cuda":
         summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
-    (output_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    if is_main:
+        (output_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     for g in last_generations[:1]:
         log.info("a recipe for held-out ingredients %r:\n%s", g["ingredients"], g["generated"])
     log.info("finished: %d steps in %.0f s, final loss %s, model in %s", step, duration, last_loss, final)

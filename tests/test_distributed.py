@@ -1,0 +1,146 @@
+"""torchrun on the CPU (gloo), real processes: 2 ranks train the tiny model as 1 process does with the same
+global batch, and a checkpoint saved by 2 ranks resumes in 1 process where the 1-process run would be.
+
+The global batch is the same: the loader gives rank r of 2 the global batches r, r+2, ..., so 2 ranks with
+accumulation 1 see, per step, the 2 batches that 1 process with accumulation 2 sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config import TrainConfig
+from trainer.train import SUMMARY, TRAIN_LOG, train
+
+STEPS = 4
+SAVE_AT = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model without dropout: its random masks would differ between 1 and 2 processes."""
+    out = tmp_path_factory.mktemp("tiny-no-dropout") / "model"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["dropout_rate"] = 0.0
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _values(model_dir, sample_csv, out, **kw) -> dict:
+    values = dict(
+        model_name_or_path=str(model_dir),
+        dtype="float32",
+        train_files=[str(sample_csv)],
+        max_source_length=64,
+        max_target_length=96,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        eval_fraction=0.05,
+        eval_max_batches=2,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        max_steps=STEPS,
+        logging_steps=1,
+        eval_steps=1000,  # evaluates (and generates) once, at the end
+        save_steps=SAVE_AT,
+        num_eval_generations=1,
+        generation_max_new_tokens=8,
+        gradient_checkpointing=False,
+        output_dir=str(out),
+        report_to="none",
+        progress_bar=False,
+        discord_progress_minutes=-1,
+    )
+    values.update(kw)
+    return values
+
+
+def _torchrun(values: dict, tmp_path: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+    config = tmp_path / f"{Path(values['output_dir']).name}.yaml"
+    config.write_text(yaml.safe_dump(values))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += ["-m", "trainer", "train", "--config", str(config)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return run
+
+
+def _losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def single(model_dir, sample_csv, tmp_path_factory) -> dict[int, float]:
+    """The reference: 1 process, accumulation 2, in this process."""
+    out = tmp_path_factory.mktemp("single") / "out"
+    assert (
+        train(TrainConfig.from_dict(_values(model_dir, sample_csv, out, gradient_accumulation_steps=2))) == 0
+    )
+    return _losses(out)
+
+
+def _resume_in_one_process(model_dir, sample_csv, checkpoint: Path, out: Path) -> dict[int, float]:
+    values = _values(model_dir, sample_csv, out, gradient_accumulation_steps=2, resume=str(checkpoint))
+    assert train(TrainConfig.from_dict(values)) == 0
+    return _losses(out)
+
+
+def test_ddp_two_ranks_match_one_process_and_resume_in_one(model_dir, sample_csv, single, tmp_path):
+    out = tmp_path / "ddp"
+    run = _torchrun(_values(model_dir, sample_csv, out, distributed_strategy="ddp"), tmp_path)
+    assert "process group: 2 ranks, backend gloo" in run.stderr
+    assert run.stderr.count(f"finished: {STEPS} steps") == 1, "rank 0 alone logs at INFO"
+
+    two = _losses(out)  # rank 0 alone writes the train log: one line per step
+    assert sorted(two) == list(range(1, STEPS + 1))
+    for s in two:
+        assert two[s] == pytest.approx(single[s], rel=1e-5), (s, two[s], single[s])
+    summary = json.loads((out / SUMMARY).read_text())
+    assert summary["steps"] == STEPS and summary["final_loss"] == pytest.approx(single[STEPS], rel=1e-5)
+    from transformers import AutoModelForSeq2SeqLM
+
+    AutoModelForSeq2SeqLM.from_pretrained(out / "final")  # the final model, saved by rank 0
+    ckpt = out / f"checkpoint-{SAVE_AT}"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["world_size"] == 2
+    assert (ckpt / "rng.pt").is_file() and (ckpt / "rng-1.pt").is_file()
+
+    # Saved by 2 ranks, resumed by 1: the loader continues at global batch 2 x 2 = 4, the optimizer states
+    # come back from DCP, and the losses are those of the run that never stopped.
+    resumed = _resume_in_one_process(model_dir, sample_csv, ckpt, tmp_path / "resumed")
+    assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
+    for s in resumed:
+        assert resumed[s] == pytest.approx(single[s], rel=1e-5), (s, resumed[s], single[s])
+
+
+def test_fsdp_two_ranks_train_like_one_process_and_resume_in_one(model_dir, sample_csv, single, tmp_path):
+    """FSDP2 computes in bf16 (fp32 sharded weights and AdamW states), hence the looser tolerance; gradient
+    checkpointing on, as for FLAN-T5-XL."""
+    out = tmp_path / "fsdp"
+    values = _values(model_dir, sample_csv, out, distributed_strategy="fsdp", gradient_checkpointing=True)
+    run = _torchrun(values, tmp_path)
+    assert "FSDP2 over 2 ranks" in run.stderr
+
+    two = _losses(out)
+    assert sorted(two) == list(range(1, STEPS + 1))
+    for s in two:
+        assert two[s] == pytest.approx(single[s], rel=2e-2), (s, two[s], single[s])
+    from transformers import AutoModelForSeq2SeqLM
+
+    AutoModelForSeq2SeqLM.from_pretrained(out / "final")  # gathered from the shards
+
+    # The DCP checkpoint holds each rank's shards; one process loads them as whole tensors.
+    resumed = _resume_in_one_process(model_dir, sample_csv, out / f"checkpoint-{SAVE_AT}", tmp_path / "r")
+    assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
+    for s in resumed:
+        assert resumed[s] == pytest.approx(two[s], rel=2e-2), (s, resumed[s], two[s])
