@@ -126,7 +126,7 @@ def test_oom_halves_the_micro_batch_and_retries_the_same_data():
     accumulate_gradients(reference, group, split=1)
     model = _model()
     hook = _OomOnce(rows=2)  # only micro-batches of <= 2 rows fit: two halvings (8 -> 4 -> 2)
-    model.register_forward_pre_hook(hook, with_kwargs=True)
+    model.encoder.register_forward_pre_hook(hook, with_kwargs=True)  # the first module a step runs
     cfg = TrainConfig(gradient_accumulation_steps=2, per_device_train_batch_size=8, max_oom_halvings=4)
     state = {"split": 1, "halvings": 0}
     reporter = _Reporter()
@@ -142,7 +142,7 @@ def test_oom_halves_the_micro_batch_and_retries_the_same_data():
 
 def test_oom_gives_up_after_max_halvings_with_a_memory_summary():
     model = _model()
-    model.register_forward_pre_hook(_OomOnce(rows=0), with_kwargs=True)
+    model.encoder.register_forward_pre_hook(_OomOnce(rows=0), with_kwargs=True)
     cfg = TrainConfig(max_tokens=4096, max_oom_halvings=2)
     state = {"split": 1, "halvings": 0}
     with pytest.raises(RuntimeError, match=r"after 2 halvings[\s\S]*memory summary"):

@@ -26,8 +26,11 @@ class TrainConfig:
     # --- model ---
     model_name_or_path: str = "google/flan-t5-xl"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    attn_implementation: str | None = None  # None: sdpa where transformers supports it for T5, else eager
+    # eager: on an H100, T5's eager attention beat SDPA (whose float position-bias mask falls back to slower
+    # kernels) by 24% in the training loop; see bench/NOTES.md. Any name transformers accepts works.
+    attn_implementation: str = "eager"
     gradient_checkpointing: bool = True
+    torch_compile: bool = False  # compile each T5 block (slower start, faster steps on a GPU)
     random_init: bool = False  # build the architecture from model_name_or_path's config.json (benchmarks)
 
     # --- data ---

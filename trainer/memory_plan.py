@@ -512,7 +512,7 @@ def parse_size(text: str) -> int:
 
 
 def _plan_kwargs(cfg) -> dict:
-    # The trainer uses SDPA unless the config asks for eager; other kernels are planned like SDPA.
+    # Kernels other than eager are planned like SDPA.
     attn = "eager" if cfg.attn_implementation == "eager" else "sdpa"
     return dict(
         dtype=cfg.dtype,

@@ -1,0 +1,90 @@
+"""The training loss: summed token cross-entropy of a seq2seq LM, without materialising full logits.
+
+A 32k vocabulary makes the LM head's logits the largest tensors of a step: B x T x 32128 in bf16, plus the
+fp32 copy, log-softmax and gradients that a plain `F.cross_entropy(logits.float())` keeps, several GiB at a
+16k-token micro-batch. `linear_cross_entropy` instead walks the target tokens in chunks: for each chunk it
+computes the logits, the loss and, when gradients are needed, the gradients of the hidden states and of the
+head's weight (softmax minus one-hot, in fp32), then drops the chunk's logits. Backward only scales the stored
+gradients. The arithmetic is the reference's: a bf16 matmul for the logits, fp32 for the softmax and loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows of logits per chunk: 4096 x 32128 fp32 is 0.5 GiB.
+CHUNK_TOKENS = 4096
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens):
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for a float64 model
+        loss = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if need_grad else None
+        for start in range(0, hidden.size(0), chunk_tokens):
+            h = hidden[start : start + chunk_tokens]
+            y = labels[start : start + chunk_tokens]
+            logits = (h @ weight.t()).to(acc)
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            if need_grad:
+                # d(sum of losses)/d(logits) = softmax - one_hot, computed in place over the fp32 logits.
+                g = logits.sub_(lse[:, None]).exp_()
+                g[torch.arange(len(y), device=y.device), y] -= 1.0
+                g = g.to(hidden.dtype)
+                grad_hidden[start : start + chunk_tokens] = g @ weight
+                grad_weight += (g.t() @ h).to(acc)
+        if need_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        g = grad_loss.to(grad_hidden.dtype)
+        return grad_hidden * g, grad_weight * g, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = CHUNK_TOKENS
+) -> torch.Tensor:
+    """Sum over tokens with label != -100 of cross_entropy(hidden @ weight.T, label), in fp32.
+
+    hidden: (..., d) in the model's dtype; weight: the LM head (vocab, d); labels: (...), -100 where
+    padding. Only the labelled rows are multiplied by the head.
+    """
+    keep = labels.reshape(-1) != -100
+    rows = hidden.reshape(-1, hidden.size(-1))[keep]
+    return _LinearCrossEntropy.apply(rows, weight, labels.reshape(-1)[keep], chunk_tokens)
+
+
+class Seq2SeqLMLoss(torch.nn.Module):
+    """A T5-style model whose forward is the training loss: the sum of target-token cross-entropies (fp32).
+
+    Runs the encoder and decoder as `T5ForConditionalGeneration.forward` does (decoder inputs are the labels
+    shifted right; decoder outputs scaled by d_model**-0.5 where the model does so) and feeds the decoder's
+    last hidden states to `linear_cross_entropy` with the LM head's weight. Under DDP or FSDP, wrap this
+    module (not the inner model), so their hooks see the whole step.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, labels) -> torch.Tensor:
+        m = self.model
+        encoder_hidden = m.encoder(input_ids=input_ids, attention_mask=attention_mask)[0]
+        decoder_hidden = m.decoder(
+            input_ids=m.prepare_decoder_input_ids_from_labels(labels=labels),
+            encoder_hidden_states=encoder_hidden,
+            encoder_attention_mask=attention_mask,
+            use_cache=False,
+        )[0]
+        config = m.config
+        # transformers 5 names the flag scale_decoder_outputs; 4.x scaled when the head was tied.
+        if getattr(config, "scale_decoder_outputs", config.tie_word_embeddings):
+            decoder_hidden = decoder_hidden * (config.d_model**-0.5)
+        return linear_cross_entropy(decoder_hidden, m.get_output_embeddings().weight, labels)
