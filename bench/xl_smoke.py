@@ -4,7 +4,8 @@
     python bench/xl_smoke.py --tiny --steps 3      # tiny shape on the CPU: checks the script itself
 
 The architecture is FLAN-T5-XL's (d_model 2048, d_ff 5120, 24+24 layers, 32 heads x 64, vocab 32128,
-gated-GELU, untied head) with random weights built directly on the device in bf16 (`random_init`), trained
+gated-GELU) with random weights saved as safetensors and loaded like the real checkpoint (from_pretrained
+straight onto the GPU in bf16, under the load-once check), trained
 with the rtx5090 preset's optimizer and batching on generated recipes. It goes through `trainer.train.train`,
 so the load-once assertion, the OOM back-off and the optimizer are the ones a user gets. Needs only this
 package (its wheel), torch and transformers; no network.
@@ -28,8 +29,9 @@ PRESET = dict(
     gradient_checkpointing=True,
     max_source_length=512,
     max_target_length=512,
-    max_tokens=8192,
-    gradient_accumulation_steps=8,
+    max_tokens=16384,
+    pad_to_multiple_of=8,
+    gradient_accumulation_steps=4,
     optimizer="adafactor",
     bf16_update="kahan",
     learning_rate=1e-3,
@@ -62,6 +64,25 @@ def write_model_dir(out: Path, shape: dict, tokenizer_dir: Path) -> Path:
     config.save_pretrained(out)
     shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
     return out
+
+
+def write_random_weights(model_dir: Path) -> None:
+    """Random weights saved as safetensors, so the run loads them the way it loads google/flan-t5-xl
+    (from_pretrained straight onto the GPU in bf16, with the load-once check)."""
+    import gc
+
+    import torch
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -100,9 +121,9 @@ def main() -> int:
         write_sample(data, args.records, seed=0, fmt="recipenlg-csv")
         tok_dir = build_tiny_model(tmp / "tok", seed=0)  # only its tokenizer is used
         model_dir = write_model_dir(tmp / "model", TINY if args.tiny else XL, tok_dir)
+        write_random_weights(model_dir)
         values.update(
             model_name_or_path=str(model_dir),
-            random_init=True,
             train_files=[str(data)],
             output_dir=str(tmp / "out"),
             max_steps=args.steps,

@@ -1,0 +1,343 @@
+"""Training throughput: Hugging Face Seq2SeqTrainer (the peer) against our trainer, same GPU and data.
+
+    cp -r ../shared/peer_baseline .peer          # the peer's script (git-ignored copy; carried to the GPU)
+    python3 bench/train_throughput.py            # GPU: both AdamW peer configs, our variants, the loss check
+    python3 bench/train_throughput.py --tiny     # CPU: a tiny shape through the same code (checks the script)
+
+Data: the peer's own synthetic recipes-like token sequences (4096 records, source ~ lognormal(median 96,
+sigma 0.35), target ~ lognormal(median 256, sigma 0.45), random ids; the same generator and seed as
+hf_baseline.py, so both sides see identical ids). Ours reads them through the real Rust loader: the records
+are written as JSONL `source`/`target` pairs of words `t<id>` with a WordLevel tokenizer.json that maps each
+word back to its id and appends `</s>`: the loader's token-budget batching runs on exactly the peer's tokens.
+
+Model: FLAN-T5-XL's shape (d_model 2048, d_ff 5120, 24+24 layers, 32 heads x 64, vocab 32128, gated-GELU),
+random init in bf16, gradient checkpointing, both sides capped at 32 GiB with set_per_process_memory_fraction.
+Effective batch: the peer's 128 samples per optimizer step, matched in real tokens by ours.
+
+Reported per config: real (non-pad) tokens/s, samples/s, MFU and peak allocated memory, and the ratio to the
+best peer. MFU counts 6 x [(encoder + cross-attention K/V params) x source tokens + (rest of the decoder + LM
+head) x target tokens] per sample, real tokens only, checkpoint recompute not counted, against 989 TFLOP/s
+(H100/H200 SXM dense bf16). The loss check runs one batch through the eager HF reference
+(`model(..., labels=...).loss`) and through our step's loss (SDPA, fused ops, chunked cross-entropy), same
+weights, dropout off: they must agree within bf16 tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+PEAK_FLOPS = 989e12  # H100/H200 SXM, dense bf16
+VOCAB = 32128
+XL = dict(d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_decoder_layers=24, num_heads=32)
+TINY = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4)
+PEER_CONFIGS = ["hf_adamw_bs8_ga16_cap32", "hf_adamw_bs16_ga8_cap32"]
+PEER_SAMPLES_PER_STEP = 128  # bs 8 x GA 16 and bs 16 x GA 8
+# Our variants: trainer config overrides on top of BASE.
+BASE = dict(
+    dtype="bfloat16",
+    gradient_checkpointing=True,
+    optimizer="adafactor",
+    bf16_update="kahan",
+    learning_rate=1e-3,
+    lr_scheduler_type="constant",
+    pad_to_multiple_of=8,
+    max_tokens=16384,
+)
+VARIANTS = {
+    "ours": {},
+    "ours_compile": {"torch_compile": True},
+    "ours_empty_cache_every_step": {"empty_cache_steps": 1},
+    "ours_32k": {"max_tokens": 32768},
+    "ours_sdpa": {"attn_implementation": "sdpa"},
+    "ours_sdpa_compile": {"attn_implementation": "sdpa", "torch_compile": True},
+    "ours_adamw": {"optimizer": "adamw", "bf16_update": "naive", "learning_rate": 1e-4, "max_tokens": 8192},
+}
+
+
+def make_records(n: int = 4096, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """hf_baseline.py's data, draw for draw: (source ids, target ids), each ending with </s> (id 1)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    src = np.clip(rng.lognormal(np.log(96), 0.35, n), 16, 512).astype(int)
+    tgt = np.clip(rng.lognormal(np.log(256), 0.45, n), 32, 512).astype(int)
+    return [
+        (list(rng.integers(3, 32000, s - 1)) + [1], list(rng.integers(3, 32000, t - 1)) + [1])
+        for s, t in zip(src, tgt, strict=True)
+    ]
+
+
+def write_data(out: Path, records, shape: dict) -> tuple[Path, Path]:
+    """JSONL of pre-rendered pairs and a model dir (config.json + WordLevel tokenizer.json)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import T5Config
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {f"t{i}": i for i in range(3, VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    model_dir = out / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(model_dir / "tokenizer.json"))
+    T5Config(
+        vocab_size=VOCAB,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        dropout_rate=0.1,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        **shape,
+    ).save_pretrained(model_dir)
+    data = out / "records.jsonl"
+    with open(data, "w", encoding="utf-8") as f:
+        for s, t in records:
+            words = lambda ids: " ".join(f"t{i}" for i in ids[:-1])  # noqa: E731 (the post-processor adds </s>)
+            f.write(json.dumps({"source": words(s), "target": words(t)}) + "\n")
+    return data, model_dir
+
+
+def flops_per_token_pair(shape: dict) -> tuple[float, float]:
+    """Training FLOPs (6 x params) per real source token and per real target token."""
+    d, f, inner = shape["d_model"], shape["d_ff"], shape["num_heads"] * shape["d_kv"]
+    enc_block = 4 * d * inner + 3 * d * f
+    cross_kv = 2 * d * inner
+    dec_block_rest = 4 * d * inner + 2 * d * inner + 3 * d * f  # self q,k,v,o + cross q,o + gated FF
+    per_source = shape["num_layers"] * enc_block + shape["num_decoder_layers"] * cross_kv
+    per_target = shape["num_decoder_layers"] * dec_block_rest + VOCAB * d
+    return 6.0 * per_source, 6.0 * per_target
+
+
+# -------------------------------------------------------------------------------------------- subprocesses
+
+
+def run_ours(variant: str, work: Path, steps: int, warmup: int, tiny: bool) -> dict:
+    """One of our variants through trainer.train.train; steady-state numbers from its train log."""
+    import torch
+
+    from trainer.config import TrainConfig
+    from trainer.train import SUMMARY, TRAIN_LOG, train
+
+    shape = TINY if tiny else XL
+    records = make_records(n=512 if tiny else 4096)
+    data, model_dir = write_data(work, records, shape)
+    values = dict(BASE) | VARIANTS[variant]
+    mean_tokens = sum(len(s) + len(t) for s, t in records) / len(records)
+    # The peer's effective batch in real tokens; our batches are >= 95% real tokens.
+    accumulation = max(1, round(PEER_SAMPLES_PER_STEP * mean_tokens / (values["max_tokens"] * 0.96)))
+    if tiny:  # checks the code path only
+        accumulation = 2
+        values.update(max_tokens=2048, dtype="float32" if not torch.cuda.is_available() else "bfloat16")
+    values.update(
+        model_name_or_path=str(model_dir),
+        random_init=True,
+        train_files=[str(data)],
+        max_source_length=512,
+        max_target_length=512,
+        gradient_accumulation_steps=accumulation,
+        output_dir=str(work / "out"),
+        max_steps=steps,
+        eval_fraction=0.0,
+        logging_steps=1,
+        save_steps=10**9,
+        save_final=False,
+        report_to="none",
+        resume="never",
+        progress_bar=False,
+        gpu_memory_limit_gib=32.0 if torch.cuda.is_available() else None,
+    )
+    cfg = TrainConfig.from_dict(values, source=variant)
+    rc = train(cfg)
+    rows = [json.loads(line) for line in (work / "out" / TRAIN_LOG).read_text().splitlines()]
+    summary = json.loads((work / "out" / SUMMARY).read_text())
+    timed = rows[warmup:]
+    seconds = timed[-1]["time"] - rows[warmup - 1]["time"]
+    src = sum(r["source_tokens"] for r in timed)
+    tgt = sum(r["target_tokens"] for r in timed)
+    samples = sum(r["samples"] for r in timed)
+    padded = sum(r["padded_tokens"] for r in timed)
+    per_src, per_tgt = flops_per_token_pair(shape)
+    return dict(
+        config=variant,
+        ok=rc == 0,
+        real_tok_s=(src + tgt) / seconds,
+        samples_s=samples / seconds,
+        mfu=(per_src * src + per_tgt * tgt) / seconds / PEAK_FLOPS,
+        pad_frac=1 - (src + tgt) / padded,
+        peak_alloc_gib=summary.get("peak_allocated_gib"),
+        peak_reserved_gib=summary.get("peak_reserved_gib"),
+        tokens_per_step=(src + tgt) / len(timed),
+        accumulation=accumulation,
+        max_tokens=cfg.max_tokens,
+        optimizer=f"{cfg.optimizer} ({cfg.bf16_update})",
+        final_loss=rows[-1]["loss"],
+        oom_split=summary.get("oom_split"),
+    )
+
+
+def loss_check(tiny: bool) -> dict:
+    """One batch, same weights, dropout off: the eager HF loss vs our step's loss."""
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, T5Config
+
+    from trainer.model import use_fused_t5_ops
+    from trainer.train import token_loss_sum
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shape = TINY if tiny else XL
+    config = T5Config(
+        vocab_size=VOCAB,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        **shape,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForSeq2SeqLM.from_config(config, dtype=dtype, attn_implementation="eager").eval()
+    records = make_records(n=8, seed=1)
+    src_len, tgt_len = max(len(s) for s, _ in records), max(len(t) for _, t in records)
+    ids = torch.zeros(len(records), src_len, dtype=torch.long)
+    labels = torch.full((len(records), tgt_len), -100, dtype=torch.long)
+    for i, (s, t) in enumerate(records):
+        ids[i, : len(s)], labels[i, : len(t)] = torch.tensor(s), torch.tensor(t)
+    batch = {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": labels}
+    batch = {k: v.to(device) for k, v in batch.items()}
+    with torch.no_grad():
+        reference = float(model(**batch).loss)
+        model.set_attn_implementation("sdpa")
+        use_fused_t5_ops(model)
+        ours = float(token_loss_sum(model, batch)) / int((labels != -100).sum())
+    rel = abs(ours - reference) / abs(reference)
+    return dict(config="loss check", reference=reference, ours=ours, rel_diff=rel, ok=rel < 1e-2)
+
+
+def run_peer(peer_dir: Path, config: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(peer_dir / "hf_baseline.py"), config],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=peer_dir,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    return {"config": config, "ok": False, "error": (proc.stdout + proc.stderr)[-1500:]}
+
+
+def in_subprocess(args: list[str], timeout: float) -> dict:
+    """Run this script with `args` in a fresh process (clean memory counters) and read its JSON result."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, *args, "--result", out.name]
+        try:
+            proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            return {"config": args[1], "ok": False, "error": f"timed out after {timeout:.0f} s"}
+        text = Path(out.name).read_text()
+        if proc.returncode != 0 or not text:
+            return {"config": args[1], "ok": False, "error": (proc.stdout + proc.stderr)[-1500:]}
+        return json.loads(text)
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def main() -> int:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny shape (CPU check of the script)")
+    parser.add_argument("--variants", default="ours,ours_compile", help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--peers", default=",".join(PEER_CONFIGS), help="peer configs ('' for none)")
+    parser.add_argument("--peer-dir", default=".peer", help="copy of shared/peer_baseline")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the timing")
+    parser.add_argument("--json", help="write all results here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant or "loss-check"
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.one:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
+            if args.one == "loss-check":
+                result = loss_check(args.tiny)
+            else:
+                result = run_ours(args.one, Path(tmp), args.steps, args.warmup, args.tiny)
+        Path(args.result).write_text(json.dumps(result))
+        return 0
+
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"device: {device}; torch {torch.__version__}", flush=True)
+    results = []
+    for peer in [p for p in args.peers.split(",") if p] if torch.cuda.is_available() else []:
+        t0 = time.time()
+        results.append(run_peer(Path(args.peer_dir).resolve(), peer) | {"side": "peer"})
+        print(f"{peer}: {time.time() - t0:.0f} s {json.dumps(results[-1])}", flush=True)
+    extra = ["--tiny"] if args.tiny else []
+    steps = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    for variant in [v for v in args.variants.split(",") if v]:
+        t0 = time.time()
+        results.append(in_subprocess(["--one", variant, *steps, *extra], timeout=480) | {"side": "ours"})
+        print(f"{variant}: {time.time() - t0:.0f} s {json.dumps(results[-1])}", flush=True)
+    check = in_subprocess(["--one", "loss-check", *extra], timeout=240)
+    print(f"loss check: {json.dumps(check)}", flush=True)
+
+    per_src, per_tgt = flops_per_token_pair(TINY if args.tiny else XL)
+    records = make_records()
+    mean_src = sum(len(s) for s, _ in records) / len(records)
+    mean_tgt = sum(len(t) for _, t in records) / len(records)
+    flops_per_real_token = (per_src * mean_src + per_tgt * mean_tgt) / (mean_src + mean_tgt)
+    peers = [r for r in results if r["side"] == "peer" and r.get("ok")]
+    best = max((r["real_tok_s"] for r in peers), default=None)
+    print()
+    print("| config | real tok/s | samples/s | MFU | padding | peak alloc | vs best peer |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        if not r.get("ok"):
+            print(f"| {r['config']} | failed: {str(r.get('error', ''))[-200:]!r} | | | | | |")
+            continue
+        mfu = r.get("mfu", r["real_tok_s"] * flops_per_real_token / PEAK_FLOPS)
+        padding = f"{100 * r['pad_frac']:.1f}%" if "pad_frac" in r else "-"
+        ratio = f"{r['real_tok_s'] / best:.2f}x" if best else "-"
+        print(
+            f"| {r['config']} | {r['real_tok_s']:,.0f} | {r['samples_s']:.1f} | {100 * mfu:.1f}% | {padding} "
+            f"| {_gib(r.get('peak_alloc_gib'))} | {ratio} |"
+        )
+    if check.get("ok") is not None and "reference" in check:
+        print(
+            f"\nloss check (one batch, dropout off): HF eager {check['reference']:.5f}, "
+            f"ours {check['ours']:.5f}, "
+            f"relative difference {check['rel_diff']:.2e} -> {'ok' if check['ok'] else 'MISMATCH'}"
+        )
+    else:
+        print(f"\nloss check failed: {check.get('error', '')[-500:]}")
+    if args.json:
+        everything = {"device": device, "results": results, "loss_check": check}
+        Path(args.json).write_text(json.dumps(everything, indent=2))
+    return 0 if check.get("ok") else 1
+
+
+def _gib(value: float | None) -> str:
+    return "n/a (CPU)" if value is None else f"{value:.1f} GiB"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
