@@ -12,7 +12,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from trainer import memory
 from trainer.config import TrainConfig
-from trainer.train import accumulate_gradients, accumulate_with_oom_backoff
+from trainer.train import accumulate_gradients, accumulate_with_oom_backoff, probe_memory
 
 
 def _model():
@@ -178,3 +178,22 @@ def test_empty_cache_schedule_runs_only_every_n_steps():
     sched = memory.EmptyCacheSchedule(3)
     assert [sched.after_step(s) for s in range(1, 8)] == [False, False, True, False, False, True, False]
     assert not any(memory.EmptyCacheSchedule(0).after_step(s) for s in range(1, 5))
+
+
+def test_oom_probe_halves_the_budget_before_training():
+    model = _model()
+    hook = _OomOnce(rows=3)  # micro-batches of more than 3 rows do not fit
+    model.encoder.register_forward_pre_hook(hook, with_kwargs=True)
+    cfg = TrainConfig(per_device_train_batch_size=8, max_source_length=6, max_target_length=5, oom_probe=True)
+    state = {"split": 1, "halvings": 0}
+    probe_memory(model, cfg, state, torch.device("cpu"))
+    assert state == {"split": 4, "halvings": 2}  # 8 rows -> 4 -> 2: training starts with what fits
+    assert hook.seen == [8, 4, 2, 2, 2, 2]  # each failure retries the same rows, halved
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradient behind
+
+
+def test_no_batch_setting_starts_from_the_memory_plan():
+    from trainer.memory_plan import starting_max_tokens
+
+    cfg = TrainConfig(max_source_length=64, max_target_length=96)
+    assert starting_max_tokens(cfg) == 2 * (64 + 96)  # no GPU here: two maximal rows

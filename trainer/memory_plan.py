@@ -538,6 +538,30 @@ def choose_max_tokens(cfg, gpu_bytes: int) -> int:
     return tokens
 
 
+def starting_max_tokens(cfg) -> int:
+    """The token budget the loop starts with when the config sets neither batch size nor max_tokens: the
+    plan's largest that fits this process's GPU (gpu_memory_limit_gib when set); on a CPU, two maximal
+    rows."""
+    import torch
+
+    if not torch.cuda.is_available():
+        tokens = 2 * (cfg.max_source_length + cfg.max_target_length)
+        logger.info("memory plan: no GPU, max_tokens %d", tokens)
+        return tokens
+    gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if cfg.gpu_memory_limit_gib:
+        gpu_bytes = min(gpu_bytes, int(cfg.gpu_memory_limit_gib * GIB))
+    return choose_max_tokens(cfg, gpu_bytes)
+
+
+def probe_shapes(cfg) -> list[tuple[int, int, int]]:
+    """(rows, source length, target length) of the largest micro-batches the loader can yield for `cfg`."""
+    src, tgt = cfg.max_source_length, cfg.max_target_length
+    if cfg.per_device_train_batch_size is not None:
+        return [(cfg.per_device_train_batch_size, src, tgt)]
+    return _budget_shapes(cfg.max_tokens, src, tgt, worst_case=True)
+
+
 def print_plan(cfg, gpu_memory: str) -> int:
     """`trainer plan`: the predicted peak by component.
 

@@ -15,6 +15,7 @@ writes the train log, the progress bar, W&B and Discord; checkpoints are collect
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -288,6 +289,28 @@ def accumulate_with_oom_backoff(
                 reporter.oom_backoff(step=step, micro_batch=micro, accumulation=accumulation)
 
 
+def probe_memory(train_module, cfg: TrainConfig, oom: dict, device) -> None:
+    """oom_probe: before training, one forward+backward on each of the largest micro-batch shapes the loader
+    can yield (random ids), through the OOM back-off, so a budget that does not fit is halved now rather than
+    hours into the run. The gradients are dropped."""
+    import torch
+
+    from trainer.memory_plan import probe_shapes
+
+    shapes = probe_shapes(cfg)
+    g = torch.Generator().manual_seed(0)
+    for rows, src, tgt in shapes:
+        batch = {
+            "input_ids": torch.randint(3, 100, (rows, src), generator=g),  # any vocabulary has these ids
+            "attention_mask": torch.ones(rows, src, dtype=torch.long),
+            "labels": torch.randint(3, 100, (rows, tgt), generator=g),
+        }
+        accumulate_with_oom_backoff(train_module, [to_device(batch, device)], oom, cfg, step=0)
+        train_module.zero_grad(set_to_none=True)
+    memory.free_memory()
+    log.info("oom_probe: %s fit with micro-batch %s", shapes, describe_micro_batch(cfg, oom["split"]))
+
+
 def describe_micro_batch(cfg: TrainConfig, split: int = 1) -> str:
     if cfg.max_tokens:
         return f"{cfg.max_tokens // split} tokens"
@@ -397,6 +420,10 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         from trainer.config import ConfigError
 
         raise ConfigError("train_files is empty: name at least one recipe file or glob")
+    if cfg.per_device_train_batch_size is None and cfg.max_tokens is None:
+        from trainer.memory_plan import starting_max_tokens
+
+        cfg = dataclasses.replace(cfg, max_tokens=starting_max_tokens(cfg))
     tokenizer_file = tokenizer_file_for(cfg)
     train_stream = make_stream(cfg, tokenizer_file, "train", rank, world_size)
     eval_stream = (
@@ -464,6 +491,8 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         ckpt.load_training_state(resume_from, model, optimizer, scheduler)
         log.info("resumed from step %d (%s)", step, resume_from)
     oom = {"split": int(state.get("oom_split", 1)), "halvings": int(state.get("oom_halvings", 0))}
+    if cfg.oom_probe and device.type == "cuda" and not resume_from:
+        probe_memory(train_module, cfg, oom, device)
     loader_state = state.get("loader")  # the train stream's position after the last completed step (rank 0)
     if loader_state is not None:
         loader_state = resume_position(
