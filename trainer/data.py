@@ -40,6 +40,8 @@ __all__ = [
     "RecipeStream",
     "inspect_report",
     "resolve_tokenizer_file",
+    "stream_for",
+    "to_device",
 ]
 
 log = logging.getLogger(__name__)
@@ -196,28 +198,69 @@ class DeviceLoader:
     def __len__(self) -> int:
         return len(self.stream)
 
-    def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
-        import torch
-
-        out = {}
-        for k, v in batch.items():
-            t = torch.from_numpy(v)
-            if self.device.type == "cuda":
-                t = t.pin_memory().to(self.device, non_blocking=True)
-            elif self.device.type != "cpu":
-                t = t.to(self.device)
-            out[k] = t
-        return out
-
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         it = iter(self.stream)
         nxt = next(it, None)
-        ahead = None if nxt is None else self._to_device(nxt)
+        ahead = None if nxt is None else to_device(nxt, self.device)
         while ahead is not None:
             current = ahead
             nxt = next(it, None)
-            ahead = None if nxt is None else self._to_device(nxt)
+            ahead = None if nxt is None else to_device(nxt, self.device)
             yield current
+
+
+def to_device(batch: Batch | dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch as torch tensors on `device`: on CUDA pinned and copied with non_blocking=True; on the CPU the
+    numpy memory is shared, not copied."""
+    import torch
+
+    out = {}
+    for k, v in batch.items():
+        t = torch.as_tensor(v)
+        if device.type == "cuda":
+            t = t.pin_memory().to(device, non_blocking=True)
+        elif device.type != "cpu":
+            t = t.to(device)
+        out[k] = t
+    return out
+
+
+def stream_for(
+    cfg: TrainConfig,
+    tokenizer_file: str | os.PathLike[str],
+    split: str = "all",
+    *,
+    paths: Sequence[str] | None = None,
+    batch_size: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> RecipeStream:
+    """The RecipeStream a config describes: its files (or `paths`), task, lengths, batching and data options.
+
+    split "train" shuffles (when cfg.shuffle); "eval" is the held-out share; with cfg.eval_fraction 0 both
+    read everything. `batch_size` replaces cfg.per_device_train_batch_size (data inspect's default)."""
+    return RecipeStream(
+        list(paths) if paths is not None else cfg.train_files,
+        tokenizer_file,
+        task=cfg.task,
+        source_template=cfg.source_template,
+        target_template=cfg.target_template,
+        max_source_length=cfg.max_source_length,
+        max_target_length=cfg.max_target_length,
+        batch_size=batch_size or cfg.per_device_train_batch_size,
+        max_tokens=cfg.max_tokens,
+        pad_to_multiple_of=cfg.pad_to_multiple_of,
+        shuffle=cfg.shuffle and split in ("train", "all"),
+        seed=cfg.seed,
+        rank=rank,
+        world_size=world_size,
+        split=split if cfg.eval_fraction > 0 else "all",
+        eval_fraction=cfg.eval_fraction,
+        strict=cfg.strict_data,
+        dedup=cfg.dedup,
+        data_format=cfg.data_format,
+        num_threads=cfg.loader_threads,
+    )
 
 
 def resolve_tokenizer_file(name: str) -> Path:
@@ -252,23 +295,8 @@ def inspect_report(paths: list[str], cfg: TrainConfig) -> str:
     """Text report for `trainer data inspect`: records, skips with examples, token lengths, padding waste."""
     # Without a batching setting, show what HF's default (8 rows, random order) would waste.
     batch_size = cfg.per_device_train_batch_size or (None if cfg.max_tokens else 8)
-    stream = RecipeStream(
-        paths,
-        resolve_tokenizer_file(cfg.model_name_or_path),
-        task=cfg.task,
-        source_template=cfg.source_template,
-        target_template=cfg.target_template,
-        max_source_length=cfg.max_source_length,
-        max_target_length=cfg.max_target_length,
-        batch_size=batch_size,
-        max_tokens=cfg.max_tokens,
-        pad_to_multiple_of=cfg.pad_to_multiple_of,
-        shuffle=cfg.shuffle,
-        seed=cfg.seed,
-        dedup=cfg.dedup,
-        data_format=cfg.data_format,
-        num_threads=cfg.loader_threads,
-    )
+    tokenizer_file = resolve_tokenizer_file(cfg.model_name_or_path)
+    stream = stream_for(cfg, tokenizer_file, paths=paths, batch_size=batch_size)
     st = stream.stats()
     src, tgt = stream.lengths()
     n_src_cut = int((src >= cfg.max_source_length).sum())

@@ -29,6 +29,7 @@ from typing import Any
 
 from trainer import distributed, memory
 from trainer.config import TrainConfig
+from trainer.data import stream_for, to_device
 
 log = logging.getLogger(__name__)
 
@@ -111,34 +112,6 @@ def tokenizer_file_for(cfg: TrainConfig) -> str:
     return str(resolve_tokenizer_file(cfg.model_name_or_path))
 
 
-def make_stream(cfg: TrainConfig, tokenizer_file: str, split: str, rank: int = 0, world_size: int = 1):
-    from trainer.data import RecipeStream
-
-    train = split == "train"
-    return RecipeStream(
-        cfg.train_files,
-        tokenizer_file,
-        task=cfg.task,
-        source_template=cfg.source_template,
-        target_template=cfg.target_template,
-        max_source_length=cfg.max_source_length,
-        max_target_length=cfg.max_target_length,
-        batch_size=cfg.per_device_train_batch_size,
-        max_tokens=cfg.max_tokens,
-        pad_to_multiple_of=cfg.pad_to_multiple_of,
-        shuffle=cfg.shuffle and train,
-        seed=cfg.seed,
-        rank=rank,
-        world_size=world_size,
-        split=split if cfg.eval_fraction > 0 else "all",
-        eval_fraction=cfg.eval_fraction,
-        strict=cfg.strict_data,
-        dedup=cfg.dedup,
-        data_format=cfg.data_format,
-        num_threads=cfg.loader_threads,
-    )
-
-
 def loader_batches(stream, resume_state: dict | None = None):
     """Yield numpy batches forever, epoch after epoch; `resume_state` (a stream state_dict) continues
     exactly where a checkpoint left off, mid-epoch included."""
@@ -177,7 +150,7 @@ def resume_position(
     if distributed.rank() == 0:
         reference = stream
         if saved_world_size != world_size:
-            reference = make_stream(cfg, tokenizer_file, "train", 0, saved_world_size)
+            reference = stream_for(cfg, tokenizer_file, "train", rank=0, world_size=saved_world_size)
         reference.load_state_dict(saved)  # raises on other data or settings
     consumed = int(saved["batches_consumed"]) * saved_world_size // world_size
     if saved_world_size != world_size:
@@ -190,18 +163,6 @@ def resume_position(
             consumed,
         )
     return dict(stream.state_dict(), epoch=int(saved["epoch"]), batches_consumed=consumed)
-
-
-def to_device(batch: dict, device) -> dict:
-    import torch
-
-    out = {}
-    for k in ("input_ids", "attention_mask", "labels"):
-        t = torch.as_tensor(batch[k])
-        if device.type == "cuda":
-            t = t.pin_memory().to(device, non_blocking=True)
-        out[k] = t
-    return out
 
 
 # -- the step ---------------------------------------------------------------------------------------------
@@ -425,10 +386,10 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
 
         cfg = dataclasses.replace(cfg, max_tokens=starting_max_tokens(cfg))
     tokenizer_file = tokenizer_file_for(cfg)
-    train_stream = make_stream(cfg, tokenizer_file, "train", rank, world_size)
-    eval_stream = (
-        make_stream(cfg, tokenizer_file, "eval", rank, world_size) if cfg.eval_fraction > 0 else None
-    )
+    train_stream = stream_for(cfg, tokenizer_file, "train", rank=rank, world_size=world_size)
+    eval_stream = None
+    if cfg.eval_fraction > 0:
+        eval_stream = stream_for(cfg, tokenizer_file, "eval", rank=rank, world_size=world_size)
     accum = cfg.gradient_accumulation_steps
     batches_per_epoch = len(train_stream)
     if cfg.max_steps > 0:
