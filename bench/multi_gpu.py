@@ -34,8 +34,6 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-XL = dict(d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_decoder_layers=24, num_heads=32)
-TINY = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4)
 COMMON = dict(
     gradient_checkpointing=True,
     max_source_length=512,
@@ -153,7 +151,7 @@ def main() -> int:
         data = tmp / "recipes.csv"
         write_sample(data, args.records, seed=0, fmt="recipenlg-csv")
         tok_dir = build_tiny_model(tmp / "tok", seed=0)  # only its tokenizer is used
-        model_dir = write_model_dir(tmp / "model", TINY if args.tiny else XL, tok_dir)
+        model_dir = write_model_dir(tmp / "model", "tiny" if args.tiny else "xl", tok_dir)
         base = dict(
             COMMON,
             model_name_or_path=str(model_dir),

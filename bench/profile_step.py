@@ -20,12 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from transformers import AutoModelForSeq2SeqLM, T5Config  # noqa: E402
+from transformers import AutoModelForSeq2SeqLM  # noqa: E402
 
 from trainer.model import compile_blocks, use_fused_t5_ops  # noqa: E402
+from trainer.tiny_model import flan_t5_config  # noqa: E402
 from trainer.train import token_loss_sum  # noqa: E402
-
-XL = dict(d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_decoder_layers=24, num_heads=32)
 
 
 def main() -> int:
@@ -36,15 +35,7 @@ def main() -> int:
     parser.add_argument("--source", type=int, default=96)
     parser.add_argument("--target", type=int, default=256)
     args = parser.parse_args()
-    config = T5Config(
-        vocab_size=32128,
-        feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-        **XL,
-    )
+    config = flan_t5_config("xl")
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForSeq2SeqLM.from_config(config, dtype=torch.bfloat16, attn_implementation=args.attn)

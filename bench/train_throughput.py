@@ -37,8 +37,6 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM, dense bf16
 VOCAB = 32128
-XL = dict(d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_decoder_layers=24, num_heads=32)
-TINY = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4)
 PEER_CONFIGS = ["hf_adamw_bs8_ga16_cap32", "hf_adamw_bs16_ga8_cap32"]
 PEER_SAMPLES_PER_STEP = 128  # bs 8 x GA 16 and bs 16 x GA 8
 # Our variants: trainer config overrides on top of BASE.
@@ -76,10 +74,11 @@ def make_records(n: int = 4096, seed: int = 0) -> list[tuple[list[int], list[int
     ]
 
 
-def write_data(out: Path, records, shape: dict) -> tuple[Path, Path]:
+def write_data(out: Path, records, shape: str) -> tuple[Path, Path]:
     """JSONL of pre-rendered pairs and a model dir (config.json + WordLevel tokenizer.json)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import T5Config
+
+    from trainer.tiny_model import flan_t5_config
 
     vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {f"t{i}": i for i in range(3, VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -88,16 +87,7 @@ def write_data(out: Path, records, shape: dict) -> tuple[Path, Path]:
     model_dir = out / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(model_dir / "tokenizer.json"))
-    T5Config(
-        vocab_size=VOCAB,
-        feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False,
-        dropout_rate=0.1,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-        **shape,
-    ).save_pretrained(model_dir)
+    flan_t5_config(shape, vocab_size=VOCAB).save_pretrained(model_dir)
     data = out / "records.jsonl"
     with open(data, "w", encoding="utf-8") as f:
         for s, t in records:
@@ -106,14 +96,17 @@ def write_data(out: Path, records, shape: dict) -> tuple[Path, Path]:
     return data, model_dir
 
 
-def flops_per_token_pair(shape: dict) -> tuple[float, float]:
+def flops_per_token_pair(shape: str) -> tuple[float, float]:
     """Training FLOPs (6 x params) per real source token and per real target token."""
-    d, f, inner = shape["d_model"], shape["d_ff"], shape["num_heads"] * shape["d_kv"]
+    from trainer.tiny_model import flan_t5_config
+
+    c = flan_t5_config(shape, vocab_size=VOCAB)
+    d, f, inner = c.d_model, c.d_ff, c.num_heads * c.d_kv
     enc_block = 4 * d * inner + 3 * d * f
     cross_kv = 2 * d * inner
     dec_block_rest = 4 * d * inner + 2 * d * inner + 3 * d * f  # self q,k,v,o + cross q,o + gated FF
-    per_source = shape["num_layers"] * enc_block + shape["num_decoder_layers"] * cross_kv
-    per_target = shape["num_decoder_layers"] * dec_block_rest + VOCAB * d
+    per_source = c.num_layers * enc_block + c.num_decoder_layers * cross_kv
+    per_target = c.num_decoder_layers * dec_block_rest + VOCAB * d
     return 6.0 * per_source, 6.0 * per_target
 
 
@@ -127,7 +120,7 @@ def run_ours(variant: str, work: Path, steps: int, warmup: int, tiny: bool) -> d
     from trainer.config import TrainConfig
     from trainer.train import SUMMARY, TRAIN_LOG, train
 
-    shape = TINY if tiny else XL
+    shape = "tiny" if tiny else "xl"
     records = make_records(n=512 if tiny else 4096)
     data, model_dir = write_data(work, records, shape)
     values = dict(BASE) | VARIANTS[variant]
@@ -187,23 +180,16 @@ def run_ours(variant: str, work: Path, steps: int, warmup: int, tiny: bool) -> d
 def loss_check(tiny: bool) -> dict:
     """One batch, same weights, dropout off: the eager HF loss vs our step's loss."""
     import torch
-    from transformers import AutoModelForSeq2SeqLM, T5Config
+    from transformers import AutoModelForSeq2SeqLM
 
     from trainer.model import use_fused_t5_ops
+    from trainer.tiny_model import flan_t5_config
     from trainer.train import token_loss_sum
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    shape = TINY if tiny else XL
-    config = T5Config(
-        vocab_size=VOCAB,
-        feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-        **shape,
-    )
+    shape = "tiny" if tiny else "xl"
+    config = flan_t5_config(shape, vocab_size=VOCAB)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForSeq2SeqLM.from_config(config, dtype=dtype, attn_implementation="eager").eval()
@@ -300,7 +286,7 @@ def main() -> int:
     check = in_subprocess(["--one", "loss-check", *extra], timeout=240)
     print(f"loss check: {json.dumps(check)}", flush=True)
 
-    per_src, per_tgt = flops_per_token_pair(TINY if args.tiny else XL)
+    per_src, per_tgt = flops_per_token_pair("tiny" if args.tiny else "xl")
     records = make_records()
     mean_src = sum(len(s) for s, _ in records) / len(records)
     mean_tgt = sum(len(t) for _, t in records) / len(records)

@@ -38,30 +38,16 @@ PRESET = dict(
     lr_scheduler_type="constant",
     cuda_alloc_conf="expandable_segments:True",
 )
-XL = dict(d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_decoder_layers=24, num_heads=32)
-TINY = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4)
 
 
-def write_model_dir(out: Path, shape: dict, tokenizer_dir: Path) -> Path:
-    """config.json of the architecture (no weights) plus the tokenizer: what `random_init` builds from."""
+def write_model_dir(out: Path, shape: str, tokenizer_dir: Path) -> Path:
+    """config.json of the architecture ("xl" or "tiny", no weights) plus the tokenizer."""
     import shutil
 
-    from transformers import T5Config
+    from trainer.tiny_model import flan_t5_config
 
-    config = T5Config(
-        vocab_size=32128,
-        relative_attention_num_buckets=32,
-        relative_attention_max_distance=128,
-        dropout_rate=0.1,
-        feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-        **shape,
-    )
     out.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(out)
+    flan_t5_config(shape).save_pretrained(out)
     shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
     return out
 
@@ -120,7 +106,7 @@ def main() -> int:
         data = tmp / "recipes.csv"
         write_sample(data, args.records, seed=0, fmt="recipenlg-csv")
         tok_dir = build_tiny_model(tmp / "tok", seed=0)  # only its tokenizer is used
-        model_dir = write_model_dir(tmp / "model", TINY if args.tiny else XL, tok_dir)
+        model_dir = write_model_dir(tmp / "model", "tiny" if args.tiny else "xl", tok_dir)
         write_random_weights(model_dir)
         values.update(
             model_name_or_path=str(model_dir),

@@ -107,10 +107,27 @@ def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
     return tok
 
 
+# The tiny stand-in's size; every other FLAN-T5 hyperparameter is the real model's.
+TINY_SHAPE = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4)
+
+
+def flan_t5_config(shape: str = "xl", vocab_size: int = 32128):
+    """A FLAN-T5 architecture (gated-GELU, untied head, relative attention, T5's special ids) without weights:
+    `shape` "xl" is google/flan-t5-xl's (trainer.memory_plan.KNOWN_CONFIGS), "tiny" this module's stand-in."""
+    from transformers import T5Config
+
+    from trainer.memory_plan import KNOWN_CONFIGS
+
+    sizes = TINY_SHAPE if shape == "tiny" else KNOWN_CONFIGS[f"google/flan-t5-{shape}"]
+    flan = {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "dropout_rate": 0.1}
+    ids = {"decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
+    return T5Config(**{**flan, **sizes, "vocab_size": vocab_size, **ids})
+
+
 def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
     """Write a tiny random T5ForConditionalGeneration and its tokenizer to `out` (created); return `out`."""
     import torch
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, T5ForConditionalGeneration
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,25 +153,7 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
-    config = T5Config(
-        vocab_size=len(hf_tok),
-        d_model=64,
-        d_kv=16,
-        d_ff=128,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=32,
-        relative_attention_max_distance=128,
-        dropout_rate=0.1,
-        layer_norm_epsilon=1e-6,
-        feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False,
-        is_encoder_decoder=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
+    config = flan_t5_config("tiny", vocab_size=len(hf_tok))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = T5ForConditionalGeneration(config)
