@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,8 +114,11 @@ def flops_per_token_pair(shape: str) -> tuple[float, float]:
 # -------------------------------------------------------------------------------------------- subprocesses
 
 
-def run_ours(variant: str, work: Path, steps: int, warmup: int, tiny: bool) -> dict:
-    """One of our variants through trainer.train.train; steady-state numbers from its train log."""
+def run_ours(
+    variant: str, work: Path, steps: int, warmup: int, tiny: bool, profile_dir: str | None = None
+) -> dict:
+    """One of our variants through trainer.train.train; steady-state numbers from its train log.
+    profile_dir: also profile two steps after the timed ones (trainer.profiling), report copied there."""
     import torch
 
     from trainer.config import TrainConfig
@@ -138,7 +142,7 @@ def run_ours(variant: str, work: Path, steps: int, warmup: int, tiny: bool) -> d
         max_target_length=512,
         gradient_accumulation_steps=accumulation,
         output_dir=str(work / "out"),
-        max_steps=steps,
+        max_steps=steps + (2 if profile_dir else 0),  # profiled steps come after the timed ones
         eval_fraction=0.0,
         logging_steps=1,
         save_steps=10**9,
@@ -147,10 +151,15 @@ def run_ours(variant: str, work: Path, steps: int, warmup: int, tiny: bool) -> d
         resume="never",
         progress_bar=False,
         gpu_memory_limit_gib=32.0 if torch.cuda.is_available() else None,
+        profile_steps=2 if profile_dir else 0,
+        profile_start_step=steps,
     )
     cfg = TrainConfig.from_dict(values, source=variant)
     rc = train(cfg)
-    rows = [json.loads(line) for line in (work / "out" / TRAIN_LOG).read_text().splitlines()]
+    if profile_dir and (work / "out" / "profile" / "kernels.txt").exists():
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(work / "out" / "profile" / "kernels.txt", Path(profile_dir) / f"{variant}.txt")
+    rows = [json.loads(line) for line in (work / "out" / TRAIN_LOG).read_text().splitlines()][:steps]
     summary = json.loads((work / "out" / SUMMARY).read_text())
     timed = rows[warmup:]
     seconds = timed[-1]["time"] - rows[warmup - 1]["time"]
@@ -252,6 +261,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the timing")
     parser.add_argument("--json", help="write all results here")
+    parser.add_argument("--profile-dir", help="profile two steps of each of our variants, kernel tables here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant or "loss-check"
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -264,7 +274,7 @@ def main() -> int:
             if args.one == "loss-check":
                 result = loss_check(args.tiny)
             else:
-                result = run_ours(args.one, Path(tmp), args.steps, args.warmup, args.tiny)
+                result = run_ours(args.one, Path(tmp), args.steps, args.warmup, args.tiny, args.profile_dir)
         Path(args.result).write_text(json.dumps(result))
         return 0
 
@@ -279,6 +289,8 @@ def main() -> int:
         print(f"{peer}: {time.time() - t0:.0f} s {json.dumps(results[-1])}", flush=True)
     extra = ["--tiny"] if args.tiny else []
     steps = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.profile_dir:
+        steps += ["--profile-dir", args.profile_dir]
     for variant in [v for v in args.variants.split(",") if v]:
         t0 = time.time()
         results.append(in_subprocess(["--one", variant, *steps, *extra], timeout=480) | {"side": "ours"})

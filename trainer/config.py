@@ -88,6 +88,10 @@ class TrainConfig:
     num_eval_generations: int = 3
     generation_max_new_tokens: int = 256
     progress_bar: bool = True
+    profile_steps: int = (
+        0  # > 0: torch.profiler over this many optimizer steps, report in output_dir/profile/
+    )
+    profile_start_step: int = 5  # steps before the profiled window (compilation and allocator warm-up)
     save_final: bool = True  # a checkpoint and final/ at the end (benchmarks turn it off)
 
     # --- monitoring (secrets come from the environment only) ---

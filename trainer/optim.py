@@ -12,6 +12,7 @@ fp32 weights need no compensation and use torch's AdamW.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -45,56 +46,85 @@ class Adafactor(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.kahan = kahan
 
-    @staticmethod
-    def _rms(t: torch.Tensor) -> torch.Tensor:
-        return t.norm(2) / (t.numel() ** 0.5)
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        scalar_tensors: dict[tuple, torch.Tensor] = {}  # one host-to-device copy per distinct value set
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad.float()
                 state = self.state[p]
-                factored = grad.dim() >= 2
+                factored = p.dim() >= 2
                 if not state:
                     state["step"] = 0
                     if factored:
-                        state["exp_avg_sq_row"] = grad.new_zeros(grad.shape[:-1])
-                        state["exp_avg_sq_col"] = grad.new_zeros(grad.shape[:-2] + grad.shape[-1:])
+                        state["exp_avg_sq_row"] = p.new_zeros(p.shape[:-1], dtype=torch.float32)
+                        state["exp_avg_sq_col"] = p.new_zeros(
+                            p.shape[:-2] + p.shape[-1:], dtype=torch.float32
+                        )
                     else:
-                        state["exp_avg_sq"] = torch.zeros_like(grad)
+                        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                     if self.kahan and p.dtype != torch.float32:
                         state["kahan_comp"] = torch.zeros_like(p)
                 state["step"] += 1
-                beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
-                update = grad.square() + group["eps"][0]
-                if factored:
-                    row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-                    row.mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)
-                    col.mul_(beta2t).add_(update.mean(dim=-2), alpha=1.0 - beta2t)
-                    r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
-                    c_factor = col.unsqueeze(-2).rsqrt()
-                    update = torch.mul(r_factor, c_factor).mul_(grad)
-                else:
-                    state["exp_avg_sq"].mul_(beta2t).add_(update, alpha=1.0 - beta2t)
-                    update = state["exp_avg_sq"].rsqrt().mul_(grad)
-                update.div_((self._rms(update) / group["clip_threshold"]).clamp_(min=1.0))
-                update.mul_(group["lr"])
-
-                comp = state.get("kahan_comp")
-                w = p.float()
-                if comp is not None:
-                    w.add_(comp.float())
-                if group["weight_decay"]:
-                    w.add_(w, alpha=-group["weight_decay"] * group["lr"])
-                w.sub_(update)
-                p.copy_(w)
-                if comp is not None:
-                    comp.copy_(w.sub_(p.float()))  # what bf16 could not hold this step
+                # Scalars as a tensor: they change every step, and a compiled update must not recompile.
+                key = (
+                    group["lr"],
+                    1.0 - math.pow(state["step"], group["decay_rate"]),
+                    group["weight_decay"],
+                    p.device,
+                )
+                if key not in scalar_tensors:
+                    scalar_tensors[key] = torch.tensor(key[:3], dtype=torch.float32).to(p.device)
+                scalars = scalar_tensors[key]
+                _update(p.device.type)(
+                    p,
+                    p.grad,
+                    state.get("exp_avg_sq_row"),
+                    state.get("exp_avg_sq_col"),
+                    state.get("exp_avg_sq"),
+                    state.get("kahan_comp"),
+                    scalars,
+                    group["eps"][0],
+                    group["clip_threshold"],
+                )
         return loss
+
+
+def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_threshold: float) -> None:
+    """One Adafactor step for one tensor, in place: the second-moment statistics (`row`/`col` for a matrix,
+    `sq` otherwise), the weight `p` and its Kahan buffer `comp` (or None).
+    scalars: [lr, beta2t, weight decay] as a float32 tensor on p's device."""
+    lr, beta2t, weight_decay = scalars[0], scalars[1], scalars[2]
+    grad = grad.float()
+    update = grad.square() + eps
+    if row is not None:
+        row.mul_(beta2t).add_(update.mean(dim=-1) * (1.0 - beta2t))
+        col.mul_(beta2t).add_(update.mean(dim=-2) * (1.0 - beta2t))
+        r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+        update = r_factor * col.unsqueeze(-2).rsqrt() * grad
+    else:
+        sq.mul_(beta2t).add_(update * (1.0 - beta2t))
+        update = sq.rsqrt() * grad
+    rms = update.square().mean().sqrt()
+    update = update / (rms / clip_threshold).clamp(min=1.0) * lr
+    w = p.float()
+    if comp is not None:
+        w = w + comp.float()
+    w = w - w * (weight_decay * lr) - update
+    p.copy_(w)
+    if comp is not None:
+        comp.copy_(w - p.float())  # what the bf16 weight could not hold this step
+
+
+@functools.cache
+def _update(device_type: str):
+    """adafactor_update compiled for CUDA: ~25 elementwise passes per tensor fused into a few kernels (the
+    step of FLAN-T5-XL went from ~0.15 s to ~X s); eager elsewhere."""
+    if device_type == "cuda":
+        return torch.compile(adafactor_update, dynamic=True)
+    return adafactor_update
 
 
 def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:

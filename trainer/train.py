@@ -413,11 +413,13 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
 
     import numpy as np
     import torch
+    from torch.profiler import record_function
     from tqdm.auto import tqdm
 
     from trainer import checkpoint as ckpt
     from trainer.model import load_model
     from trainer.optim import build_optimizer, build_scheduler
+    from trainer.profiling import StepProfiler
     from trainer.report import Reporter
 
     output_dir = Path(cfg.output_dir)
@@ -468,6 +470,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         planned_steps=total_steps,
     )
     empty_cache = memory.EmptyCacheSchedule(cfg.empty_cache_steps)
+    profiler = StepProfiler(cfg.profile_start_step, cfg.profile_steps, output_dir, enabled=is_main)
     log.info(
         "empty_cache: %s",
         f"every {cfg.empty_cache_steps} optimizer steps" if cfg.empty_cache_steps else "never",
@@ -524,23 +527,30 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     exit_code = 0
     try:
         while step < total_steps:
-            group_np = [next(batches) for _ in range(accum)]
-            pending_loader_state = train_stream.state_dict()
-            group = [to_device(b, device) for b in group_np]
+            profiler.before_step(step)
+            with record_function("data"):
+                group_np = [next(batches) for _ in range(accum)]
+                pending_loader_state = train_stream.state_dict()
+                group = [to_device(b, device) for b in group_np]
             # Several ranks stop together at a step boundary (below), never inside a step.
-            result = accumulate_with_oom_backoff(
-                train_module, group, oom, cfg, reporter, step, stop if world_size == 1 else None
-            )
+            with record_function("forward_backward"):
+                result = accumulate_with_oom_backoff(
+                    train_module, group, oom, cfg, reporter, step, stop if world_size == 1 else None
+                )
             heartbeat.beat(step)
             if result is None:  # stop requested mid-step: the partial gradients are dropped
                 model.zero_grad(set_to_none=True)
                 break
             loader_state = pending_loader_state
             loss_sum, n_target = result
-            loss = distributed.all_sum([float(loss_sum)])[0] / max(n_target, 1)  # the same on every rank
-            grad_norm = distributed.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            if math.isfinite(loss) and bool(torch.isfinite(grad_norm)):
-                optimizer.step()
+            with record_function("optimizer"):
+                loss = distributed.all_sum([float(loss_sum)])[0] / max(n_target, 1)  # the same on every rank
+                grad_norm = distributed.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
+                if finite:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if finite:
                 consecutive_nan = 0
                 last_loss = loss
             else:
@@ -550,9 +560,9 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
                     "step %d: loss %s / grad norm %s is not finite; update skipped", step, loss, grad_norm
                 )
                 reporter.nan_skipped(step=step, skipped_total=nan_skipped)
-            optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             step += 1
+            profiler.after_step(step)
             boundary_rng = ckpt.rng_state()
             lr = scheduler.get_last_lr()[0]
             if consecutive_nan >= cfg.max_consecutive_nan_steps:
