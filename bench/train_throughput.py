@@ -55,6 +55,7 @@ VARIANTS = {
     "ours": {},
     "ours_compile": {"torch_compile": True},
     "ours_empty_cache_every_step": {"empty_cache_steps": 1},
+    "ours_8k": {"max_tokens": 8192},
     "ours_32k": {"max_tokens": 32768},
     "ours_sdpa": {"attn_implementation": "sdpa"},
     "ours_sdpa_compile": {"attn_implementation": "sdpa", "torch_compile": True},
@@ -122,6 +123,7 @@ def run_ours(
     import torch
 
     from trainer.config import TrainConfig
+    from trainer.memory_plan import _plan_kwargs, budget_peak, load_shape
     from trainer.train import SUMMARY, TRAIN_LOG, train
 
     shape = "tiny" if tiny else "xl"
@@ -155,6 +157,13 @@ def run_ours(
         profile_start_step=steps,
     )
     cfg = TrainConfig.from_dict(values, source=variant)
+    plan = {  # the memory plan's prediction for this config: typical recipe rows, and the worst case
+        f"plan_{kind}_gib": budget_peak(
+            load_shape(str(model_dir)), cfg.max_tokens, worst_case=kind == "worst", **_plan_kwargs(cfg)
+        ).peak
+        / 2**30
+        for kind in ("typical", "worst")
+    }
     rc = train(cfg)
     if profile_dir and (work / "out" / "profile" / "kernels.txt").exists():
         Path(profile_dir).mkdir(parents=True, exist_ok=True)
@@ -183,6 +192,7 @@ def run_ours(
         optimizer=f"{cfg.optimizer} ({cfg.bf16_update})",
         final_loss=rows[-1]["loss"],
         oom_split=summary.get("oom_split"),
+        **plan,
     )
 
 
@@ -306,8 +316,9 @@ def main() -> int:
     peers = [r for r in results if r["side"] == "peer" and r.get("ok")]
     best = max((r["real_tok_s"] for r in peers), default=None)
     print()
-    print("| config | real tok/s | samples/s | MFU | padding | peak alloc | vs best peer |")
-    print("|---|---|---|---|---|---|---|")
+    columns = ["config", "real tok/s", "samples/s", "MFU", "padding", "peak alloc", "vs best peer"]
+    print("| " + " | ".join([*columns, "plan: typical / worst"]) + " |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         if not r.get("ok"):
             print(f"| {r['config']} | failed: {str(r.get('error', ''))[-200:]!r} | | | | | |")
@@ -317,7 +328,7 @@ def main() -> int:
         ratio = f"{r['real_tok_s'] / best:.2f}x" if best else "-"
         print(
             f"| {r['config']} | {r['real_tok_s']:,.0f} | {r['samples_s']:.1f} | {100 * mfu:.1f}% | {padding} "
-            f"| {_gib(r.get('peak_alloc_gib'))} | {ratio} |"
+            f"| {_gib(r.get('peak_alloc_gib'))} | {ratio} | {_plan(r)} |"
         )
     if check.get("ok") is not None and "reference" in check:
         print(
@@ -331,6 +342,15 @@ def main() -> int:
         everything = {"device": device, "results": results, "loss_check": check}
         Path(args.json).write_text(json.dumps(everything, indent=2))
     return 0 if check.get("ok") else 1
+
+
+def _plan(r: dict) -> str:
+    """The memory plan's typical and worst-case prediction, the typical one relative to the measured peak."""
+    if "plan_typical_gib" not in r:
+        return "-"
+    measured = r.get("peak_alloc_gib")
+    err = f" ({100 * (r['plan_typical_gib'] / measured - 1):+.0f}%)" if measured else ""
+    return f"{r['plan_typical_gib']:.1f}{err} / {r['plan_worst_gib']:.1f} GiB"
 
 
 def _gib(value: float | None) -> str:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from trainer.loss import CHUNK_TOKENS as CE_CHUNK_TOKENS
+
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
@@ -56,7 +58,6 @@ class ModelShape:
     gated: bool = True  # feed_forward_proj "gated-gelu": wi_0, wi_1 and wo
     tie_word_embeddings: bool = False
     dropout_rate: float = 0.1
-    gelu_python: bool = True  # "gelu_new" is written in Python: its tanh and products are saved
     relative_attention_num_buckets: int = 32
 
     @property
@@ -81,7 +82,6 @@ class ModelShape:
     def from_config(cls, config) -> ModelShape:
         """From a `transformers.T5Config` (or anything with its attribute names)."""
         proj = getattr(config, "feed_forward_proj", "relu")
-        act = proj.split("-")[-1]
         return cls(
             d_model=config.d_model,
             d_ff=config.d_ff,
@@ -93,7 +93,6 @@ class ModelShape:
             gated=proj.startswith("gated-"),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             dropout_rate=float(getattr(config, "dropout_rate", 0.1)),
-            gelu_python=act == "gelu",  # T5Config maps "gated-gelu" to dense_act_fn "gelu_new"
             relative_attention_num_buckets=getattr(config, "relative_attention_num_buckets", 32),
         )
 
@@ -224,13 +223,19 @@ def optimizer_state_bytes(
     raise ValueError(f"unknown optimizer {optimizer!r}")
 
 
-def _layer_norm_saved(n: int, d: int, e: int) -> int:
-    """T5LayerNorm on n tokens: fp32 copy of the input (saved by pow), rsqrt (fp32, per token), the bf16
-    normalised input (saved by `weight *`) and its output (saved by the following linear layers)."""
-    return n * d * 4 + n * 4 + n * d * e + n * d * e
+def _acc_bytes(e: int) -> int:
+    """Bytes of the loss's accumulation dtype: fp32, or fp64 for a float64 model."""
+    return max(4, e)
 
 
-def _attention_sublayer(b, q_len, kv_len, shape, e, mask, *, sdpa=False, bias_rows=None):
+def _layer_norm_saved(n: int, d: int, e: int, fused: bool = True) -> int:
+    """`nn.RMSNorm` (the trainer's T5 layer norm) on n tokens, beyond its input (the residual stream, counted
+    where it is made): the rsqrt (fp32, per token) and the output (saved by the following linear layers).
+    fused: CUDA's fused kernel; without it (CPU) the composite saves two fp32 n x d tensors as well."""
+    return n * 4 + n * d * e + (0 if fused else 2 * n * d * 4)
+
+
+def _attention_sublayer(b, q_len, kv_len, shape, e, mask, *, sdpa=False, bias_rows=None, fused=True):
     """(saved bytes, bytes alive at its backward's widest moment) of a T5 attention sublayer.
 
     Eager (transformers' eager_attention_forward) saves: the layer norm; bmm-ready copies of q (b x q_len) and
@@ -250,7 +255,7 @@ def _attention_sublayer(b, q_len, kv_len, shape, e, mask, *, sdpa=False, bias_ro
     n, m = b * q_len, b * kv_len
     scores = b * h * q_len * kv_len
     drop = mask if p > 0 else 0
-    ln = _layer_norm_saved(n, d, e)
+    ln = _layer_norm_saved(n, d, e, fused)
     qkv = n * inner * e + 2 * m * inner * e
     tail = n * inner * e + n * d * drop + n * d * e  # o's input, output dropout mask, residual sum
     if sdpa:
@@ -266,28 +271,34 @@ def _attention_sublayer(b, q_len, kv_len, shape, e, mask, *, sdpa=False, bias_ro
     return saved, widest
 
 
-def _ff_sublayer(n, shape, e, mask):
+def _ff_sublayer(n, shape, e, mask, fused=True):
     """(saved bytes, widest backward moment) of the T5 feed-forward sublayer on n tokens.
 
-    Saved: the layer norm; wi_0's output (saved by gelu), gelu_new's tanh output, 0.5*x and (1 + tanh) (it is
-    written in Python), the gelu output and wi_1's output (saved by their product), the product's dropout mask
-    and output (saved by wo); wo's output dropout mask and the residual sum. Widest backward moment: the
-    product's backward, with the six n x d_ff tensors it and gelu saved, the product's gradient and the two
-    gradients it makes.
+    Saved: the layer norm; wi_0's output (saved by the fused GELU(tanh)), the gelu output and wi_1's output
+    (saved by their product), the product's dropout mask and output (saved by wo); wo's output dropout mask
+    and the residual sum. Widest backward moment: the product's backward, with the n x d_ff tensors it and
+    gelu saved, the product's gradient and the two gradients it makes.
     """
     d, f, p = shape.d_model, shape.d_ff, shape.dropout_rate
     nf = n * f
     drop = mask if p > 0 else 0
-    acts = (1 + (3 if shape.gelu_python else 0) + (2 if shape.gated else 0)) * nf * e  # wi_0 .. wi_1 outputs
+    acts = (1 + (2 if shape.gated else 0)) * nf * e  # wi_0 .. wi_1 outputs
     dropped = nf * (drop + e) if p > 0 else (nf * e if shape.gated else 0)  # wo's input (or its dropout)
-    ln = _layer_norm_saved(n, d, e)
+    ln = _layer_norm_saved(n, d, e, fused)
     saved = ln + acts + dropped + n * d * drop + n * d * e
     widest = ln + acts + (3 if shape.gated else 2) * nf * e
     return saved, max(widest, saved + nf * e)
 
 
 def _block_saved(
-    shape: ModelShape, b: int, length: int, e: int, cross_len: int | None, mask: int = 1, sdpa: bool = False
+    shape: ModelShape,
+    b: int,
+    length: int,
+    e: int,
+    cross_len: int | None,
+    mask: int = 1,
+    sdpa: bool = False,
+    fused: bool = True,
 ) -> tuple[int, int]:
     """(saved bytes, backward peak bytes) of one recomputed T5 block on b rows of `length` tokens.
 
@@ -299,10 +310,12 @@ def _block_saved(
     n = b * length
     # SDPA's decoder self-attention has no padding mask (causal only): its bias mask is 1 x H x T x T.
     self_rows = 1 if (sdpa and cross_len is not None) else None
-    subs = [_attention_sublayer(b, length, length, shape, e, mask, sdpa=sdpa, bias_rows=self_rows)]
+    subs = [
+        _attention_sublayer(b, length, length, shape, e, mask, sdpa=sdpa, bias_rows=self_rows, fused=fused)
+    ]
     if cross_len is not None:
-        subs.append(_attention_sublayer(b, length, cross_len, shape, e, mask, sdpa=sdpa))
-    subs.append(_ff_sublayer(n, shape, e, mask))
+        subs.append(_attention_sublayer(b, length, cross_len, shape, e, mask, sdpa=sdpa, fused=fused))
+    subs.append(_ff_sublayer(n, shape, e, mask, fused))
     total = sum(saved for saved, _ in subs)
     peak, before = 0, 0
     for saved, widest in subs:
@@ -321,15 +334,15 @@ def plan_memory(
     rows: int,
     src_len: int,
     tgt_len: int,
-    loss_upcast: bool = False,
     device: str = "cuda",
     attn_implementation: str = "eager",
 ) -> MemoryPlan:
-    """Predicted peak of one training step on `rows` rows padded to src_len source and tgt_len target tokens.
+    """Predicted peak of the trainer's training step (trainer.loss.Seq2SeqLMLoss over the model with
+    trainer.model.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens.
 
-    loss_upcast: the loss upcasts the logits to fp32 before cross-entropy (HF's T5 loss does not).
-    device: "cuda" keeps dropout masks as bool (fused dropout); elsewhere dropout saves a mask in the compute
-    dtype (`input * noise`), which is how the CPU tests check these formulas.
+    device: "cuda" keeps dropout masks as bool (fused dropout) and runs RMSNorm as one kernel; elsewhere
+    dropout saves a mask in the compute dtype (`input * noise`) and RMSNorm is a composite, which is how the
+    CPU tests check these formulas.
     attn_implementation: "eager" (checked term by term on CPU) or "sdpa" (memory-efficient kernel; its terms
     are calibrated on the GPU only).
     """
@@ -347,24 +360,28 @@ def plan_memory(
     if attn_implementation not in ("eager", "sdpa"):
         raise ValueError(f"attn_implementation must be eager or sdpa, got {attn_implementation!r}")
     sdpa = attn_implementation == "sdpa"
-    enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, sdpa)
-    dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, sdpa)
+    fused = device == "cuda"
+    enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, sdpa, fused)
+    dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, sdpa, fused)
     # Padding masks, made once per stack and passed to every block (batches padded to the longest row almost
     # always have padding): eager adds float masks B x 1 x q x k; SDPA takes bool masks (causal: none).
     mask_e = 1 if sdpa else e
 
     # Tensors alive through the whole backward of a stack, besides the per-block checkpoints:
     # encoder: the embedding dropout's mask, the relative position bias (1 x H x S x S, made by block 0 and
-    # passed to every block), the padding mask (B x 1 x S x S), the final layer norm's saved tensors,
-    # the final dropout's mask and output (the encoder output every cross-attention reads).
-    enc_shared = b * s * d * mask_bytes + h * s * s * e + b * s * s * mask_e + _layer_norm_saved(b * s, d, e)
+    # passed to every block), the padding mask (B x 1 x S x S), the final layer norm's saved tensors (its
+    # output goes to dropout, which saves only its mask), the final dropout's mask and output (the encoder
+    # output every cross-attention reads).
+    final_norm_s = _layer_norm_saved(b * s, d, e, fused) - b * s * d * e
+    enc_shared = b * s * d * mask_bytes + h * s * s * e + b * s * s * mask_e + final_norm_s
     enc_shared += b * s * d * (mask_bytes + e)
     # decoder: embedding dropout mask, relative position bias (1 x H x T x T), the cross-attention's zero bias
     # (1 x H x T x S), causal mask (B x 1 x T x T, eager only) and padding mask for the encoder
-    # (B x 1 x T x S), the final layer norm and dropout (whose output the LM head saves).
+    # (B x 1 x T x S), the final layer norm and dropout's mask. The dropout's output (the decoder output) is
+    # alive only until the loss has its gradient: the chunked cross-entropy saves no input.
     dec_shared = b * t * d * mask_bytes + h * t * t * e + h * t * s * e + (0 if sdpa else b * t * t * e)
     dec_shared += b * t * s * mask_e
-    dec_shared += _layer_norm_saved(b * t, d, e) + b * t * d * (mask_bytes + e)
+    dec_shared += _layer_norm_saved(b * t, d, e, fused) - b * t * d * e + b * t * d * mask_bytes
 
     if gradient_checkpointing:
         enc_keep = le * b * s * d * e  # each encoder block's input hidden states
@@ -374,17 +391,14 @@ def plan_memory(
         dec_keep = ld * (b * t * d * e + dec_block)
         enc_bwd, dec_bwd = enc_bwd - enc_block, dec_bwd - dec_block  # only the backward scratch is new
 
-    # Logits B x T x V (bf16) saved for the loss; cross-entropy's log-softmax output (saved for its backward),
-    # fp32 when the loss upcasts (then the fp32 copy of the logits exists too, briefly). At the start of the
-    # backward the log-softmax gradient and the logits gradient exist together with both.
-    btv = b * t * v
-    if loss_upcast:
-        loss_fwd = btv * e + btv * 4 + btv * 4  # logits, fp32 copy, fp32 log-softmax
-        loss_bwd = btv * 4 + btv * 4 + btv * e  # fp32 grads of log-softmax and of the copy, bf16 logits grad
-    else:
-        loss_fwd = btv * e + btv * e
-        loss_bwd = btv * e + btv * e
-    logits_peak = loss_fwd + loss_bwd
+    # The chunked cross-entropy (trainer.loss) on the N = B x T target rows, chunks of C rows: the gathered
+    # rows (N x d) and their int64 indices, the hidden-state gradient (N x d, kept for backward) and the
+    # head's fp32 gradient accumulator (V x d); per chunk the fp32 logits (C x V) next to their bf16 copy,
+    # then the bf16 softmax-minus-one-hot (C x V) and the head-gradient product in bf16 and fp32 (V x d).
+    n_rows = b * t
+    chunk = min(n_rows, CE_CHUNK_TOKENS)
+    ce_kept = n_rows * 8 + n_rows * d * e * 2 + v * d * _acc_bytes(e)
+    logits_peak = ce_kept + max(chunk * v * (4 + e), chunk * v * e + v * d * (e + _acc_bytes(e)))
 
     # Gradients flowing between blocks: the hidden-state gradient (two alive at a block boundary) and, during
     # the decoder's backward, the accumulated gradients of the encoder output and of the shared position
@@ -393,15 +407,15 @@ def plan_memory(
     flow_enc = 2 * b * s * d * e + h * s * s * e
 
     moments = {
-        "loss": (enc_keep + enc_shared + dec_keep + dec_shared, logits_peak),
+        "loss": (enc_keep + enc_shared + dec_keep + dec_shared + b * t * d * e, logits_peak),
         "decoder block backward": (
             enc_keep + enc_shared + dec_keep + dec_shared + flow_dec + dec_bwd,
             0,
         ),
         "encoder block backward": (enc_keep + enc_shared + flow_enc + enc_bwd, 0),
     }
-    # transformers' Adafactor steps one weight at a time with fp32 copies of it, its gradient and the update;
-    # optimi's foreach step uses the gradients as its scratch buffer.
+    # trainer.optim.Adafactor steps one weight at a time with fp32 copies of it, its gradient and the update
+    # (fewer when compiled); optimi's foreach step uses the gradients as its scratch buffer.
     opt_temp = 3 * shape.largest_param() * 4 if optimizer == "adafactor" else 0
     moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
     if opt_temp > acts + logits:

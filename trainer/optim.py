@@ -120,8 +120,8 @@ def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_thre
 
 @functools.cache
 def _update(device_type: str):
-    """adafactor_update compiled for CUDA: ~25 elementwise passes per tensor fused into a few kernels (the
-    step of FLAN-T5-XL went from ~0.15 s to ~X s); eager elsewhere."""
+    """adafactor_update compiled for CUDA: ~25 elementwise passes per tensor fused into a few kernels (one
+    FLAN-T5-XL step: 249 -> 138 ms on an H100, bench/optimizer_step.py); eager elsewhere."""
     if device_type == "cuda":
         return torch.compile(adafactor_update, dynamic=True)
     return adafactor_update
