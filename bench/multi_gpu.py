@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_run import QUIET_RUN
+
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -40,14 +42,9 @@ COMMON = dict(
     max_target_length=512,
     learning_rate=1e-4,
     lr_scheduler_type="constant",
-    eval_fraction=0.0,
-    logging_steps=1,
-    save_steps=10**9,
-    save_final=False,
-    report_to="none",
-    resume="never",
     progress_bar=False,
     random_init=True,
+    **QUIET_RUN,
 )
 RUNS = {
     # name: (processes, config overrides)

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_run import QUIET_RUN
+
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM, dense bf16
@@ -145,13 +147,8 @@ def run_ours(
         gradient_accumulation_steps=accumulation,
         output_dir=str(work / "out"),
         max_steps=steps + (2 if profile_dir else 0),  # profiled steps come after the timed ones
-        eval_fraction=0.0,
-        logging_steps=1,
-        save_steps=10**9,
-        save_final=False,
-        report_to="none",
-        resume="never",
         progress_bar=False,
+        **QUIET_RUN,
         gpu_memory_limit_gib=32.0 if torch.cuda.is_available() else None,
         profile_steps=2 if profile_dir else 0,
         profile_start_step=steps,

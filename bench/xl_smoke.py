@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import yaml
+from bench_run import QUIET_RUN
 
 # The rtx5090 preset's optimizer and batching (configs/ is not in the wheel; kept in step with
 # configs/flan-t5-xl-rtx5090.yaml, which is used instead when it is found).
@@ -113,12 +114,7 @@ def main() -> int:
             train_files=[str(data)],
             output_dir=str(tmp / "out"),
             max_steps=args.steps,
-            eval_fraction=0.0,
-            logging_steps=1,
-            save_steps=10**9,
-            save_final=False,
-            report_to="none",
-            resume="never",
+            **QUIET_RUN,
             gpu_memory_limit_gib=args.gpu_memory_gib if torch.cuda.is_available() else None,
         )
         if args.tiny:
