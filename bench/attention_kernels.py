@@ -1,9 +1,10 @@
 """T5 attention alone, forward + backward, at FLAN-T5-XL head shapes on recipe lengths (GPU).
 
-    python3 bench/attention_kernels.py [--rows 48 --query 256 --key 256]
+    python3 bench/attention_kernels.py [--rows 48 --query 256 --key 256] [--variants eager,triton]
 
-Compares the eager math T5 uses (q k^T + position bias + padding mask, softmax, p v), SDPA with the float
-bias as its mask, and FlexAttention with the bias read in a score_mod, with and without a gradient for the
+Compares the eager math T5 uses (q k^T + position bias + padding mask, softmax, p v), the trainer's Triton
+kernels (trainer.attention), SDPA with the float bias as its mask, and FlexAttention with the bias read in a
+score_mod, with and without a gradient for the
 bias (T5 trains it), compiled with static and with dynamic shapes. Prints ms per call and the bias-gradient
 agreement with eager.
 """
@@ -11,10 +12,29 @@ agreement with eager.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer import attention  # noqa: E402
+from trainer.attention import t5_attention  # noqa: E402
+
+SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages), forward and backward tried separately
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (128, 64, 4, 2),
+    (128, 64, 8, 2),
+    (128, 32, 4, 2),
+    (64, 32, 4, 2),
+    (64, 128, 4, 2),
+    (128, 128, 8, 2),
+    (32, 64, 4, 2),
+    (64, 64, 8, 3),
+]
 
 
 def timed(fn, reps: int = 10) -> float:
@@ -37,6 +57,9 @@ def main() -> int:
     parser.add_argument("--key", type=int, default=256)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--variants", default="", help="comma-separated name prefixes (default: all)")
+    parser.add_argument("--sweep", action="store_true", help="time the Triton kernels' tile settings (SWEEP)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout (Triton kernels only)")
     args = parser.parse_args()
     b, h, t, s, d = args.rows, args.heads, args.query, args.key, 64
     torch.manual_seed(0)
@@ -57,6 +80,9 @@ def main() -> int:
     def eager():
         scores = q @ k.transpose(-1, -2) + bias + float_mask
         return F.softmax(scores.float(), dim=-1).to(dt) @ v
+
+    def triton_kernels():
+        return t5_attention(q, k, v, bias, keep, causal=args.causal, dropout_p=args.dropout).transpose(1, 2)
 
     def sdpa():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias + float_mask, scale=1.0)
@@ -104,6 +130,7 @@ def main() -> int:
 
     variants = {
         "eager math (T5)": eager,
+        "triton (trainer.attention)": triton_kernels,
         "sdpa, float bias mask": sdpa,
         "flex static, no bias": flex_fn(static, False, False),
         "flex static, bias (no grad)": flex_fn(static, True, False),
@@ -113,8 +140,14 @@ def main() -> int:
         "flex static, padded to 128": flex_padded(),
     }
     print(f"rows {b}, heads {h}, query {t}, key {s}, causal {args.causal}")
+    if args.sweep:
+        sweep(triton_kernels, grad_out, (q, k, v, bias))
+        return 0
+    wanted = [w for w in args.variants.split(",") if w]
     reference = None
     for name, fn in variants.items():
+        if reference is not None and wanted and not any(name.startswith(w) for w in wanted):
+            continue
 
         def step(fn=fn):
             for x in (q, k, v, bias):
@@ -124,15 +157,48 @@ def main() -> int:
         fwd_ms = timed(lambda fn=fn: fn())
         total_ms = timed(step)
         step()
+        grads = [x.grad.float().clone() if x.grad is not None else None for x in (q, k, v, bias)]
         if reference is None:
-            reference = bias.grad.float().clone()
-        err = (
-            "-"
-            if bias.grad is None
-            else f"{float((bias.grad.float() - reference).norm() / reference.norm()):.1e}"
+            reference = grads
+        errs = [
+            "-" if g is None else f"{float((g - r).norm() / r.norm()):.1e}"
+            for g, r in zip(grads, reference, strict=True)
+        ]
+        print(
+            f"  {name:<30} fwd {fwd_ms:7.3f} ms  fwd+bwd {total_ms:7.3f} ms  "
+            f"grad vs eager (q, k, v, bias) {' '.join(errs)}"
         )
-        print(f"  {name:<30} fwd {fwd_ms:7.3f} ms  fwd+bwd {total_ms:7.3f} ms  bias grad vs eager {err}")
     return 0
+
+
+def sweep(fn, grad_out, inputs) -> None:
+    """Forward time per FWD_CONFIG and forward+backward time per BWD_CONFIG (forward at the default)."""
+    defaults = dict(attention.FWD_CONFIG), dict(attention.BWD_CONFIG)
+
+    def step():
+        for x in inputs:
+            x.grad = None
+        fn().backward(grad_out)
+
+    for bm, bn, warps, stages in SWEEP:
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        try:
+            attention.FWD_CONFIG = cfg
+            fwd = f"{timed(fn):7.3f}"
+        except Exception as e:  # noqa: BLE001 - a config the GPU cannot run (shared memory)
+            fwd = f"failed ({type(e).__name__})"
+        attention.FWD_CONFIG, attention.BWD_CONFIG = defaults[0], cfg
+        try:
+            total = f"{timed(step):7.3f}"
+        except Exception as e:  # noqa: BLE001
+            total = f"failed ({type(e).__name__})"
+        attention.BWD_CONFIG = defaults[1]
+        print(f"  {bm:>3} x {bn:>3}, {warps} warps, {stages} stages: fwd {fwd} ms, fwd+bwd {total} ms")
+    programs = attention.BWD_PROGRAMS
+    for n in (528, 1056, 2112, 4224):
+        attention.BWD_PROGRAMS = n
+        print(f"  BWD_PROGRAMS {n}: fwd+bwd {timed(step):7.3f} ms")
+    attention.BWD_PROGRAMS = programs
 
 
 if __name__ == "__main__":

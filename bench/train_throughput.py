@@ -18,7 +18,8 @@ Reported per config: real (non-pad) tokens/s, samples/s, MFU and peak allocated 
 best peer. MFU counts 6 x [(encoder + cross-attention K/V params) x source tokens + (rest of the decoder + LM
 head) x target tokens] per sample, real tokens only, checkpoint recompute not counted, against 989 TFLOP/s
 (H100/H200 SXM dense bf16). The loss check runs one batch through the eager HF reference
-(`model(..., labels=...).loss`) and through our step's loss (SDPA, fused ops, chunked cross-entropy), same
+(`model(..., labels=...).loss`) and through our step's loss (Triton attention, fused ops, chunked
+cross-entropy), same
 weights, dropout off: they must agree within bf16 tolerance.
 """
 
@@ -59,6 +60,10 @@ VARIANTS = {
     "ours_empty_cache_every_step": {"empty_cache_steps": 1},
     "ours_8k": {"max_tokens": 8192},
     "ours_32k": {"max_tokens": 32768},
+    "ours_32k_compile": {"max_tokens": 32768, "torch_compile": True},
+    "ours_64k": {"max_tokens": 65536},
+    "ours_eager": {"attn_implementation": "eager"},
+    "ours_eager_32k": {"attn_implementation": "eager", "max_tokens": 32768},
     "ours_sdpa": {"attn_implementation": "sdpa"},
     "ours_sdpa_compile": {"attn_implementation": "sdpa", "torch_compile": True},
     "ours_adamw": {"optimizer": "adamw", "bf16_update": "naive", "learning_rate": 1e-4, "max_tokens": 8192},
@@ -198,6 +203,7 @@ def loss_check(tiny: bool) -> dict:
     import torch
     from transformers import AutoModelForSeq2SeqLM
 
+    from trainer.attention import use_triton_attention
     from trainer.model import use_fused_t5_ops
     from trainer.tiny_model import flan_t5_config
     from trainer.train import token_loss_sum
@@ -219,7 +225,8 @@ def loss_check(tiny: bool) -> dict:
     batch = {k: v.to(device) for k, v in batch.items()}
     with torch.no_grad():
         reference = float(model(**batch).loss)
-        model.set_attn_implementation("sdpa")
+        if device == "cuda":  # the trainer's attention kernels (eager attention stays on CPU)
+            use_triton_attention(model)
         use_fused_t5_ops(model)
         ours = float(token_loss_sum(model, batch)) / int((labels != -100).sum())
     rel = abs(ours - reference) / abs(reference)

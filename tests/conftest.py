@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels (trainer.attention) run in Triton's interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -26,9 +26,9 @@ class TrainConfig:
     # --- model ---
     model_name_or_path: str = "google/flan-t5-xl"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    # eager: on an H100, T5's eager attention beat SDPA (whose float position-bias mask falls back to slower
-    # kernels) by 24% in the training loop; see bench/NOTES.md. Any name transformers accepts works.
-    attn_implementation: str = "eager"
+    # triton: fused attention kernels with T5's position bias (trainer.attention) on CUDA; eager elsewhere.
+    # Any name transformers accepts works too; bench/NOTES.md compares them.
+    attn_implementation: str = "triton"
     gradient_checkpointing: bool = True
     torch_compile: bool = False  # compile each T5 block (slower start, faster steps on a GPU)
     random_init: bool = False  # build the architecture from model_name_or_path's config.json (benchmarks)

@@ -235,7 +235,9 @@ def _layer_norm_saved(n: int, d: int, e: int, fused: bool = True) -> int:
     return n * 4 + n * d * e + (0 if fused else 2 * n * d * 4)
 
 
-def _attention_sublayer(b, q_len, kv_len, shape, e, mask, *, sdpa=False, bias_rows=None, fused=True):
+def _attention_sublayer(
+    b, q_len, kv_len, shape, e, mask, *, attention="eager", bias_rows=None, fused=True, has_bias=True
+):
     """(saved bytes, bytes alive at its backward's widest moment) of a T5 attention sublayer.
 
     Eager (transformers' eager_attention_forward) saves: the layer norm; bmm-ready copies of q (b x q_len) and
@@ -250,6 +252,11 @@ def _attention_sublayer(b, q_len, kv_len, shape, e, mask, *, sdpa=False, bias_ro
     mask exists), its output and log-sum-exp (fp32), and the contiguous output; in backward the bias gradient
     and the `where`'s gradient for the position bias (both B x H x q x k) and the q/k/v gradients. Not
     checked on CPU (with dropout the CPU runs the math path): the GPU calibration decides.
+
+    Triton (trainer.attention) saves q, k, v, its output (B x T x H x D), the log-sum-exp (fp32, B x H x T)
+    and a contiguous copy of the position bias (H x q x k, self-attention only); in backward the q/k/v grads,
+    the fp32 row terms (two fp32 copies of the output while they are made) and the bias gradient, summed in
+    fp32 over groups of rows (trainer.attention.BWD_PROGRAMS sets their number).
     """
     d, inner, h, p = shape.d_model, shape.inner, shape.num_heads, shape.dropout_rate
     n, m = b * q_len, b * kv_len
@@ -258,7 +265,16 @@ def _attention_sublayer(b, q_len, kv_len, shape, e, mask, *, sdpa=False, bias_ro
     ln = _layer_norm_saved(n, d, e, fused)
     qkv = n * inner * e + 2 * m * inner * e
     tail = n * inner * e + n * d * drop + n * d * e  # o's input, output dropout mask, residual sum
-    if sdpa:
+    if attention == "triton":
+        from trainer.attention import BWD_PROGRAMS
+
+        lse = b * h * q_len * 4
+        bias = h * q_len * kv_len * e if has_bias else 0
+        saved = ln + qkv + n * inner * e + lse + bias + tail
+        groups = min(b, -(-BWD_PROGRAMS // (-(-kv_len // 64) * h))) if has_bias else 0
+        scratch = max(2 * n * inner * 4, groups * h * q_len * kv_len * 4 + bias * 2)
+        return saved, saved + qkv + lse + scratch
+    if attention == "sdpa":
         bias = (b if bias_rows is None else bias_rows) * h * q_len * kv_len * e
         lse = b * h * (-(-q_len // 32) * 32) * 4
         saved = ln + qkv + bias + n * inner * e + lse + tail
@@ -297,7 +313,7 @@ def _block_saved(
     e: int,
     cross_len: int | None,
     mask: int = 1,
-    sdpa: bool = False,
+    attention: str = "eager",
     fused: bool = True,
 ) -> tuple[int, int]:
     """(saved bytes, backward peak bytes) of one recomputed T5 block on b rows of `length` tokens.
@@ -309,12 +325,18 @@ def _block_saved(
     """
     n = b * length
     # SDPA's decoder self-attention has no padding mask (causal only): its bias mask is 1 x H x T x T.
-    self_rows = 1 if (sdpa and cross_len is not None) else None
+    self_rows = 1 if (attention == "sdpa" and cross_len is not None) else None
     subs = [
-        _attention_sublayer(b, length, length, shape, e, mask, sdpa=sdpa, bias_rows=self_rows, fused=fused)
+        _attention_sublayer(
+            b, length, length, shape, e, mask, attention=attention, bias_rows=self_rows, fused=fused
+        )
     ]
-    if cross_len is not None:
-        subs.append(_attention_sublayer(b, length, cross_len, shape, e, mask, sdpa=sdpa, fused=fused))
+    if cross_len is not None:  # T5's cross-attention has no position bias (the Triton kernels skip its zeros)
+        subs.append(
+            _attention_sublayer(
+                b, length, cross_len, shape, e, mask, attention=attention, fused=fused, has_bias=False
+            )
+        )
     subs.append(_ff_sublayer(n, shape, e, mask, fused))
     total = sum(saved for saved, _ in subs)
     peak, before = 0, 0
@@ -343,8 +365,8 @@ def plan_memory(
     device: "cuda" keeps dropout masks as bool (fused dropout) and runs RMSNorm as one kernel; elsewhere
     dropout saves a mask in the compute dtype (`input * noise`) and RMSNorm is a composite, which is how the
     CPU tests check these formulas.
-    attn_implementation: "eager" (checked term by term on CPU) or "sdpa" (memory-efficient kernel; its terms
-    are calibrated on the GPU only).
+    attn_implementation: "eager" (checked term by term on CPU), "sdpa" (memory-efficient kernel) or "triton"
+    (trainer.attention); the last two are calibrated on the GPU (bench/train_throughput.py).
     """
     e = _DTYPE_BYTES[dtype]
     b, s, t = rows, src_len, tgt_len
@@ -357,15 +379,17 @@ def plan_memory(
     states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype)
 
     mask_bytes = (1 if device == "cuda" else e) if p_drop > 0 else 0
-    if attn_implementation not in ("eager", "sdpa"):
-        raise ValueError(f"attn_implementation must be eager or sdpa, got {attn_implementation!r}")
-    sdpa = attn_implementation == "sdpa"
+    if attn_implementation not in ("eager", "sdpa", "triton"):
+        raise ValueError(f"attn_implementation must be eager, sdpa or triton, got {attn_implementation!r}")
+    # The Triton kernels run on CUDA only; elsewhere the trainer keeps eager attention.
+    attention = "eager" if (attn_implementation == "triton" and device != "cuda") else attn_implementation
     fused = device == "cuda"
-    enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, sdpa, fused)
-    dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, sdpa, fused)
+    enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, attention, fused)
+    dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, attention, fused)
     # Padding masks, made once per stack and passed to every block (batches padded to the longest row almost
-    # always have padding): eager adds float masks B x 1 x q x k; SDPA takes bool masks (causal: none).
-    mask_e = 1 if sdpa else e
+    # always have padding): eager adds float masks B x 1 x q x k; SDPA takes bool masks (causal: none); the
+    # Triton kernels read the B x S padding mask (negligible) and apply causality themselves.
+    mask_e = {"eager": e, "sdpa": 1, "triton": 0}[attention]
 
     # Tensors alive through the whole backward of a stack, besides the per-block checkpoints:
     # encoder: the embedding dropout's mask, the relative position bias (1 x H x S x S, made by block 0 and
@@ -379,7 +403,8 @@ def plan_memory(
     # (1 x H x T x S), causal mask (B x 1 x T x T, eager only) and padding mask for the encoder
     # (B x 1 x T x S), the final layer norm and dropout's mask. The dropout's output (the decoder output) is
     # alive only until the loss has its gradient: the chunked cross-entropy saves no input.
-    dec_shared = b * t * d * mask_bytes + h * t * t * e + h * t * s * e + (0 if sdpa else b * t * t * e)
+    causal_mask = b * t * t * e if attention == "eager" else 0
+    dec_shared = b * t * d * mask_bytes + h * t * t * e + h * t * s * e + causal_mask
     dec_shared += b * t * s * mask_e
     dec_shared += _layer_norm_saved(b * t, d, e, fused) - b * t * d * e + b * t * d * mask_bytes
 
@@ -526,8 +551,8 @@ def parse_size(text: str) -> int:
 
 
 def _plan_kwargs(cfg) -> dict:
-    # Kernels other than eager are planned like SDPA.
-    attn = "eager" if cfg.attn_implementation == "eager" else "sdpa"
+    # Triton runs only on CUDA (eager elsewhere); other kernels transformers offers are planned like SDPA.
+    attn = cfg.attn_implementation if cfg.attn_implementation in ("eager", "triton") else "sdpa"
     return dict(
         dtype=cfg.dtype,
         optimizer=cfg.optimizer,

@@ -57,8 +57,8 @@ def load_model(cfg, device: torch.device, *, path: str | Path | None = None, ran
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    model = _from_pretrained(path, dtype, device, cfg.attn_implementation, random_init)
-    attn_used = getattr(model.config, "_attn_implementation", None) or cfg.attn_implementation
+    attn = "eager" if cfg.attn_implementation == "triton" else cfg.attn_implementation
+    model = _from_pretrained(path, dtype, device, attn, random_init)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weight_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
     n_params = sum(p.numel() for p in model.parameters())
@@ -86,6 +86,9 @@ def load_model(cfg, device: torch.device, *, path: str | Path | None = None, ran
     param_device = next(model.parameters()).device
     if param_device.type != device.type:
         raise RuntimeError(f"model loaded on {param_device}, expected {device}")
+    if cfg.attn_implementation == "triton":
+        _use_triton_attention(model, device, dtype)
+    attn_used = getattr(model.config, "_attn_implementation", None) or cfg.attn_implementation
     log.info("attention implementation: %s", attn_used)
     swapped = use_fused_t5_ops(model)
     log.info("fused ops: %d T5 layer norms -> RMSNorm, %d gelu_new -> GELU(tanh)", *swapped)
@@ -95,6 +98,25 @@ def load_model(cfg, device: torch.device, *, path: str | Path | None = None, ran
     if cfg.torch_compile:
         compile_blocks(model)
     return model
+
+
+def _use_triton_attention(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """The fused Triton kernels (trainer.attention) where they run: CUDA, 16-bit dtype, transformers >= 5."""
+    import transformers
+
+    from trainer import attention
+
+    why = None
+    if device.type != "cuda":
+        why = f"they need a CUDA GPU, this run is on {device.type}"
+    elif not attention.supported(model.config.d_kv, dtype):
+        why = f"head size {model.config.d_kv} in {dtype} is not supported"
+    elif int(transformers.__version__.split(".")[0]) < 5:
+        why = f"transformers {transformers.__version__} has no attention interface (needs >= 5)"
+    if why:
+        log.info("attention: triton kernels not used (%s); eager attention instead", why)
+        return
+    attention.use_triton_attention(model)
 
 
 def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int]:

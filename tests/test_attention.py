@@ -1,0 +1,169 @@
+"""The fused T5 attention kernels (trainer.attention) against the plain math, and inside a real T5.
+
+On a machine without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1). The
+interpreter's tl.dot mishandles bfloat16, so CPU runs use float16: the kernels' code paths are the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.attention import t5_attention, use_triton_attention
+
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(q, k, v, bias, keep, causal, dropped=None, p=0.0):
+    """fp32 eager math; `dropped` (B, H, T, S) marks the probabilities dropout removed."""
+    s = q.float() @ k.float().transpose(-1, -2)
+    if bias is not None:
+        s = s + bias.float()[None]
+    if keep is not None:
+        s = s.masked_fill(~keep[:, None, None, :], -1e30)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    probs = s.softmax(-1)
+    if dropped is not None:
+        probs = probs.masked_fill(dropped, 0.0) / (1 - p)
+    return (probs @ v.float()).transpose(1, 2)
+
+
+def inputs(b, h, t, s, d, *, bias=True, padded=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # (B, T, H, D) projections viewed as (B, H, T, D), as T5 hands them over
+    q, k, v = (torch.randn(b, n, h, d, generator=g).to(DEVICE, DTYPE).transpose(1, 2) for n in (t, s, s))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    pos = (torch.randn(h, t, s, generator=g)).to(DEVICE, DTYPE).requires_grad_() if bias else None
+    keep = None
+    if padded:
+        lengths = torch.tensor([s - (i * 7) % max(s // 2, 1) for i in range(b)])
+        keep = (torch.arange(s)[None, :] < lengths[:, None]).to(DEVICE)
+    return q, k, v, pos, keep
+
+
+def grads(out, grad_out, tensors):
+    for x in tensors:
+        x.grad = None
+    out.float().backward(grad_out)
+    return [x.grad.float().clone() for x in tensors]
+
+
+def rel_err(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize(
+    "b,h,t,s,d,causal,bias,padded",
+    [
+        (2, 3, 37, 37, 16, True, True, True),  # decoder self-attention: bias, causal, lengths off the tiles
+        (3, 2, 70, 45, 32, False, True, True),  # encoder-like: bias, padding, query longer than one tile
+        (2, 2, 5, 130, 16, False, False, True),  # cross-attention: no bias, keys over two tiles
+        (2, 2, 66, 66, 64, True, True, False),  # no mask at all, head size 64 (FLAN-T5's)
+    ],
+)
+def test_kernels_match_eager_math_forward_and_backward(b, h, t, s, d, causal, bias, padded):
+    q, k, v, pos, keep = inputs(b, h, t, s, d, bias=bias, padded=padded)
+    tensors = [x for x in (q, k, v, pos) if x is not None]
+    out = t5_attention(q, k, v, pos, keep, causal=causal)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ours = grads(out, grad_out, tensors)
+    ref_inputs = [x.detach().float().requires_grad_() for x in tensors]
+    rq, rk, rv = ref_inputs[:3]
+    rpos = ref_inputs[3] if bias else None
+    ref = reference(rq, rk, rv, rpos, keep, causal)
+    expected = grads(ref, grad_out, ref_inputs)
+    assert rel_err(out, ref) < 3e-3
+    for name, got, want in zip(["q", "k", "v", "bias"], ours, expected, strict=False):
+        assert rel_err(got, want) < 5e-3, name
+
+
+def test_a_query_with_every_key_padded_averages_instead_of_nan():
+    q, k, v, pos, keep = inputs(2, 2, 8, 8, 16)
+    keep[1] = False
+    out = t5_attention(q, k, v, pos, keep)
+    assert torch.isfinite(out).all()
+    assert rel_err(out[1], v[1].float().mean(1, keepdim=True).transpose(0, 1).expand(8, 2, 16)) < 2e-3
+
+
+def test_dropout_drops_the_same_probabilities_in_forward_and_backward():
+    # With V = identity (S = D) the output row is the dropped, rescaled probability row: it shows the mask.
+    p, b, h, t, s = 0.25, 2, 2, 16, 16
+    q, k, _, pos, keep = inputs(b, h, t, s, s)
+    eye = torch.eye(s, device=DEVICE, dtype=DTYPE).expand(b, h, s, s)
+    torch.manual_seed(7)
+    shown = t5_attention(q, k, eye, pos, keep, dropout_p=p).transpose(1, 2)
+    dropped = (shown == 0) & (reference(q, k, eye, pos, keep, False).transpose(1, 2) > 0)
+    assert 0.15 < dropped.float().mean() < 0.35  # about p of the probabilities
+
+    v = torch.randn(b, h, s, s, device=DEVICE).to(DTYPE).requires_grad_()
+    tensors = [q, k, v, pos]
+    torch.manual_seed(7)  # the same seed: the same mask, whatever V is
+    out = t5_attention(q, k, v, pos, keep, dropout_p=p)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ours = grads(out, grad_out, tensors)
+    ref_inputs = [x.detach().float().requires_grad_() for x in tensors]
+    ref = reference(*ref_inputs, keep, False, dropped=dropped, p=p)
+    expected = grads(ref, grad_out, ref_inputs)
+    assert rel_err(out, ref) < 3e-3
+    for name, got, want in zip(["q", "k", "v", "bias"], ours, expected, strict=False):
+        assert rel_err(got, want) < 5e-3, name
+
+
+def test_checkpoint_recompute_reproduces_dropout():
+    q, k, v, pos, keep = inputs(2, 2, 20, 20, 16)
+    tensors = [q, k, v, pos]
+
+    def attend(q, k, v, pos):
+        return t5_attention(q, k, v, pos, keep, dropout_p=0.3, causal=True).float().square().sum()
+
+    torch.manual_seed(3)
+    plain = torch.autograd.grad(attend(*tensors), tensors)
+    torch.manual_seed(3)
+    loss = torch.utils.checkpoint.checkpoint(attend, *tensors, use_reentrant=False)
+    recomputed = torch.autograd.grad(loss, tensors)
+    for a, b in zip(plain, recomputed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tiny_t5_trains_and_generates_the_same_with_triton_attention(tiny_model_dir):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from trainer.model import use_fused_t5_ops
+    from trainer.train import token_loss_sum
+
+    def load(triton: bool):
+        # Loaded in fp32, then cast: in fp16 transformers keeps T5's `wo` in fp32 (mixed dtypes on CPU).
+        model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+        model.to(DEVICE, DTYPE)
+        use_fused_t5_ops(model)
+        if triton:
+            use_triton_attention(model)
+        return model
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (3, 11), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1, 7:], mask[1, 7:] = 0, 0
+    labels = torch.randint(3, 100, (3, 9), generator=g)
+    labels[2, 5:] = -100
+    batch = {k: x.to(DEVICE) for k, x in dict(input_ids=ids, attention_mask=mask, labels=labels).items()}
+    results = {}
+    for triton in (False, True):
+        model = load(triton)
+        model.eval()  # dropout off: the two must agree
+        loss = token_loss_sum(model, batch)
+        loss.backward()
+        bias_grad = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad
+        generated = model.generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            max_new_tokens=6,
+            do_sample=False,
+        )
+        results[triton] = (float(loss), bias_grad.float().clone(), generated)
+    assert results[True][0] == pytest.approx(results[False][0], rel=2e-3)
+    assert rel_err(results[True][1], results[False][1]) < 2e-2
+    assert torch.equal(results[True][2], results[False][2])

@@ -1,0 +1,631 @@
+"""T5 attention as fused Triton kernels: scores, position bias, mask, softmax, dropout and the value product
+in one pass, without the B x H x T x S tensors that eager attention writes and reads ~ten times per layer.
+
+Eager T5 attention on FLAN-T5-XL spends ~0.9 s of a 2.6 s optimizer step (32k tokens x 2) in those passes:
+the bias and mask additions (broadcast, so not vectorised), softmax, attention dropout, and their backward,
+all twice with gradient checkpointing. Flash attention kernels cannot take T5's learned position bias, and
+SDPA falls back to slow kernels with it (bench/NOTES.md). These kernels follow FlashAttention-2 (Dao, 2023)
+and the Triton fused-attention tutorial, with what T5 needs:
+- an additive bias shared by the batch, (H, T, S), whose gradient is summed over the batch inside the
+  backward kernel (no per-row bias gradient is written);
+- transformers' additive 4D mask (padding, causality), read with its strides, broadcast dims included;
+- dropout on the attention probabilities from a Philox stream keyed by a seed drawn from torch's CUDA
+  generator, so gradient checkpointing's recompute, which restores that generator, drops the same entries;
+- no 1/sqrt(d) unless asked (T5 folds it into the weights).
+
+Used through transformers' attention interface (`attn_implementation: triton`), so T5's modules, masks and
+state dict are unchanged. On CPU (tests) the kernels run under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+log = logging.getLogger(__name__)
+
+NAME = "triton"  # the attn_implementation name this module registers with transformers
+MASKED = -1e30  # score added for a padded key: exp() of it is 0, yet a fully padded row stays finite
+# Backward key-block programs to aim for (16 per H100 SM); sets how many row groups each sum a bias gradient.
+# 2112 beat 528 by 5-7% (more parallel work, a larger fp32 bias-gradient buffer: ~0.3 GB at 512 x 512).
+BWD_PROGRAMS = 2112
+# Tile sizes and launch settings (bench/attention_kernels.py --sweep measures the alternatives).
+FWD_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+BWD_CONFIG = dict(
+    BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2
+)  # key-block programs to aim for in the backward (4 per H100 SM); sets the batch groups
+
+
+@triton.jit
+def _scores(
+    q,
+    k,
+    bias_ptrs,
+    mask_ptrs,
+    rows,
+    cols,
+    T,
+    S,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """Score tile (BLOCK_M x BLOCK_N), fp32: q.k * scale + bias + key mask; out-of-range/causal keys -inf."""
+    s = tl.dot(q, k) * scale
+    if HAS_BIAS:
+        inside = (rows[:, None] < T) & (cols[None, :] < S)
+        s += tl.load(bias_ptrs, mask=inside, other=0.0).to(tl.float32)
+    if HAS_MASK:
+        s += tl.load(mask_ptrs, mask=cols < S, other=0.0)[None, :]
+    valid = cols[None, :] < S
+    if CAUSAL:
+        valid = valid & (cols[None, :] <= rows[:, None])
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _keep(seed, bh, rows, cols, S, dropout_p):
+    """Which attention probabilities survive dropout: Philox keyed by (seed, batch x head), offset i*S + j."""
+    return tl.rand(seed + bh, rows[:, None] * S + cols[None, :]) >= dropout_p
+
+
+# Triton compiles a variant per value class (== 1, divisible by 16) of each int argument; lengths, rows and
+# the strides that follow them change every batch, and each new variant costs a compile (~1 s).
+VARYING = ["sbh", "sbm", "smb", "B", "T", "S", "rows_per_group"]
+
+
+@triton.jit(do_not_specialize=[n for n in VARYING if n not in ("B", "rows_per_group")])
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    Out,
+    LSE,
+    Seed,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sob,
+    soh,
+    som,
+    sbh,
+    sbm,
+    smb,
+    H,
+    T,
+    S,
+    scale,
+    dropout_p,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    q = tl.load(
+        Q + b * sqb + h * sqh + rows[:, None] * sqm + offs_d[None, :], mask=rows[:, None] < T, other=0.0
+    )
+    seed = tl.load(Seed) if DROPOUT else 0
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    hi = tl.minimum(S, (pid_m + 1) * BLOCK_M) if CAUSAL else S
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = tl.load(
+            K + b * skb + h * skh + cols[None, :] * skn + offs_d[:, None], mask=cols[None, :] < S, other=0.0
+        )
+        v = tl.load(
+            V + b * svb + h * svh + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < S, other=0.0
+        )
+        s = _scores(
+            q,
+            k,
+            Bias + h * sbh + rows[:, None] * sbm + cols[None, :],
+            Mask + b * smb + cols,
+            rows,
+            cols,
+            T,
+            S,
+            scale,
+            HAS_BIAS,
+            HAS_MASK,
+            CAUSAL,
+        )
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(_keep(seed, bh, rows, cols, S, dropout_p), p, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    if DROPOUT:
+        acc = acc / (1.0 - dropout_p)
+    tl.store(
+        Out + b * sob + h * soh + rows[:, None] * som + offs_d[None, :],
+        acc.to(Out.dtype.element_ty),
+        mask=rows[:, None] < T,
+    )
+    tl.store(LSE + bh * T + rows, m_i + tl.log(l_i), mask=rows < T)
+
+
+@triton.jit(do_not_specialize=VARYING)
+def _bwd_kv_kernel(
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    DO,
+    LSE,
+    Delta,
+    Seed,
+    DK,
+    DV,
+    DBias,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sdob,
+    sdoh,
+    sdom,
+    sbh,
+    sbm,
+    smb,
+    B,
+    H,
+    T,
+    S,
+    scale,
+    dropout_p,
+    rows_per_group,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+):
+    """dK, dV for one key block of one head, for the batch rows of one group; the group's bias gradient for
+    those keys is summed here over its rows (this program alone writes that slice: no atomics)."""
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    g = tl.program_id(2)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    seed = tl.load(Seed) if DROPOUT else 0
+    lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    b_end = tl.minimum(B, (g + 1) * rows_per_group)
+    for b in range(g * rows_per_group, b_end):
+        bh = b * H + h
+        k = tl.load(
+            K + b * skb + h * skh + cols[None, :] * skn + offs_d[:, None], mask=cols[None, :] < S, other=0.0
+        )
+        v = tl.load(
+            V + b * svb + h * svh + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < S, other=0.0
+        )
+        dk = tl.zeros([BLOCK_N, D], tl.float32)
+        dv = tl.zeros([BLOCK_N, D], tl.float32)
+        for start_m in range(lo, T, BLOCK_M):
+            rows = start_m + offs_m
+            q = tl.load(
+                Q + b * sqb + h * sqh + rows[:, None] * sqm + offs_d[None, :],
+                mask=rows[:, None] < T,
+                other=0.0,
+            )
+            do = tl.load(
+                DO + b * sdob + h * sdoh + rows[:, None] * sdom + offs_d[None, :],
+                mask=rows[:, None] < T,
+                other=0.0,
+            )
+            lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
+            delta = tl.load(Delta + bh * T + rows, mask=rows < T, other=0.0)
+            s = _scores(
+                q,
+                k,
+                Bias + h * sbh + rows[:, None] * sbm + cols[None, :],
+                Mask + b * smb + cols,
+                rows,
+                cols,
+                T,
+                S,
+                scale,
+                HAS_BIAS,
+                HAS_MASK,
+                CAUSAL,
+            )
+            p = tl.exp(s - lse[:, None])
+            p = tl.where(rows[:, None] < T, p, 0.0)
+            dp = tl.dot(do, tl.trans(v).to(do.dtype))
+            if DROPOUT:
+                keep = _keep(seed, bh, rows, cols, S, dropout_p)
+                p_kept = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+                dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+            else:
+                p_kept = p
+            dv += tl.dot(tl.trans(p_kept.to(do.dtype)), do)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            if HAS_BIAS:
+                inside = (rows[:, None] < T) & (cols[None, :] < S)
+                db_ptrs = DBias + (g * H + h) * T * S + rows[:, None] * S + cols[None, :]
+                tl.store(db_ptrs, tl.load(db_ptrs, mask=inside, other=0.0) + ds, mask=inside)
+        tl.store(
+            DK + b * skb + h * skh + cols[:, None] * skn + offs_d[None, :],
+            (dk * scale).to(DK.dtype.element_ty),
+            mask=cols[:, None] < S,
+        )
+        tl.store(
+            DV + b * svb + h * svh + cols[:, None] * svn + offs_d[None, :],
+            dv.to(DV.dtype.element_ty),
+            mask=cols[:, None] < S,
+        )
+
+
+@triton.jit(do_not_specialize=[n for n in VARYING if n not in ("B", "rows_per_group")])
+def _bwd_q_kernel(
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    DO,
+    LSE,
+    Delta,
+    Seed,
+    DQ,
+    sqb,
+    sqh,
+    sqm,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sdob,
+    sdoh,
+    sdom,
+    sbh,
+    sbm,
+    smb,
+    H,
+    T,
+    S,
+    scale,
+    dropout_p,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    q = tl.load(
+        Q + b * sqb + h * sqh + rows[:, None] * sqm + offs_d[None, :], mask=rows[:, None] < T, other=0.0
+    )
+    do = tl.load(
+        DO + b * sdob + h * sdoh + rows[:, None] * sdom + offs_d[None, :], mask=rows[:, None] < T, other=0.0
+    )
+    lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
+    delta = tl.load(Delta + bh * T + rows, mask=rows < T, other=0.0)
+    seed = tl.load(Seed) if DROPOUT else 0
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    hi = tl.minimum(S, (pid_m + 1) * BLOCK_M) if CAUSAL else S
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = tl.load(
+            K + b * skb + h * skh + cols[None, :] * skn + offs_d[:, None], mask=cols[None, :] < S, other=0.0
+        )
+        v = tl.load(
+            V + b * svb + h * svh + cols[None, :] * svn + offs_d[:, None], mask=cols[None, :] < S, other=0.0
+        )
+        s = _scores(
+            q,
+            k,
+            Bias + h * sbh + rows[:, None] * sbm + cols[None, :],
+            Mask + b * smb + cols,
+            rows,
+            cols,
+            T,
+            S,
+            scale,
+            HAS_BIAS,
+            HAS_MASK,
+            CAUSAL,
+        )
+        p = tl.exp(s - lse[:, None])
+        dp = tl.dot(do, v.to(do.dtype))
+        if DROPOUT:
+            dp = tl.where(_keep(seed, bh, rows, cols, S, dropout_p), dp / (1.0 - dropout_p), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), tl.trans(k))
+    tl.store(
+        DQ + b * sqb + h * sqh + rows[:, None] * sqm + offs_d[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=rows[:, None] < T,
+    )
+
+
+class _T5Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, mask, scale, dropout_p, causal):
+        B, H, T, D = q.shape
+        S = k.shape[2]
+        out = torch.empty(
+            (B, T, H, D), dtype=q.dtype, device=q.device
+        )  # the layout T5's output projection reads
+        lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+        seed = (
+            torch.randint(0, 2**31 - 1 - B * H, (1,), device=q.device, dtype=torch.int64)
+            if dropout_p > 0
+            else torch.zeros(1, dtype=torch.int64, device=q.device)
+        )
+        has_bias, has_mask = bias is not None, mask is not None
+        bias_arg = bias if has_bias else q
+        mask_arg = mask if has_mask else q
+        _fwd_kernel[(triton.cdiv(T, FWD_CONFIG["BLOCK_M"]), B * H)](
+            q,
+            k,
+            v,
+            bias_arg,
+            mask_arg,
+            out,
+            lse,
+            seed,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            out.stride(0),
+            out.stride(2),
+            out.stride(1),
+            *_bias_strides(bias),
+            *_mask_strides(mask),
+            H,
+            T,
+            S,
+            scale,
+            dropout_p,
+            HAS_BIAS=has_bias,
+            HAS_MASK=has_mask,
+            CAUSAL=causal,
+            DROPOUT=dropout_p > 0,
+            D=D,
+            **FWD_CONFIG,
+        )
+        ctx.save_for_backward(q, k, v, bias, mask, out, lse, seed)
+        ctx.scale, ctx.dropout_p, ctx.causal = scale, dropout_p, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, bias, mask, out, lse, seed = ctx.saved_tensors
+        B, H, T, D = q.shape
+        S = k.shape[2]
+        has_bias, has_mask = bias is not None, mask is not None
+        # rowsum(dO * O): the softmax backward's correction term, dropout included (O is the dropped output).
+        grad_out = grad_out.contiguous()
+        delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+        do = grad_out.transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        block_m, block_n = BWD_CONFIG["BLOCK_M"], BWD_CONFIG["BLOCK_N"]
+        key_blocks = triton.cdiv(S, block_n)
+        rows_per_group = 1
+        if (
+            has_bias
+        ):  # fewer groups, each summing the bias gradient over its rows; enough programs to fill the GPU
+            groups = min(B, max(1, triton.cdiv(BWD_PROGRAMS, key_blocks * H)))
+            rows_per_group = triton.cdiv(B, groups)
+        groups = triton.cdiv(B, rows_per_group)
+        dbias = torch.zeros((groups, H, T, S), dtype=torch.float32, device=q.device) if has_bias else q
+        common = (
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            do.stride(0),
+            do.stride(1),
+            do.stride(2),
+            *_bias_strides(bias),
+            *_mask_strides(mask),
+        )
+        flags = dict(
+            HAS_BIAS=has_bias,
+            HAS_MASK=has_mask,
+            CAUSAL=ctx.causal,
+            DROPOUT=ctx.dropout_p > 0,
+            D=D,
+            **BWD_CONFIG,
+        )
+        bias_arg = bias if has_bias else q
+        mask_arg = mask if has_mask else q
+        assert dk.stride() == k.stride() and dv.stride() == v.stride() and dq.stride() == q.stride()
+        _bwd_kv_kernel[(key_blocks, H, groups)](
+            q,
+            k,
+            v,
+            bias_arg,
+            mask_arg,
+            do,
+            lse,
+            delta,
+            seed,
+            dk,
+            dv,
+            dbias,
+            *common,
+            B,
+            H,
+            T,
+            S,
+            ctx.scale,
+            ctx.dropout_p,
+            rows_per_group,
+            **flags,
+        )
+        _bwd_q_kernel[(triton.cdiv(T, block_m), B * H)](
+            q,
+            k,
+            v,
+            bias_arg,
+            mask_arg,
+            do,
+            lse,
+            delta,
+            seed,
+            dq,
+            *common,
+            H,
+            T,
+            S,
+            ctx.scale,
+            ctx.dropout_p,
+            **flags,
+        )
+        grad_bias = dbias.sum(0).to(bias.dtype) if has_bias else None
+        return dq, dk, dv, grad_bias, None, None, None, None
+
+
+def _bias_strides(bias):
+    return (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
+
+
+def _mask_strides(mask):
+    return (mask.stride(0),) if mask is not None else (0,)
+
+
+def t5_attention(
+    q, k, v, bias=None, key_padding=None, *, scale: float = 1.0, dropout_p: float = 0.0, causal: bool = False
+) -> torch.Tensor:
+    """softmax(q k^T * scale + bias, over the kept keys) v, dropout on the probabilities: (B, T, H, D).
+
+    q: (B, H, T, D); k, v: (B, H, S, D), any strides with a unit last one. bias: (H, T, S), shared by the
+    batch, differentiable. key_padding: (B, S), nonzero/True where a key may be attended. causal: key j >
+    query i is masked as well (its blocks are skipped). A query with no key left averages all of its keys
+    (as eager does with its additive minimum mask) instead of producing NaN.
+    """
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()
+    mask = None
+    if key_padding is not None:
+        mask = torch.zeros(key_padding.shape, dtype=torch.float32, device=q.device)
+        mask.masked_fill_(key_padding == 0, MASKED)
+    return _T5Attention.apply(q, k, v, bias, mask, scale, dropout_p, causal)
+
+
+def supported(head_dim: int, dtype: torch.dtype) -> bool:
+    """Tile shapes need a power-of-two head size >= 16; bf16/fp16 (fp32 would run tl.dot in TF32)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and dtype in (torch.bfloat16, torch.float16)
+
+
+@torch.compiler.disable  # a compiled block calls the kernels as they are (graph break around attention)
+def transformers_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_bias=None, **kwargs
+):
+    """transformers' attention-interface signature, as T5Attention calls it (transformers >= 5)."""
+    if getattr(module, "trainer_zero_bias", False):
+        position_bias = None  # T5's cross-attention passes an all-zero bias; nothing to add or differentiate
+    bias = None
+    if position_bias is not None:
+        if position_bias.dim() != 4 or position_bias.size(0) != 1:
+            raise ValueError(f"expected a (1, H, T, S) position bias, got {tuple(position_bias.shape)}")
+        bias = position_bias[0]
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"expected a (batch, keys) padding mask, got shape {tuple(attention_mask.shape)}")
+    out = t5_attention(
+        query,
+        key,
+        value,
+        bias,
+        attention_mask,
+        scale=1.0 if scaling is None else scaling,
+        dropout_p=dropout,
+        # The mask already holds causality; the flag skips fully masked blocks. With a cache (generation) the
+        # queries are the last positions, not the first: there only the mask applies.
+        causal=bool(getattr(module, "is_causal", False)) and query.size(2) == key.size(2),
+    )
+    return out, None
+
+
+def key_padding_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=None,
+    attention_mask=None,
+    **kwargs,
+):
+    """transformers' mask hook: the 2D padding mask as it is (causality is the kernel's `causal` flag), as for
+    flash attention, but without its `.all()` check, which would synchronise with the GPU on every call."""
+    return None if attention_mask is None else attention_mask[:, -kv_length:]
+
+
+def use_triton_attention(model: torch.nn.Module) -> None:
+    """Route `model`'s T5 attention (transformers >= 5) through these kernels; weights, masks unchanged.
+
+    The caller checks `supported` and the device: the kernels need a GPU (or TRITON_INTERPRET=1 on CPU).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, transformers_attention)
+    AttentionMaskInterface.register(NAME, key_padding_mask)
+    for module in model.modules():
+        if type(module).__name__.endswith("LayerCrossAttention") and hasattr(module, "EncDecAttention"):
+            module.EncDecAttention.trainer_zero_bias = True
+    # The encoder and decoder stacks hold their own copies of the config.
+    for sub in (model, getattr(model, "encoder", None), getattr(model, "decoder", None)):
+        if sub is not None:
+            sub.config._attn_implementation = NAME
