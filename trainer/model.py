@@ -104,8 +104,11 @@ def _use_triton_attention(model: torch.nn.Module, device: torch.device, dtype: t
     """The fused Triton kernels (trainer.attention) where they run: CUDA, 16-bit dtype, transformers >= 5."""
     import transformers
 
-    from trainer import attention
-
+    try:
+        from trainer import attention
+    except ImportError as e:  # Triton ships with torch's Linux CUDA wheels, not everywhere
+        log.info("attention: triton kernels not used (%s); eager attention instead", e)
+        return
     why = None
     if device.type != "cuda":
         why = f"they need a CUDA GPU, this run is on {device.type}"
