@@ -55,6 +55,19 @@ def rel_err(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
+def assert_matches_eager(out, q, k, v, pos, eager):
+    """`out` (the kernels on q, k, v, pos) and its gradients against `eager` on fp32 copies of them."""
+    tensors = [x for x in (q, k, v, pos) if x is not None]
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ours = grads(out, grad_out, tensors)
+    copies = [None if x is None else x.detach().float().requires_grad_() for x in (q, k, v, pos)]
+    ref = eager(*copies)
+    expected = grads(ref, grad_out, [x for x in copies if x is not None])
+    assert rel_err(out, ref) < 3e-3
+    for name, got, want in zip(["q", "k", "v", "bias"], ours, expected, strict=False):
+        assert rel_err(got, want) < 5e-3, name
+
+
 @pytest.mark.parametrize(
     "b,h,t,s,d,causal,bias,padded",
     [
@@ -66,18 +79,8 @@ def rel_err(a, b):
 )
 def test_kernels_match_eager_math_forward_and_backward(b, h, t, s, d, causal, bias, padded):
     q, k, v, pos, keep = inputs(b, h, t, s, d, bias=bias, padded=padded)
-    tensors = [x for x in (q, k, v, pos) if x is not None]
     out = t5_attention(q, k, v, pos, keep, causal=causal)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    ours = grads(out, grad_out, tensors)
-    ref_inputs = [x.detach().float().requires_grad_() for x in tensors]
-    rq, rk, rv = ref_inputs[:3]
-    rpos = ref_inputs[3] if bias else None
-    ref = reference(rq, rk, rv, rpos, keep, causal)
-    expected = grads(ref, grad_out, ref_inputs)
-    assert rel_err(out, ref) < 3e-3
-    for name, got, want in zip(["q", "k", "v", "bias"], ours, expected, strict=False):
-        assert rel_err(got, want) < 5e-3, name
+    assert_matches_eager(out, q, k, v, pos, lambda *qkvb: reference(*qkvb, keep, causal))
 
 
 def test_a_query_with_every_key_padded_averages_instead_of_nan():
@@ -99,17 +102,9 @@ def test_dropout_drops_the_same_probabilities_in_forward_and_backward():
     assert 0.15 < dropped.float().mean() < 0.35  # about p of the probabilities
 
     v = torch.randn(b, h, s, s, device=DEVICE).to(DTYPE).requires_grad_()
-    tensors = [q, k, v, pos]
     torch.manual_seed(7)  # the same seed: the same mask, whatever V is
     out = t5_attention(q, k, v, pos, keep, dropout_p=p)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    ours = grads(out, grad_out, tensors)
-    ref_inputs = [x.detach().float().requires_grad_() for x in tensors]
-    ref = reference(*ref_inputs, keep, False, dropped=dropped, p=p)
-    expected = grads(ref, grad_out, ref_inputs)
-    assert rel_err(out, ref) < 3e-3
-    for name, got, want in zip(["q", "k", "v", "bias"], ours, expected, strict=False):
-        assert rel_err(got, want) < 5e-3, name
+    assert_matches_eager(out, q, k, v, pos, lambda *qkvb: reference(*qkvb, keep, False, dropped=dropped, p=p))
 
 
 def test_checkpoint_recompute_reproduces_dropout():

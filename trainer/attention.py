@@ -34,9 +34,7 @@ MASKED = -1e30  # score added for a padded key: exp() of it is 0, yet a fully pa
 BWD_PROGRAMS = 2112
 # Tile sizes and launch settings (bench/attention_kernels.py --sweep measures the alternatives).
 FWD_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-BWD_CONFIG = dict(
-    BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2
-)  # key-block programs to aim for in the backward (4 per H100 SM); sets the batch groups
+BWD_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -75,10 +73,10 @@ def _keep(seed, bh, rows, cols, S, dropout_p):
 
 # Triton compiles a variant per value class (== 1, divisible by 16) of each int argument; lengths, rows and
 # the strides that follow them change every batch, and each new variant costs a compile (~1 s).
-VARYING = ["sbh", "sbm", "smb", "B", "T", "S", "rows_per_group"]
+VARYING = ["sbh", "sbm", "smb", "T", "S"]
 
 
-@triton.jit(do_not_specialize=[n for n in VARYING if n not in ("B", "rows_per_group")])
+@triton.jit(do_not_specialize=VARYING)
 def _fwd_kernel(
     Q,
     K,
@@ -172,7 +170,7 @@ def _fwd_kernel(
     tl.store(LSE + bh * T + rows, m_i + tl.log(l_i), mask=rows < T)
 
 
-@triton.jit(do_not_specialize=VARYING)
+@triton.jit(do_not_specialize=[*VARYING, "B", "rows_per_group"])
 def _bwd_kv_kernel(
     Q,
     K,
@@ -293,7 +291,7 @@ def _bwd_kv_kernel(
         )
 
 
-@triton.jit(do_not_specialize=[n for n in VARYING if n not in ("B", "rows_per_group")])
+@triton.jit(do_not_specialize=VARYING)
 def _bwd_q_kernel(
     Q,
     K,
@@ -391,9 +389,8 @@ class _T5Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, mask, scale, dropout_p, causal):
         B, H, T, D = q.shape
         S = k.shape[2]
-        out = torch.empty(
-            (B, T, H, D), dtype=q.dtype, device=q.device
-        )  # the layout T5's output projection reads
+        # (B, T, H, D): the layout T5's output projection reads
+        out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
         seed = (
             torch.randint(0, 2**31 - 1 - B * H, (1,), device=q.device, dtype=torch.int64)
@@ -401,31 +398,16 @@ class _T5Attention(torch.autograd.Function):
             else torch.zeros(1, dtype=torch.int64, device=q.device)
         )
         has_bias, has_mask = bias is not None, mask is not None
-        bias_arg = bias if has_bias else q
-        mask_arg = mask if has_mask else q
         _fwd_kernel[(triton.cdiv(T, FWD_CONFIG["BLOCK_M"]), B * H)](
             q,
             k,
             v,
-            bias_arg,
-            mask_arg,
+            bias if has_bias else q,  # any tensor stands in for an absent one: the kernel never reads it
+            mask if has_mask else q,
             out,
             lse,
             seed,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            out.stride(0),
-            out.stride(2),
-            out.stride(1),
-            *_bias_strides(bias),
-            *_mask_strides(mask),
+            *_strides(q, k, v, out.transpose(1, 2), bias, mask),
             H,
             T,
             S,
@@ -456,29 +438,13 @@ class _T5Attention(torch.autograd.Function):
         block_m, block_n = BWD_CONFIG["BLOCK_M"], BWD_CONFIG["BLOCK_N"]
         key_blocks = triton.cdiv(S, block_n)
         rows_per_group = 1
-        if (
-            has_bias
-        ):  # fewer groups, each summing the bias gradient over its rows; enough programs to fill the GPU
+        # With a bias: fewer row groups, each summing the bias gradient over its rows, enough to fill the GPU.
+        if has_bias:
             groups = min(B, max(1, triton.cdiv(BWD_PROGRAMS, key_blocks * H)))
             rows_per_group = triton.cdiv(B, groups)
         groups = triton.cdiv(B, rows_per_group)
         dbias = torch.zeros((groups, H, T, S), dtype=torch.float32, device=q.device) if has_bias else q
-        common = (
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            do.stride(0),
-            do.stride(1),
-            do.stride(2),
-            *_bias_strides(bias),
-            *_mask_strides(mask),
-        )
+        strides = _strides(q, k, v, do, bias, mask)
         flags = dict(
             HAS_BIAS=has_bias,
             HAS_MASK=has_mask,
@@ -487,8 +453,7 @@ class _T5Attention(torch.autograd.Function):
             D=D,
             **BWD_CONFIG,
         )
-        bias_arg = bias if has_bias else q
-        mask_arg = mask if has_mask else q
+        bias_arg, mask_arg = (bias if has_bias else q), (mask if has_mask else q)
         assert dk.stride() == k.stride() and dv.stride() == v.stride() and dq.stride() == q.stride()
         _bwd_kv_kernel[(key_blocks, H, groups)](
             q,
@@ -503,7 +468,7 @@ class _T5Attention(torch.autograd.Function):
             dk,
             dv,
             dbias,
-            *common,
+            *strides,
             B,
             H,
             T,
@@ -524,7 +489,7 @@ class _T5Attention(torch.autograd.Function):
             delta,
             seed,
             dq,
-            *common,
+            *strides,
             H,
             T,
             S,
@@ -536,12 +501,12 @@ class _T5Attention(torch.autograd.Function):
         return dq, dk, dv, grad_bias, None, None, None, None
 
 
-def _bias_strides(bias):
-    return (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
-
-
-def _mask_strides(mask):
-    return (mask.stride(0),) if mask is not None else (0,)
+def _strides(q, k, v, rows, bias, mask) -> tuple[int, ...]:
+    """The strides the kernels take: q, k, v and `rows` (the output, or its gradient) by (batch, head,
+    position); the bias by (head, query); the key mask by batch (0 for an absent bias or mask)."""
+    per_row = [x.stride(i) for x in (q, k, v, rows) for i in range(3)]
+    bias_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
+    return (*per_row, *bias_strides, mask.stride(0) if mask is not None else 0)
 
 
 def t5_attention(
@@ -590,8 +555,8 @@ def transformers_attention(
         attention_mask,
         scale=1.0 if scaling is None else scaling,
         dropout_p=dropout,
-        # The mask already holds causality; the flag skips fully masked blocks. With a cache (generation) the
-        # queries are the last positions, not the first: there only the mask applies.
+        # The mask is padding only (key_padding_mask): causality is this flag. With a cache (generation) the
+        # queries are the newest positions and may see every cached key, so it stays off there.
         causal=bool(getattr(module, "is_causal", False)) and query.size(2) == key.size(2),
     )
     return out, None

@@ -15,15 +15,18 @@ LOAD_PEAK_FACTOR = 1.05  # peak GPU memory while loading, relative to the weight
 LAST_LOAD: dict = {}  # what the last load measured (weights and peak bytes), for the run summary
 
 
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
 def _dtype_kwarg() -> str:
     """transformers 5 takes `dtype=`, 4.5x `torch_dtype=`."""
     from transformers import PreTrainedModel
 
     params = inspect.signature(PreTrainedModel.from_pretrained).parameters
-    import transformers
-
-    major = int(transformers.__version__.split(".")[0])
-    return "dtype" if major >= 5 or "dtype" in params else "torch_dtype"
+    return "dtype" if _transformers_major() >= 5 or "dtype" in params else "torch_dtype"
 
 
 def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: str, random_init: bool):
@@ -114,7 +117,7 @@ def _use_triton_attention(model: torch.nn.Module, device: torch.device, dtype: t
         why = f"they need a CUDA GPU, this run is on {device.type}"
     elif not attention.supported(model.config.d_kv, dtype):
         why = f"head size {model.config.d_kv} in {dtype} is not supported"
-    elif int(transformers.__version__.split(".")[0]) < 5:
+    elif _transformers_major() < 5:
         why = f"transformers {transformers.__version__} has no attention interface (needs >= 5)"
     if why:
         log.info("attention: triton kernels not used (%s); eager attention instead", why)
