@@ -59,7 +59,9 @@ def main() -> int:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--variants", default="", help="comma-separated name prefixes (default: all)")
     parser.add_argument("--sweep", action="store_true", help="time the Triton kernels' tile settings (SWEEP)")
-    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout (Triton kernels only)")
+    parser.add_argument(
+        "--dropout", type=float, default=0.0, help="attention dropout (Triton only; skips the eager check)"
+    )
     args = parser.parse_args()
     b, h, t, s, d = args.rows, args.heads, args.query, args.key, 64
     torch.manual_seed(0)
@@ -160,8 +162,10 @@ def main() -> int:
         grads = [x.grad.float().clone() if x.grad is not None else None for x in (q, k, v, bias)]
         if reference is None:
             reference = grads
+        # With --dropout the Triton kernels compute another function than eager: nothing to compare.
+        dropped = args.dropout > 0 and name.startswith("triton")
         errs = [
-            "-" if g is None else f"{float((g - r).norm() / r.norm()):.1e}"
+            "-" if g is None or dropped else f"{float((g - r).norm() / r.norm()):.1e}"
             for g, r in zip(grads, reference, strict=True)
         ]
         print(
