@@ -19,6 +19,7 @@ Allocator slack (blocks the caching allocator holds but cannot reuse) is one fra
 from __future__ import annotations
 
 import logging
+import math
 import re
 import sys
 import weakref
@@ -27,6 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from trainer.loss import CHUNK_TOKENS as CE_CHUNK_TOKENS
+from trainer.optim import STACK_BYTES as ADAFACTOR_STACK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +67,25 @@ class ModelShape:
         return self.num_heads * self.d_kv
 
     def num_params(self) -> int:
-        d, f, inner = self.d_model, self.d_ff, self.inner
-        attn = 4 * d * inner  # q, k, v, o
-        ff = (3 if self.gated else 2) * d * f  # wi_0, wi_1, wo (or wi, wo)
-        bias = self.relative_attention_num_buckets * self.num_heads  # in layer 0 of each stack
-        enc = self.num_layers * (attn + ff + 2 * d) + bias + d  # + 2 layer norms per block, final norm
-        dec = self.num_decoder_layers * (2 * attn + ff + 3 * d) + bias + d
-        embed = self.vocab_size * d  # `shared`, used by both stacks
-        head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return enc + dec + embed + head
+        return sum(math.prod(dims) * n for dims, n in self.weight_shapes().items())
 
-    def largest_param(self) -> int:
-        return max(self.vocab_size * self.d_model, self.d_ff * self.d_model, self.d_model * self.inner)
+    def weight_shapes(self) -> dict[tuple[int, ...], int]:
+        """How many weights of each shape the model has."""
+        d, f, inner = self.d_model, self.d_ff, self.inner
+        blocks = self.num_layers + self.num_decoder_layers
+        attentions = self.num_layers + 2 * self.num_decoder_layers
+        counts: dict[tuple[int, ...], int] = {}
+        for shape, n in [
+            ((inner, d), 3 * attentions),  # q, k, v
+            ((d, inner), attentions),  # o
+            ((f, d), (2 if self.gated else 1) * blocks),  # wi_0, wi_1 (or wi)
+            ((d, f), blocks),  # wo
+            ((self.vocab_size, d), 1 if self.tie_word_embeddings else 2),  # shared, lm_head
+            ((d,), 2 * self.num_layers + 3 * self.num_decoder_layers + 2),  # layer norms, final norms
+            ((self.relative_attention_num_buckets, self.num_heads), 2),
+        ]:
+            counts[shape] = counts.get(shape, 0) + n
+        return counts
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -195,6 +204,15 @@ class MemoryPlan:
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def adafactor_stack_bytes(shape: ModelShape, element_size: int) -> int:
+    """The largest stack of weights trainer.optim.Adafactor updates at once."""
+    largest = 0
+    for dims, count in shape.weight_shapes().items():
+        size = math.prod(dims) * element_size
+        largest = max(largest, min(count, max(1, ADAFACTOR_STACK_BYTES // size)) * size)
+    return largest
 
 
 def optimizer_state_bytes(
@@ -439,9 +457,10 @@ def plan_memory(
         ),
         "encoder block backward": (enc_keep + enc_shared + flow_enc + enc_bwd, 0),
     }
-    # trainer.optim.Adafactor steps one weight at a time with fp32 copies of it, its gradient and the update
-    # (fewer when compiled); optimi's foreach step uses the gradients as its scratch buffer.
-    opt_temp = 3 * shape.largest_param() * 4 if optimizer == "adafactor" else 0
+    # trainer.optim.Adafactor updates stacks of same-shape weights: the stacked weights, gradients and Kahan
+    # buffers plus the compiled update's fp32 scratch come to ~5x the stack (1.25 GiB for FLAN-T5-XL's 256 MiB
+    # stacks, bench/optimizer_step.py). optimi's foreach step uses the gradients as its scratch buffer.
+    opt_temp = 5 * adafactor_stack_bytes(shape, e) if optimizer == "adafactor" else 0
     moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
     if opt_temp > acts + logits:
         moment, acts, logits = "optimizer step", 0, 0

@@ -21,6 +21,11 @@ import torch
 log = logging.getLogger(__name__)
 
 
+# Weights updated in one compiled call: stacking bounds the temporaries (~5x this) and keeps the chunks few
+# (FLAN-T5-XL: 24 calls instead of 557, whose host time the GPU would wait for).
+STACK_BYTES = 256 << 20
+
+
 class Adafactor(torch.optim.Optimizer):
     """Adafactor (Shazeer & Stern 2018) with T5's fine-tuning settings and optional Kahan-compensated updates.
 
@@ -28,6 +33,9 @@ class Adafactor(torch.optim.Optimizer):
     warmup_init=False, beta1=None)`: an external learning rate, a factored second moment for matrices, update
     clipping at RMS `clip_threshold`. The update is computed in fp32; with `kahan=True` the part of it that
     the bf16 weight cannot represent is kept in a bf16 buffer and added back on the next step.
+
+    Weights of one shape are updated together, stacked up to STACK_BYTES at a time, by one call of
+    `adafactor_update`, compiled when `compile` is true (default: on CUDA).
     """
 
     def __init__(
@@ -39,63 +47,89 @@ class Adafactor(torch.optim.Optimizer):
         decay_rate: float = -0.8,
         weight_decay: float = 0.0,
         kahan: bool = True,
+        compile: bool | None = None,
     ):
         defaults = dict(
             lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate, weight_decay=weight_decay
         )
         super().__init__(params, defaults)
         self.kahan = kahan
+        self.compile = compile
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        scalar_tensors: dict[tuple, torch.Tensor] = {}  # one host-to-device copy per distinct value set
         for group in self.param_groups:
+            stacks: dict[tuple, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                factored = p.dim() >= 2
                 if not state:
-                    state["step"] = 0
-                    if factored:
-                        state["exp_avg_sq_row"] = p.new_zeros(p.shape[:-1], dtype=torch.float32)
-                        state["exp_avg_sq_col"] = p.new_zeros(
-                            p.shape[:-2] + p.shape[-1:], dtype=torch.float32
-                        )
-                    else:
-                        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                    if self.kahan and p.dtype != torch.float32:
-                        state["kahan_comp"] = torch.zeros_like(p)
+                    self._init_state(p, state)
                 state["step"] += 1
+                key = (p.shape, p.dtype, p.device, state["step"], "kahan_comp" in state)
+                stacks.setdefault(key, []).append(p)
+            for (shape, dtype, device, step, _), params in stacks.items():
+                per_stack = max(1, STACK_BYTES // (math.prod(shape) * dtype.itemsize))
                 # Scalars as a tensor: they change every step, and a compiled update must not recompile.
-                key = (
-                    group["lr"],
-                    1.0 - math.pow(state["step"], group["decay_rate"]),
-                    group["weight_decay"],
-                    p.device,
+                scalars = torch.tensor(
+                    [group["lr"], 1.0 - math.pow(step, group["decay_rate"]), group["weight_decay"]],
+                    dtype=torch.float32,
                 )
-                if key not in scalar_tensors:
-                    scalar_tensors[key] = torch.tensor(key[:3], dtype=torch.float32).to(p.device)
-                scalars = scalar_tensors[key]
-                _update(p.device.type)(
-                    p,
-                    p.grad,
-                    state.get("exp_avg_sq_row"),
-                    state.get("exp_avg_sq_col"),
-                    state.get("exp_avg_sq"),
-                    state.get("kahan_comp"),
-                    scalars,
-                    group["eps"][0],
-                    group["clip_threshold"],
-                )
+                if device.type == "cuda":
+                    # From pinned memory the copy is queued; from pageable memory the host would wait for
+                    # the GPU to finish the stacks before it, once per weight shape.
+                    scalars = scalars.pin_memory().to(device, non_blocking=True)
+                for i in range(0, len(params), per_stack):
+                    self._update_stack(params[i : i + per_stack], scalars, group)
         return loss
 
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        state["step"] = 0
+        if p.dim() >= 2:
+            state["exp_avg_sq_row"] = p.new_zeros(p.shape[:-1], dtype=torch.float32)
+            state["exp_avg_sq_col"] = p.new_zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32)
+        else:
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        if self.kahan and p.dtype != torch.float32:
+            state["kahan_comp"] = torch.zeros_like(p)
 
-def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_threshold: float) -> None:
-    """One Adafactor step for one tensor, in place: the second-moment statistics (`row`/`col` for a matrix,
-    `sq` otherwise), the weight `p` and its Kahan buffer `comp` (or None).
-    scalars: [lr, beta2t, weight decay] as a float32 tensor on p's device."""
+    def _update_stack(self, params: list[torch.Tensor], scalars: torch.Tensor, group: dict) -> None:
+        """One update of same-shape weights, stacked; the results are copied back to each tensor."""
+        names = ["exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "kahan_comp"]
+        owned = {n: [self.state[p][n] for p in params] for n in names if n in self.state[params[0]]}
+        stacked = {n: torch.stack(ts) for n, ts in owned.items()}
+        weights = torch.stack(params)
+        compiled = self.compile if self.compile is not None else weights.device.type == "cuda"
+        update = compiled_adafactor_update() if compiled else adafactor_update
+        # The stacks have one shape per weight shape and chunk size; the default limit (8) is too few for
+        # some models, and past it the update would silently run uncompiled.
+        with torch._dynamo.config.patch(recompile_limit=64):
+            update(
+                weights,
+                torch.stack([p.grad for p in params]),
+                stacked.get("exp_avg_sq_row"),
+                stacked.get("exp_avg_sq_col"),
+                stacked.get("exp_avg_sq"),
+                stacked.get("kahan_comp"),
+                scalars,
+                group["eps"][0],
+                group["clip_threshold"],
+                params[0].dim(),
+            )
+        torch._foreach_copy_(params, weights.unbind(0))
+        for n, ts in owned.items():
+            torch._foreach_copy_(ts, stacked[n].unbind(0))
+
+
+def adafactor_update(
+    p, grad, row, col, sq, comp, scalars, eps: float, clip_threshold: float, param_dims: int
+) -> None:
+    """One Adafactor step for a stack of weights, in place: the second-moment statistics (`row`/`col` for
+    matrices, `sq` otherwise), the weights `p` and their Kahan buffer `comp` (or None). Leading dimensions
+    beyond a weight's own `param_dims` index the stack. scalars: [lr, beta2t, weight decay] as a float32
+    tensor on p's device."""
     lr, beta2t, weight_decay = scalars[0], scalars[1], scalars[2]
     grad = grad.float()
     update = grad.square() + eps
@@ -107,7 +141,7 @@ def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_thre
     else:
         sq.mul_(beta2t).add_(update * (1.0 - beta2t))
         update = sq.rsqrt() * grad
-    rms = update.square().mean().sqrt()
+    rms = update.square().mean(dim=tuple(range(-param_dims, 0)), keepdim=True).sqrt()
     update = update / (rms / clip_threshold).clamp(min=1.0) * lr
     w = p.float()
     if comp is not None:
@@ -119,12 +153,13 @@ def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_thre
 
 
 @functools.cache
-def _update(device_type: str):
-    """adafactor_update compiled for CUDA: ~25 elementwise passes per tensor fused into a few kernels (one
-    FLAN-T5-XL step: 249 -> 138 ms on an H100, bench/optimizer_step.py); eager elsewhere."""
-    if device_type == "cuda":
-        return torch.compile(adafactor_update, dynamic=True)
-    return adafactor_update
+def compiled_adafactor_update():
+    """adafactor_update compiled: ~25 elementwise passes fused into a few kernels per stack.
+
+    Static shapes (one compile per weight shape) make faster kernels than dynamic ones. Inductor keeps
+    intermediates in fp32 and would drop the bf16 rounding of the weight before `w - p.float()`, which zeroes
+    the Kahan buffer; `emulate_precision_casts` keeps that rounding."""
+    return torch.compile(adafactor_update, dynamic=False, options={"emulate_precision_casts": True})
 
 
 def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
