@@ -106,14 +106,15 @@ def test_adafactor_matches_transformers_in_fp32(small_t5, stack_bytes, monkeypat
         assert (ours[name] - w).norm() <= 1e-4 * moved, name
 
 
-def test_compiled_adafactor_keeps_the_kahan_buffer():
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def test_compiled_adafactor_keeps_the_kahan_buffer(device):
     """The compiled update (what CUDA runs) equals the eager one on bf16 weights, Kahan buffer included.
-    Inductor keeps intermediates in fp32: without emulated casts it skipped the weight's bf16 rounding and the
-    buffer stayed zero, i.e. plain bf16 updates."""
+    Inductor keeps intermediates in fp32: a bf16 round trip written as casts was skipped and the buffer
+    stayed zero, i.e. plain bf16 updates."""
     g = torch.Generator().manual_seed(0)
     shapes = [(24, 16), (24, 16), (16, 40), (16,)]
-    weights = [(torch.randn(s, generator=g) * 0.02).bfloat16() for s in shapes]
-    grads = [[(torch.randn(s, generator=g) * 1e-3).bfloat16() for s in shapes] for _ in range(3)]
+    weights = [(torch.randn(s, generator=g) * 0.02).bfloat16().to(device) for s in shapes]
+    grads = [[(torch.randn(s, generator=g) * 1e-3).bfloat16().to(device) for s in shapes] for _ in range(3)]
     results = []
     for compile in (False, True):
         params = [torch.nn.Parameter(w.clone()) for w in weights]
@@ -128,6 +129,15 @@ def test_compiled_adafactor_keeps_the_kahan_buffer():
     for w0, eager, compiled in zip(weights, *results, strict=True):
         moved = (eager - w0.float()).norm()
         assert (compiled - eager).norm() <= 1e-3 * moved
+
+
+def test_round_to_bf16_matches_the_cast():
+    g = torch.Generator().manual_seed(0)
+    scales = 10.0 ** torch.randint(-30, 30, (100_000,), generator=g)
+    # Halfway cases round to even; the largest finite values; infinity and signed zeros.
+    ties = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.0e38, float("inf"), 0.0, -0.0])
+    x = torch.cat([torch.randn(100_000, generator=g) * scales, ties])
+    assert torch.equal(optim.round_to_bf16(x), x.bfloat16().float())
 
 
 def test_schedules():

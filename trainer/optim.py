@@ -147,19 +147,29 @@ def adafactor_update(
     if comp is not None:
         w = w + comp.float()
     w = w - w * (weight_decay * lr) - update
-    p.copy_(w)
-    if comp is not None:
-        comp.copy_(w - p.float())  # what the bf16 weight could not hold this step
+    if comp is None:
+        p.copy_(w)
+    else:  # bf16 weights
+        rounded = round_to_bf16(w)
+        p.copy_(rounded)
+        comp.copy_(w - rounded)  # what the bf16 weight could not hold this step
+
+
+def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` rounded to the nearest bf16 value (ties to even), still fp32, as `x.bfloat16().float()`.
+
+    Integer arithmetic on the bits, because compilers may drop a round trip through bf16: inductor keeps
+    intermediates in fp32 (unless `emulate_precision_casts`, which torch 2.11 still skipped here), and the
+    Kahan buffer `w - w.bfloat16().float()` came out zero."""
+    bits = x.view(torch.int32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
 
 
 @functools.cache
 def compiled_adafactor_update():
-    """adafactor_update compiled: ~25 elementwise passes fused into a few kernels per stack.
-
-    Static shapes (one compile per weight shape) make faster kernels than dynamic ones. Inductor keeps
-    intermediates in fp32 and would drop the bf16 rounding of the weight before `w - p.float()`, which zeroes
-    the Kahan buffer; `emulate_precision_casts` keeps that rounding."""
-    return torch.compile(adafactor_update, dynamic=False, options={"emulate_precision_casts": True})
+    """adafactor_update compiled: ~25 elementwise passes fused into a few kernels per stack. Static shapes
+    (one compile per weight shape) make faster kernels than dynamic ones (bench/NOTES.md)."""
+    return torch.compile(adafactor_update, dynamic=False)
 
 
 def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
