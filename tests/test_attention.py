@@ -12,6 +12,8 @@ import torch
 from trainer.attention import t5_attention, use_triton_attention
 
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+# Error bounds below are fp16's; bf16 keeps 3 fewer mantissa bits (its rounding errors are ~8x larger).
+TOL = 4 if torch.cuda.is_available() else 1  # bf16 there
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -63,9 +65,9 @@ def assert_matches_eager(out, q, k, v, pos, eager):
     copies = [None if x is None else x.detach().float().requires_grad_() for x in (q, k, v, pos)]
     ref = eager(*copies)
     expected = grads(ref, grad_out, [x for x in copies if x is not None])
-    assert rel_err(out, ref) < 3e-3
+    assert rel_err(out, ref) < 3e-3 * TOL
     for name, got, want in zip(["q", "k", "v", "bias"], ours, expected, strict=False):
-        assert rel_err(got, want) < 5e-3, name
+        assert rel_err(got, want) < 5e-3 * TOL, name
 
 
 @pytest.mark.parametrize(
@@ -88,18 +90,25 @@ def test_a_query_with_every_key_padded_averages_instead_of_nan():
     keep[1] = False
     out = t5_attention(q, k, v, pos, keep)
     assert torch.isfinite(out).all()
-    assert rel_err(out[1], v[1].float().mean(1, keepdim=True).transpose(0, 1).expand(8, 2, 16)) < 2e-3
+    assert rel_err(out[1], v[1].float().mean(1, keepdim=True).transpose(0, 1).expand(8, 2, 16)) < 2e-3 * TOL
 
 
-def test_dropout_drops_the_same_probabilities_in_forward_and_backward():
+# One tile, and several in both directions (the random numbers of a probability must not depend on the tile
+# that computes it: forward and backward kernels walk the tiles in different orders).
+@pytest.mark.parametrize(("b", "t", "s"), [(2, 16, 16), (1, 72, 128)])
+def test_dropout_drops_the_same_probabilities_in_forward_and_backward(b, t, s):
     # With V = identity (S = D) the output row is the dropped, rescaled probability row: it shows the mask.
-    p, b, h, t, s = 0.25, 2, 2, 16, 16
+    p, h = 0.25, 2
     q, k, _, pos, keep = inputs(b, h, t, s, s)
+    # Scores of std ~1 (not sqrt(s)): no probability may underflow to 0 in the half-precision output.
+    q = (q.detach() * s**-0.5).requires_grad_()
     eye = torch.eye(s, device=DEVICE, dtype=DTYPE).expand(b, h, s, s)
     torch.manual_seed(7)
     shown = t5_attention(q, k, eye, pos, keep, dropout_p=p).transpose(1, 2)
     dropped = (shown == 0) & (reference(q, k, eye, pos, keep, False).transpose(1, 2) > 0)
-    assert 0.15 < dropped.float().mean() < 0.35  # about p of the probabilities
+    kept = keep[:, None, None, :].expand_as(dropped)
+    n = int(kept.sum())
+    assert abs(dropped[kept].float().mean() - p) < 5 * (p * (1 - p) / n) ** 0.5  # 5 standard deviations
 
     v = torch.randn(b, h, s, s, device=DEVICE).to(DTYPE).requires_grad_()
     torch.manual_seed(7)  # the same seed: the same mask, whatever V is
@@ -160,5 +169,5 @@ def test_tiny_t5_trains_and_generates_the_same_with_triton_attention(tiny_model_
         )
         results[triton] = (float(loss), bias_grad.float().clone(), generated)
     assert results[True][0] == pytest.approx(results[False][0], rel=2e-3)
-    assert rel_err(results[True][1], results[False][1]) < 2e-2
+    assert rel_err(results[True][1], results[False][1]) < 2e-2 * TOL
     assert torch.equal(results[True][2], results[False][2])

@@ -8,9 +8,10 @@ SDPA falls back to slow kernels with it (bench/NOTES.md). These kernels follow F
 and the Triton fused-attention tutorial, with what T5 needs:
 - an additive bias shared by the batch, (H, T, S), whose gradient is summed over the batch inside the
   backward kernel (no per-row bias gradient is written);
-- transformers' additive 4D mask (padding, causality), read with its strides, broadcast dims included;
-- dropout on the attention probabilities from a Philox stream keyed by a seed drawn from torch's CUDA
-  generator, so gradient checkpointing's recompute, which restores that generator, drops the same entries;
+- key padding as a (batch, keys) vector; causality by skipping the blocks above the diagonal;
+- dropout on the attention probabilities from a Philox stream (eight 16-bit numbers per call) keyed by a
+  seed drawn from torch's CUDA generator, so gradient checkpointing's recompute, which restores that
+  generator, drops the same entries;
 - no 1/sqrt(d) unless asked (T5 folds it into the weights).
 
 Used through transformers' attention interface (`attn_implementation: triton`), so T5's modules, masks and
@@ -66,9 +67,18 @@ def _scores(
 
 
 @triton.jit
-def _keep(seed, bh, rows, cols, S, dropout_p):
-    """Which attention probabilities survive dropout: Philox keyed by (seed, batch x head), offset i*S + j."""
-    return tl.rand(seed + bh, rows[:, None] * S + cols[None, :]) >= dropout_p
+def _keep(seed, bh, rows, start_n, S, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Which attention probabilities of the tile (rows, start_n + [0, BLOCK_N)) survive dropout.
+
+    One Philox call (key: seed + batch x head, counter: i * ceil(S / 8) + j // 8) gives 128 random bits,
+    eight 16-bit numbers: those of keys j..j+7 (j a multiple of 8) of query i. tl.rand would spend a whole
+    call on each probability. dropout_p is a multiple of 2**-16 (see t5_attention), so keeping u >= p * 2**16
+    keeps each probability with exactly 1 - p."""
+    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+    r0, r1, r2, r3 = tl.randint4x(seed + bh, rows[:, None] * ((S + 7) // 8) + groups[None, :])
+    r = tl.join(tl.join(r0, r1), tl.join(r2, r3))
+    u = tl.join(r & 0xFFFF, r >> 16)
+    return tl.reshape(u, (BLOCK_M, BLOCK_N)).to(tl.float32) >= dropout_p * 65536.0
 
 
 # Triton compiles a variant per value class (== 1, divisible by 16) of each int argument; lengths, rows and
@@ -156,7 +166,7 @@ def _fwd_kernel(
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(_keep(seed, bh, rows, cols, S, dropout_p), p, 0.0)
+            p = tl.where(_keep(seed, bh, rows, start_n, S, dropout_p, BLOCK_M, BLOCK_N), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     acc = acc / l_i[:, None]
@@ -267,7 +277,7 @@ def _bwd_kv_kernel(
             p = tl.where(rows[:, None] < T, p, 0.0)
             dp = tl.dot(do, tl.trans(v).to(do.dtype))
             if DROPOUT:
-                keep = _keep(seed, bh, rows, cols, S, dropout_p)
+                keep = _keep(seed, bh, rows, pid_n * BLOCK_N, S, dropout_p, BLOCK_M, BLOCK_N)
                 p_kept = tl.where(keep, p / (1.0 - dropout_p), 0.0)
                 dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
             else:
@@ -374,7 +384,8 @@ def _bwd_q_kernel(
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, v.to(do.dtype))
         if DROPOUT:
-            dp = tl.where(_keep(seed, bh, rows, cols, S, dropout_p), dp / (1.0 - dropout_p), 0.0)
+            keep = _keep(seed, bh, rows, start_n, S, dropout_p, BLOCK_M, BLOCK_N)
+            dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), tl.trans(k))
     tl.store(
@@ -517,8 +528,10 @@ def t5_attention(
     q: (B, H, T, D); k, v: (B, H, S, D), any strides with a unit last one. bias: (H, T, S), shared by the
     batch, differentiable. key_padding: (B, S), nonzero/True where a key may be attended. causal: key j >
     query i is masked as well (its blocks are skipped). A query with no key left averages all of its keys
-    (as eager does with its additive minimum mask) instead of producing NaN.
+    (as eager does with its additive minimum mask) instead of producing NaN. dropout_p is rounded to a
+    multiple of 2**-16 (0.1 -> 0.100006), the resolution of the kernels' random numbers.
     """
+    dropout_p = round(dropout_p * 65536) / 65536
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()
     mask = None
