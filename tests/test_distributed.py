@@ -144,3 +144,25 @@ def test_fsdp_two_ranks_train_like_one_process_and_resume_in_one(model_dir, samp
     assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
     for s in resumed:
         assert resumed[s] == pytest.approx(two[s], rel=2e-2), (s, resumed[s], two[s])
+
+
+def test_fsdp_with_the_presets_adafactor_trains_like_one_process(model_dir, sample_csv, tmp_path):
+    """Adafactor with Kahan-compensated bf16 weights (the rtx5090 preset's optimizer) on FSDP2's sharded
+    weights, which it cannot stack by shape and updates one at a time."""
+    values = dict(optimizer="adafactor", dtype="bfloat16")
+    one = tmp_path / "one"
+    assert (
+        train(
+            TrainConfig.from_dict(
+                _values(model_dir, sample_csv, one, gradient_accumulation_steps=2, **values)
+            )
+        )
+        == 0
+    )
+    out = tmp_path / "fsdp"
+    _torchrun(_values(model_dir, sample_csv, out, distributed_strategy="fsdp", **values), tmp_path)
+    single, two = _losses(one), _losses(out)
+    assert sorted(two) == list(range(1, STEPS + 1))
+    assert two[STEPS] < two[1] - 0.5  # it learns
+    for s in two:
+        assert two[s] == pytest.approx(single[s], rel=2e-2), (s, two[s], single[s])

@@ -35,7 +35,8 @@ class Adafactor(torch.optim.Optimizer):
     the bf16 weight cannot represent is kept in a bf16 buffer and added back on the next step.
 
     Weights of one shape are updated together, stacked up to STACK_BYTES at a time, by one call of
-    `adafactor_update`, compiled when `compile` is true (default: on CUDA).
+    `adafactor_update`, compiled when `compile` is true (default: on CUDA). FSDP's sharded weights are
+    updated one at a time, uncompiled.
     """
 
     def __init__(
@@ -68,10 +69,10 @@ class Adafactor(torch.optim.Optimizer):
                 if not state:
                     self._init_state(p, state)
                 state["step"] += 1
-                key = (p.shape, p.dtype, p.device, state["step"], "kahan_comp" in state)
+                key = (p.shape, p.dtype, p.device, state["step"], "kahan_comp" in state, _plain(p))
                 stacks.setdefault(key, []).append(p)
-            for (shape, dtype, device, step, _), params in stacks.items():
-                per_stack = max(1, STACK_BYTES // (math.prod(shape) * dtype.itemsize))
+            for (shape, dtype, device, step, _, plain), params in stacks.items():
+                per_stack = max(1, STACK_BYTES // (math.prod(shape) * dtype.itemsize)) if plain else 1
                 # Scalars as a tensor: they change every step, and a compiled update must not recompile.
                 scalars = torch.tensor(
                     [group["lr"], 1.0 - math.pow(step, group["decay_rate"]), group["weight_decay"]],
@@ -96,19 +97,24 @@ class Adafactor(torch.optim.Optimizer):
             state["kahan_comp"] = torch.zeros_like(p)
 
     def _update_stack(self, params: list[torch.Tensor], scalars: torch.Tensor, group: dict) -> None:
-        """One update of same-shape weights, stacked; the results are copied back to each tensor."""
+        """One update of same-shape weights, stacked (one alone is updated in place); the results are copied
+        back to each tensor."""
         names = ["exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "kahan_comp"]
         owned = {n: [self.state[p][n] for p in params] for n in names if n in self.state[params[0]]}
-        stacked = {n: torch.stack(ts) for n, ts in owned.items()}
-        weights = torch.stack(params)
+        if len(params) == 1:
+            stacked, weights, grads = {n: ts[0] for n, ts in owned.items()}, params[0], params[0].grad
+        else:
+            stacked = {n: torch.stack(ts) for n, ts in owned.items()}
+            weights, grads = torch.stack(params), torch.stack([p.grad for p in params])
         compiled = self.compile if self.compile is not None else weights.device.type == "cuda"
+        compiled = compiled and _plain(weights)
         update = compiled_adafactor_update() if compiled else adafactor_update
         # The stacks have one shape per weight shape and chunk size; the default limit (8) is too few for
         # some models, and past it the update would silently run uncompiled.
         with torch._dynamo.config.patch(recompile_limit=64):
             update(
                 weights,
-                torch.stack([p.grad for p in params]),
+                grads,
                 stacked.get("exp_avg_sq_row"),
                 stacked.get("exp_avg_sq_col"),
                 stacked.get("exp_avg_sq"),
@@ -118,9 +124,17 @@ class Adafactor(torch.optim.Optimizer):
                 group["clip_threshold"],
                 params[0].dim(),
             )
-        torch._foreach_copy_(params, weights.unbind(0))
-        for n, ts in owned.items():
-            torch._foreach_copy_(ts, stacked[n].unbind(0))
+        if len(params) > 1:
+            torch._foreach_copy_(params, weights.unbind(0))
+            for n, ts in owned.items():
+                torch._foreach_copy_(ts, stacked[n].unbind(0))
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Not a tensor subclass such as FSDP's sharded DTensor weights, which Adafactor neither stacks (no
+    `_foreach_copy_` for them) nor compiles (not tried on GPUs here): they are updated one at a time,
+    eagerly."""
+    return type(t.data) is torch.Tensor
 
 
 def adafactor_update(
