@@ -446,14 +446,8 @@ class _T5Attention(torch.autograd.Function):
         delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
         do = grad_out.transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        block_m, block_n = BWD_CONFIG["BLOCK_M"], BWD_CONFIG["BLOCK_N"]
-        key_blocks = triton.cdiv(S, block_n)
-        rows_per_group = 1
-        # With a bias: fewer row groups, each summing the bias gradient over its rows, enough to fill the GPU.
-        if has_bias:
-            groups = min(B, max(1, triton.cdiv(BWD_PROGRAMS, key_blocks * H)))
-            rows_per_group = triton.cdiv(B, groups)
-        groups = triton.cdiv(B, rows_per_group)
+        key_blocks = triton.cdiv(S, BWD_CONFIG["BLOCK_N"])
+        groups, rows_per_group = bias_grad_groups(B, H, S) if has_bias else (B, 1)
         dbias = torch.zeros((groups, H, T, S), dtype=torch.float32, device=q.device) if has_bias else q
         strides = _strides(q, k, v, do, bias, mask)
         flags = dict(
@@ -489,7 +483,7 @@ class _T5Attention(torch.autograd.Function):
             rows_per_group,
             **flags,
         )
-        _bwd_q_kernel[(triton.cdiv(T, block_m), B * H)](
+        _bwd_q_kernel[(triton.cdiv(T, BWD_CONFIG["BLOCK_M"]), B * H)](
             q,
             k,
             v,
@@ -510,6 +504,14 @@ class _T5Attention(torch.autograd.Function):
         )
         grad_bias = dbias.sum(0).to(bias.dtype) if has_bias else None
         return dq, dk, dv, grad_bias, None, None, None, None
+
+
+def bias_grad_groups(rows: int, heads: int, keys: int) -> tuple[int, int]:
+    """(row groups, rows per group) of the backward with a position bias: each group sums its rows' bias
+    gradient into its own fp32 (H, T, S) slice; as few groups as fill the GPU with BWD_PROGRAMS programs."""
+    key_blocks = triton.cdiv(keys, BWD_CONFIG["BLOCK_N"])
+    per_group = triton.cdiv(rows, min(rows, max(1, triton.cdiv(BWD_PROGRAMS, key_blocks * heads))))
+    return triton.cdiv(rows, per_group), per_group
 
 
 def _strides(q, k, v, rows, bias, mask) -> tuple[int, ...]:

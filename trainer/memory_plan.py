@@ -274,7 +274,7 @@ def _attention_sublayer(
     Triton (trainer.attention) saves q, k, v, its output (B x T x H x D), the log-sum-exp (fp32, B x H x T)
     and a contiguous copy of the position bias (H x q x k, self-attention only); in backward the q/k/v grads,
     the fp32 row terms (two fp32 copies of the output while they are made) and the bias gradient, summed in
-    fp32 over groups of rows (trainer.attention.BWD_PROGRAMS sets their number).
+    fp32 over groups of rows (trainer.attention.bias_grad_groups).
     """
     d, inner, h, p = shape.d_model, shape.inner, shape.num_heads, shape.dropout_rate
     n, m = b * q_len, b * kv_len
@@ -284,12 +284,12 @@ def _attention_sublayer(
     qkv = n * inner * e + 2 * m * inner * e
     tail = n * inner * e + n * d * drop + n * d * e  # o's input, output dropout mask, residual sum
     if attention == "triton":
-        from trainer.attention import BWD_PROGRAMS
+        from trainer.attention import bias_grad_groups
 
         lse = b * h * q_len * 4
         bias = h * q_len * kv_len * e if has_bias else 0
         saved = ln + qkv + n * inner * e + lse + bias + tail
-        groups = min(b, -(-BWD_PROGRAMS // (-(-kv_len // 64) * h))) if has_bias else 0
+        groups = bias_grad_groups(b, h, kv_len)[0] if has_bias else 0
         scratch = max(2 * n * inner * 4, groups * h * q_len * kv_len * 4 + bias * 2)
         return saved, saved + qkv + lse + scratch
     if attention == "sdpa":
