@@ -316,9 +316,14 @@ def _ff_sublayer(n, shape, e, mask, fused=True):
     d, f, p = shape.d_model, shape.d_ff, shape.dropout_rate
     nf = n * f
     drop = mask if p > 0 else 0
+    ln = _layer_norm_saved(n, d, e, fused)
+    if fused and shape.gated:
+        # trainer.fused_ops on CUDA: the kernel saves wi_0's and wi_1's outputs, wo saves the product (dropout
+        # drawn again in the backward, no mask); widest: the kernel's backward, its gradient in, two out.
+        saved = ln + 3 * nf * e + n * d * drop + n * d * e
+        return saved, ln + 5 * nf * e
     acts = (1 + (2 if shape.gated else 0)) * nf * e  # wi_0 .. wi_1 outputs
     dropped = nf * (drop + e) if p > 0 else (nf * e if shape.gated else 0)  # wo's input (or its dropout)
-    ln = _layer_norm_saved(n, d, e, fused)
     saved = ln + acts + dropped + n * d * drop + n * d * e
     widest = ln + acts + (3 if shape.gated else 2) * nf * e
     return saved, max(widest, saved + nf * e)

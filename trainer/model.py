@@ -94,7 +94,11 @@ def load_model(cfg, device: torch.device, *, path: str | Path | None = None, ran
     attn_used = getattr(model.config, "_attn_implementation", None) or cfg.attn_implementation
     log.info("attention implementation: %s", attn_used)
     swapped = use_fused_t5_ops(model)
-    log.info("fused ops: %d T5 layer norms -> RMSNorm, %d gelu_new -> GELU(tanh)", *swapped)
+    log.info(
+        "fused ops: %d T5 layer norms -> RMSNorm, %d gelu_new -> GELU(tanh), "
+        "%d gated-GELU feed-forwards -> Triton kernels",
+        *swapped,
+    )
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -125,15 +129,23 @@ def _use_triton_attention(model: torch.nn.Module, device: torch.device, dtype: t
     attention.use_triton_attention(model)
 
 
-def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int]:
-    """Swap T5's Python-written layer norm and `gelu_new` for torch's fused equivalents; returns the counts.
+def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int]:
+    """Swap T5's Python-written layer norm and GELU for fused kernels; returns the counts (norms, GELUs,
+    gated feed-forwards).
 
     T5LayerNorm (RMS norm, fp32 statistics) is ~7 elementwise kernels and gelu_new
     (0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))) ~8, each a full pass over B x T x d_ff in forward and more
     in backward: at FLAN-T5-XL size they take about as long as the matmuls. `nn.RMSNorm` (same weight
     Parameter, so state-dict keys and checkpoints are unchanged) and `nn.GELU(approximate="tanh")` compute the
     same functions in one kernel each; results differ only in bf16 rounding (RMSNorm rounds once, at the end).
+    On CUDA, the gated feed-forward's GELU, product and dropout become one Triton kernel each way
+    (trainer.fused_ops); elsewhere they stay torch ops.
     """
+    gated = 0
+    if next(model.parameters()).is_cuda:
+        from trainer.fused_ops import use_fused_gated_gelu
+
+        gated = use_fused_gated_gelu(model)
     norms = gelus = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -146,7 +158,7 @@ def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int]:
             elif kind == "NewGELUActivation":
                 setattr(parent, name, torch.nn.GELU(approximate="tanh"))
                 gelus += 1
-    return norms, gelus
+    return norms, gelus, gated
 
 
 def compile_blocks(model: torch.nn.Module) -> int:

@@ -1,0 +1,124 @@
+"""The fused gated-GELU kernels (trainer.fused_ops) against torch's ops, and inside a real T5.
+
+On a machine without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), in
+float32; on CUDA in bfloat16, as the trainer runs them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.fused_ops import BLOCK, gated_gelu, use_fused_gated_gelu
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+TOL = 2e-2 if DEVICE == "cuda" else 1e-5  # bf16 there
+
+
+def inputs(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = (2 * torch.randn(*shape, generator=g)).to(DEVICE, DTYPE).requires_grad_()
+    # |b| >= 0.5: the product is zero only where dropout removed it, so the output shows the mask
+    b = torch.randn(*shape, generator=g)
+    b = (b.sign() * (b.abs() + 0.5)).to(DEVICE, DTYPE).requires_grad_()
+    return a, b
+
+
+def reference(a, b):
+    return torch.nn.functional.gelu(a.float(), approximate="tanh") * b.float()
+
+
+def rel_err(x, y):
+    x, y = x.detach().float(), y.detach().float()
+    return float((x - y).norm() / y.norm())
+
+
+# One partial block, and several blocks with a ragged end (the random numbers must not depend on the block)
+@pytest.mark.parametrize("shape", [(3, 7, 40), (2, 3 * BLOCK // 16 + 5, 16)])
+def test_matches_torch_gelu_tanh_times_b(shape):
+    a, b = inputs(*shape)
+    out = gated_gelu(a, b)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, DTYPE)
+    da, db = torch.autograd.grad(out, (a, b), grad)
+    ref = reference(a, b)
+    rda, rdb = torch.autograd.grad(ref, (a, b), grad.float())
+    assert out.dtype == DTYPE and out.shape == a.shape
+    assert rel_err(out, ref) < TOL
+    assert rel_err(da, rda) < TOL and rel_err(db, rdb) < TOL
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 40), (2, 3 * BLOCK // 16 + 5, 16)])
+def test_dropout_keeps_one_minus_p_and_backward_drops_the_same(shape):
+    p = 0.25
+    a, b = inputs(*shape)
+    torch.manual_seed(5)
+    out = gated_gelu(a, b, p)
+    ref = reference(a, b)
+    dropped = out == 0
+    n = out.numel()
+    assert abs(dropped.float().mean() - p) < 5 * (p * (1 - p) / n) ** 0.5  # 5 standard deviations
+    kept = ~dropped
+    assert rel_err(out[kept], ref[kept] / (1 - p)) < TOL
+    # The backward regenerates the same mask: gradients vanish exactly where the output was dropped.
+    da, db = torch.autograd.grad(out, (a, b), torch.ones_like(out))
+    rda, rdb = torch.autograd.grad(ref, (a, b), kept.float() / (1 - p))
+    assert torch.all(db[dropped] == 0) and torch.all(da[dropped] == 0)
+    assert rel_err(da, rda) < TOL and rel_err(db, rdb) < TOL
+    torch.manual_seed(6)
+    assert not torch.equal(gated_gelu(a, b, p) == 0, dropped)  # a new seed, a new mask
+
+
+def test_checkpoint_recompute_reproduces_dropout():
+    a, b = inputs(4, 50, 24)
+
+    def ff(a, b):
+        return gated_gelu(a, b, 0.3).float().square().sum()
+
+    torch.manual_seed(3)
+    plain = torch.autograd.grad(ff(a, b), (a, b))
+    torch.manual_seed(3)
+    loss = torch.utils.checkpoint.checkpoint(ff, a, b, use_reentrant=False)
+    recomputed = torch.autograd.grad(loss, (a, b))
+    for x, y in zip(plain, recomputed, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_mismatched_inputs_are_refused():
+    a, b = inputs(2, 8)
+    with pytest.raises(ValueError, match="differ"):
+        gated_gelu(a, b[:, :4])
+
+
+def test_tiny_t5_with_the_fused_feed_forward_keeps_its_weights_and_loss(tiny_model_dir):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from trainer.train import token_loss_sum
+
+    def load():
+        model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+        return model.to(DEVICE, DTYPE)
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (3, 11), generator=g)
+    labels = torch.randint(3, 100, (3, 9), generator=g)
+    batch = {
+        k: x.to(DEVICE)
+        for k, x in dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).items()
+    }
+    plain, fused = load().eval(), load().eval()  # dropout off: the two must agree
+    keys = list(plain.state_dict())
+    blocks = len(plain.encoder.block) + len(plain.decoder.block)
+    assert use_fused_gated_gelu(fused) == blocks
+    assert list(fused.state_dict()) == keys  # checkpoints load either way
+    losses, grads = [], []
+    for model in (plain, fused):
+        loss = token_loss_sum(model, batch)
+        loss.backward()
+        losses.append(float(loss))
+        grads.append(model.decoder.block[0].layer[2].DenseReluDense.wi_0.weight.grad.clone())
+    assert losses[1] == pytest.approx(losses[0], rel=TOL)
+    assert rel_err(grads[1], grads[0]) < 5 * TOL
+    fused.train()  # dropout on: training moves the loss
+    torch.manual_seed(0)
+    assert float(token_loss_sum(fused, batch)) != losses[1]

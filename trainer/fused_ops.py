@@ -1,0 +1,155 @@
+"""T5's gated-GELU feed-forward product as one Triton kernel each way: gelu_tanh(a) * b, then dropout.
+
+Eager T5 (`T5DenseGatedActDense`) writes and reads the (tokens x d_ff) intermediate five times in the forward
+(GELU, product, dropout with its byte mask) and more in the backward, all twice with gradient checkpointing:
+at FLAN-T5-XL size (d_ff 5120) that is ~0.15 s of a ~1.9 s optimizer step (bench/NOTES.md). The fused
+forward reads a and b once and writes the result once; the backward reads the gradient, a and b and writes
+both gradients. Dropout keeps no mask: the kept set is drawn from a Philox stream keyed by a seed from
+torch's CUDA generator, regenerated in the backward, and reproduced by checkpoint recompute (which restores
+that generator). Arithmetic is fp32, rounded once at the end.
+
+On CPU (tests) the kernels run under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # elements per program (a multiple of 8: one Philox call gives eight 16-bit numbers)
+NUM_WARPS = 8
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+@triton.jit
+def _keep(seed, start, dropout_p, BLOCK: tl.constexpr):
+    """Which of elements start + [0, BLOCK) survive dropout: element e takes a 16-bit number from Philox
+    counter e // 8 (eight per call); keeping u >= p * 2**16 keeps each with exactly 1 - p (p a multiple of
+    2**-16)."""
+    groups = start // 8 + tl.arange(0, BLOCK // 8)
+    r0, r1, r2, r3 = tl.randint4x(seed, groups)
+    r = tl.join(tl.join(r0, r1), tl.join(r2, r3))
+    u = tl.join(r & 0xFFFF, r >> 16)
+    return tl.reshape(u, (BLOCK,)).to(tl.float32) >= dropout_p * 65536.0
+
+
+@triton.jit
+def _tanh_inner(a):
+    """tanh(sqrt(2/pi) (a + 0.044715 a^3)) as 2 sigmoid(2x) - 1 (no libdevice: runs in the interpreter)."""
+    x = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit(do_not_specialize=["n"])
+def _fwd_kernel(A, B, Out, Seed, n, dropout_p, DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    inside = offs < n
+    a = tl.load(A + offs, mask=inside, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=inside, other=0.0).to(tl.float32)
+    y = 0.5 * a * (1.0 + _tanh_inner(a)) * b
+    if DROPOUT:
+        keep = _keep(tl.load(Seed), start, dropout_p, BLOCK)
+        y = tl.where(keep, y / (1.0 - dropout_p), 0.0)
+    tl.store(Out + offs, y.to(Out.dtype.element_ty), mask=inside)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _bwd_kernel(Grad, A, B, GradA, GradB, Seed, n, dropout_p, DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    inside = offs < n
+    g = tl.load(Grad + offs, mask=inside, other=0.0).to(tl.float32)
+    a = tl.load(A + offs, mask=inside, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=inside, other=0.0).to(tl.float32)
+    if DROPOUT:
+        keep = _keep(tl.load(Seed), start, dropout_p, BLOCK)
+        g = tl.where(keep, g / (1.0 - dropout_p), 0.0)
+    t = _tanh_inner(a)
+    gelu = 0.5 * a * (1.0 + t)
+    dgelu = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * a * a)
+    tl.store(GradA + offs, (g * b * dgelu).to(GradA.dtype.element_ty), mask=inside)
+    tl.store(GradB + offs, (g * gelu).to(GradB.dtype.element_ty), mask=inside)
+
+
+class _GatedGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, dropout_p):
+        a, b = a.contiguous(), b.contiguous()
+        seed = (
+            torch.randint(0, 2**31 - 1, (1,), device=a.device, dtype=torch.int64)
+            if dropout_p > 0
+            else torch.zeros(1, dtype=torch.int64, device=a.device)
+        )
+        out = torch.empty_like(a)
+        n = a.numel()
+        _fwd_kernel[(triton.cdiv(n, BLOCK),)](
+            a, b, out, seed, n, dropout_p, DROPOUT=dropout_p > 0, BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
+        ctx.save_for_backward(a, b, seed)
+        ctx.dropout_p = dropout_p
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b, seed = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+        n = a.numel()
+        p = ctx.dropout_p
+        _bwd_kernel[(triton.cdiv(n, BLOCK),)](
+            grad_out, a, b, grad_a, grad_b, seed, n, p, DROPOUT=p > 0, BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
+        return grad_a, grad_b, None
+
+
+def gated_gelu(a: torch.Tensor, b: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """dropout(gelu_tanh(a) * b, dropout_p), fused; a and b of one shape and dtype.
+
+    dropout_p is rounded to a multiple of 2**-16 (0.1 -> 0.100006), the resolution of the random numbers.
+    """
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"gated_gelu: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} differ")
+    return _GatedGelu.apply(a, b, round(dropout_p * 65536) / 65536)
+
+
+class FusedGatedGelu(torch.nn.Module):
+    """T5DenseGatedActDense with gelu_new (FLAN-T5, T5 v1.1): wo(dropout(gelu_tanh(wi_0 x) * wi_1 x)).
+
+    Holds the original wi_0, wi_1 and wo Linear modules under the same names, so state-dict keys and
+    checkpoints are unchanged.
+    """
+
+    def __init__(self, dense: torch.nn.Module):
+        super().__init__()
+        self.wi_0, self.wi_1, self.wo = dense.wi_0, dense.wi_1, dense.wo
+        self.dropout_p = dense.dropout.p
+        self.train(dense.training)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        p = self.dropout_p if self.training else 0.0
+        return self.wo(gated_gelu(self.wi_0(hidden_states), self.wi_1(hidden_states), p))
+
+
+def use_fused_gated_gelu(model: torch.nn.Module) -> int:
+    """Swap each gated-GELU (gelu_new) T5 feed-forward of `model` for FusedGatedGelu; returns the count.
+
+    The caller checks the device: the kernels need a GPU (or TRITON_INTERPRET=1 on CPU).
+    """
+    swapped = 0
+    for parent in list(model.modules()):
+        dense = getattr(parent, "DenseReluDense", None)
+        if type(dense).__name__ == "T5DenseGatedActDense" and _is_gelu_tanh(dense.act):
+            parent.DenseReluDense = FusedGatedGelu(dense)
+            swapped += 1
+    return swapped
+
+
+def _is_gelu_tanh(act: torch.nn.Module) -> bool:
+    """gelu_new, or torch's GELU(tanh) that trainer.model.use_fused_t5_ops puts in its place."""
+    if type(act).__name__ == "NewGELUActivation":
+        return True
+    return isinstance(act, torch.nn.GELU) and act.approximate == "tanh"
