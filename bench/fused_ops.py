@@ -1,9 +1,10 @@
 """Time T5's gated-GELU product with dropout, eager torch ops vs trainer.fused_ops, forward and backward.
 
-    python3 bench/fused_ops.py [--tokens 28672] [--d-ff 5120] [--dropout 0.1]
+    python3 bench/fused_ops.py [--tokens 28672] [--d-ff 5120] [--dropout 0.1] [--sweep]
 
 Shapes are FLAN-T5-XL's feed-forward on a 32k-token micro-batch (~28k tokens after padding is counted out).
-Prints milliseconds per call (CUDA events, median of 20) and the ratio. Needs a CUDA GPU.
+Prints milliseconds per call (CUDA events, median of 20) and the ratio; --sweep also times the fused kernels
+at other block sizes and warp counts (trainer.fused_ops.BLOCK, NUM_WARPS). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainer import fused_ops  # noqa: E402
 from trainer.fused_ops import gated_gelu  # noqa: E402
 
 
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=28672)
     parser.add_argument("--d-ff", type=int, default=5120)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     a, b = (torch.randn(args.tokens, args.d_ff, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     a.requires_grad_()
@@ -61,6 +64,19 @@ def main() -> None:
         f"  fused/eager: forward {rows['fused'][0] / rows['eager'][0]:.2f}x, "
         f"forward+backward {rows['fused'][1] / rows['eager'][1]:.2f}x"
     )
+    if args.sweep:
+        default = fused_ops.BLOCK, fused_ops.NUM_WARPS
+        for block in (1024, 2048, 4096):
+            for warps in (4, 8, 16):
+                fused_ops.BLOCK, fused_ops.NUM_WARPS = block, warps
+                fwd = time_ms(lambda: gated_gelu(a, b, args.dropout))
+                both = time_ms(lambda: torch.autograd.grad(gated_gelu(a, b, args.dropout), (a, b), grad))
+                mark = " (default)" if (block, warps) == default else ""
+                print(
+                    f"  BLOCK {block:5d} warps {warps:2d}: forward {fwd:6.2f} ms   "
+                    f"forward+backward {both:6.2f} ms{mark}"
+                )
+        fused_ops.BLOCK, fused_ops.NUM_WARPS = default
 
 
 if __name__ == "__main__":

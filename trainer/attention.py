@@ -36,6 +36,7 @@ BWD_PROGRAMS = 2112
 # Tile sizes and launch settings (bench/attention_kernels.py --sweep measures the alternatives).
 FWD_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 BWD_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+DELTA_BLOCK_M = 64  # query rows per program of the backward's rowsum(dO * O)
 
 
 @triton.jit
@@ -395,6 +396,22 @@ def _bwd_q_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["sob", "som", "T"])
+def _bwd_delta_kernel(Out, DO, Delta, sob, soh, som, H, T, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """Delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32: the softmax backward's correction term.
+    O and dO share the (B, T, H, D) layout (strides sob, som, soh; unit stride over D)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs = b.to(tl.int64) * sob + h * soh + rows[:, None] * som + tl.arange(0, D)[None, :]
+    inside = rows[:, None] < T
+    o = tl.load(Out + offs, mask=inside, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=inside, other=0.0).to(tl.float32)
+    tl.store(Delta + bh.to(tl.int64) * T + rows, tl.sum(o * do, axis=1), mask=rows < T)
+
+
 class _T5Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, mask, scale, dropout_p, causal):
@@ -443,7 +460,20 @@ class _T5Attention(torch.autograd.Function):
         has_bias, has_mask = bias is not None, mask is not None
         # rowsum(dO * O): the softmax backward's correction term, dropout included (O is the dropped output).
         grad_out = grad_out.contiguous()
-        delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+        assert grad_out.stride() == out.stride()
+        delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+        _bwd_delta_kernel[(triton.cdiv(T, DELTA_BLOCK_M), B * H)](
+            out,
+            grad_out,
+            delta,
+            out.stride(0),
+            out.stride(2),
+            out.stride(1),
+            H,
+            T,
+            BLOCK_M=DELTA_BLOCK_M,
+            D=D,
+        )
         do = grad_out.transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         key_blocks = triton.cdiv(S, BWD_CONFIG["BLOCK_N"])
