@@ -362,7 +362,11 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
     """Train as `cfg` says; returns the process exit code. dry_run: check config, data and plan only.
     Under torchrun every process calls this; the process group lives for the call."""
     try:
-        return _train(cfg, dry_run)
+        code = _train(cfg, dry_run)
+        # Ranks tear the process group down together: one rank destroying it while another is still finishing
+        # (rank 0 writes the summary and the final model) aborted a CPU run at exit ("terminate called").
+        distributed.barrier()
+        return code
     finally:
         distributed.destroy()
 
