@@ -106,6 +106,7 @@ class _GatedGelu(torch.autograd.Function):
         return grad_a, grad_b, None
 
 
+@torch.compiler.disable  # a compiled block calls the kernels as they are, like trainer.attention's
 def gated_gelu(a: torch.Tensor, b: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
     """dropout(gelu_tanh(a) * b, dropout_p), fused; a and b of one shape and dtype.
 
