@@ -68,6 +68,15 @@ def _scores(
 
 
 @triton.jit
+def philox_uint16x8(seed, counters):
+    """Eight 16-bit random numbers per counter from one Philox call (128 bits), as counters.shape + (2, 2, 2):
+    reshaped to (..., 8 x last) they give counter c's numbers at positions 8c..8c+7 of the last axis."""
+    r0, r1, r2, r3 = tl.randint4x(seed, counters)
+    r = tl.join(tl.join(r0, r1), tl.join(r2, r3))
+    return tl.join(r & 0xFFFF, r >> 16)
+
+
+@triton.jit
 def _keep(seed, bh, rows, start_n, S, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Which attention probabilities of the tile (rows, start_n + [0, BLOCK_N)) survive dropout.
 
@@ -76,9 +85,7 @@ def _keep(seed, bh, rows, start_n, S, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N:
     call on each probability. dropout_p is a multiple of 2**-16 (see t5_attention), so keeping u >= p * 2**16
     keeps each probability with exactly 1 - p."""
     groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
-    r0, r1, r2, r3 = tl.randint4x(seed + bh, rows[:, None] * ((S + 7) // 8) + groups[None, :])
-    r = tl.join(tl.join(r0, r1), tl.join(r2, r3))
-    u = tl.join(r & 0xFFFF, r >> 16)
+    u = philox_uint16x8(seed + bh, rows[:, None] * ((S + 7) // 8) + groups[None, :])
     return tl.reshape(u, (BLOCK_M, BLOCK_N)).to(tl.float32) >= dropout_p * 65536.0
 
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trainer.attention import philox_uint16x8
+
 BLOCK = 1024  # elements per program (a multiple of 8: one Philox call gives eight 16-bit numbers)
 # 4 elements per thread: forward + backward 1.50 -> 1.13 ms at XL size (bench/fused_ops.py --sweep)
 NUM_WARPS = 8
@@ -27,10 +29,7 @@ def _keep(seed, start, dropout_p, BLOCK: tl.constexpr):
     """Which of elements start + [0, BLOCK) survive dropout: element e takes a 16-bit number from Philox
     counter e // 8 (eight per call); keeping u >= p * 2**16 keeps each with exactly 1 - p (p a multiple of
     2**-16)."""
-    groups = start // 8 + tl.arange(0, BLOCK // 8)
-    r0, r1, r2, r3 = tl.randint4x(seed, groups)
-    r = tl.join(tl.join(r0, r1), tl.join(r2, r3))
-    u = tl.join(r & 0xFFFF, r >> 16)
+    u = philox_uint16x8(seed, start // 8 + tl.arange(0, BLOCK // 8))
     return tl.reshape(u, (BLOCK,)).to(tl.float32) >= dropout_p * 65536.0
 
 
