@@ -273,8 +273,8 @@ def _attention_sublayer(
 
     Triton (trainer.attention) saves q, k, v, its output (B x T x H x D), the log-sum-exp (fp32, B x H x T)
     and a contiguous copy of the position bias (H x q x k, self-attention only); in backward the q/k/v grads,
-    the fp32 row terms (two fp32 copies of the output while they are made) and the bias gradient, summed in
-    fp32 over groups of rows (trainer.attention.bias_grad_groups).
+    the fp32 row terms rowsum(dO * O) (B x H x q, one kernel) and the bias gradient, summed in fp32 over
+    groups of rows (trainer.attention.bias_grad_groups).
     """
     d, inner, h, p = shape.d_model, shape.inner, shape.num_heads, shape.dropout_rate
     n, m = b * q_len, b * kv_len
@@ -290,7 +290,7 @@ def _attention_sublayer(
         bias = h * q_len * kv_len * e if has_bias else 0
         saved = ln + qkv + n * inner * e + lse + bias + tail
         groups = bias_grad_groups(b, h, kv_len)[0] if has_bias else 0
-        scratch = max(2 * n * inner * 4, groups * h * q_len * kv_len * 4 + bias * 2)
+        scratch = groups * h * q_len * kv_len * 4 + bias * 2
         return saved, saved + qkv + lse + scratch
     if attention == "sdpa":
         bias = (b if bias_rows is None else bias_rows) * h * q_len * kv_len * e
