@@ -62,6 +62,8 @@ def main() -> int:
     parser.add_argument(
         "--dropout", type=float, default=0.0, help="attention dropout (Triton only; skips the eager check)"
     )
+    parser.add_argument("--no-bias", action="store_true", help="no position bias (as T5's cross-attention)")
+    parser.add_argument("--kernels", action="store_true", help="time each Triton kernel (torch.profiler)")
     args = parser.parse_args()
     b, h, t, s, d = args.rows, args.heads, args.query, args.key, 64
     torch.manual_seed(0)
@@ -84,7 +86,9 @@ def main() -> int:
         return F.softmax(scores.float(), dim=-1).to(dt) @ v
 
     def triton_kernels():
-        return t5_attention(q, k, v, bias, keep, causal=args.causal, dropout_p=args.dropout).transpose(1, 2)
+        return t5_attention(
+            q, k, v, None if args.no_bias else bias, keep, causal=args.causal, dropout_p=args.dropout
+        ).transpose(1, 2)
 
     def sdpa():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias + float_mask, scale=1.0)
@@ -145,6 +149,9 @@ def main() -> int:
     if args.sweep:
         sweep(triton_kernels, grad_out, (q, k, v, bias))
         return 0
+    if args.kernels:
+        kernel_times(triton_kernels, grad_out, (q, k, v, bias))
+        return 0
     wanted = [w for w in args.variants.split(",") if w]
     reference = None
     for name, fn in variants.items():
@@ -173,6 +180,26 @@ def main() -> int:
             f"grad vs eager (q, k, v, bias) {' '.join(errs)}"
         )
     return 0
+
+
+def kernel_times(fn, grad_out, inputs, reps: int = 10) -> None:
+    """Milliseconds per forward + backward call of each CUDA kernel, from torch.profiler."""
+
+    def step():
+        for x in inputs:
+            x.grad = None
+        fn().backward(grad_out)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    for e in sorted(events, key=lambda e: -e.self_device_time_total):
+        print(f"  {e.key[:70]:<70} {e.self_device_time_total / 1e3 / reps:7.3f} ms  x{e.count // reps}")
 
 
 def sweep(fn, grad_out, inputs) -> None:

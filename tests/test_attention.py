@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from trainer.attention import t5_attention, use_triton_attention
+from trainer.attention import t5_attention, uniform16, use_triton_attention
 
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16
 # Error bounds below are fp16's; bf16 keeps 3 fewer mantissa bits (its rounding errors are ~8x larger).
@@ -116,6 +118,41 @@ def test_dropout_drops_the_same_probabilities_in_forward_and_backward(b, t, s):
     assert_matches_eager(out, q, k, v, pos, lambda *qkvb: reference(*qkvb, keep, False, dropped=dropped, p=p))
 
 
+@triton.jit
+def _uniform16_kernel(Seed, Out, BLOCK: tl.constexpr):
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Out + index, uniform16(tl.load(Seed), index).to(tl.int32))
+
+
+def random_numbers(seed: int, n: int = 1 << 16) -> torch.Tensor:
+    out = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    _uniform16_kernel[(n // 1024,)](torch.tensor([seed], device=DEVICE), out, BLOCK=1024)
+    return out.cpu().double()
+
+
+def test_dropout_random_numbers_are_uniform_and_uncorrelated():
+    # Dropout reads consecutive indices (neighbouring probabilities, a new seed per call): each stream must
+    # be uniform over 16 bits, neighbours and the streams of nearby seeds uncorrelated.
+    u = random_numbers(12345)
+    n = u.numel()
+    assert u.min() >= 0 and u.max() < 65536
+    counts = torch.bincount((u // 256).long(), minlength=256).double()
+    chi2 = float(((counts - n / 256) ** 2 / (n / 256)).sum())
+    assert chi2 < 255 + 5 * (2 * 255) ** 0.5  # chi-square, 255 degrees of freedom: 5 standard deviations
+
+    def corr(x, y):
+        return float(torch.corrcoef(torch.stack([x, y]))[0, 1])
+
+    bound = 5 / n**0.5
+    assert abs(corr(u[:-1], u[1:])) < bound
+    assert abs(corr(u[:-8], u[8:])) < bound
+    other = random_numbers(12346)
+    assert abs(corr(u, other)) < bound
+    # keep masks at p = 1/2 from the two seeds agree on half the elements
+    agree = float(((u >= 32768) == (other >= 32768)).double().mean())
+    assert abs(agree - 0.5) < 5 * (0.25 / n) ** 0.5
+
+
 def test_checkpoint_recompute_reproduces_dropout():
     q, k, v, pos, keep = inputs(2, 2, 20, 20, 16)
     tensors = [q, k, v, pos]
@@ -138,12 +175,12 @@ def test_tiny_t5_trains_and_generates_the_same_with_triton_attention(tiny_model_
     from trainer.model import use_fused_t5_ops
     from trainer.train import token_loss_sum
 
-    def load(triton: bool):
+    def load(use_triton: bool):
         # Loaded in fp32, then cast: in fp16 transformers keeps T5's `wo` in fp32 (mixed dtypes on CPU).
         model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
         model.to(DEVICE, DTYPE)
         use_fused_t5_ops(model)
-        if triton:
+        if use_triton:
             use_triton_attention(model)
         return model
 
@@ -155,8 +192,8 @@ def test_tiny_t5_trains_and_generates_the_same_with_triton_attention(tiny_model_
     labels[2, 5:] = -100
     batch = {k: x.to(DEVICE) for k, x in dict(input_ids=ids, attention_mask=mask, labels=labels).items()}
     results = {}
-    for triton in (False, True):
-        model = load(triton)
+    for use_triton in (False, True):
+        model = load(use_triton)
         model.eval()  # dropout off: the two must agree
         loss = token_loss_sum(model, batch)
         loss.backward()
@@ -167,7 +204,7 @@ def test_tiny_t5_trains_and_generates_the_same_with_triton_attention(tiny_model_
             max_new_tokens=6,
             do_sample=False,
         )
-        results[triton] = (float(loss), bias_grad.float().clone(), generated)
+        results[use_triton] = (float(loss), bias_grad.float().clone(), generated)
     assert results[True][0] == pytest.approx(results[False][0], rel=2e-3)
     assert rel_err(results[True][1], results[False][1]) < 2e-2 * TOL
     assert torch.equal(results[True][2], results[False][2])

@@ -9,9 +9,9 @@ and the Triton fused-attention tutorial, with what T5 needs:
 - an additive bias shared by the batch, (H, T, S), whose gradient is summed over the batch inside the
   backward kernel (no per-row bias gradient is written);
 - key padding as a (batch, keys) vector; causality by skipping the blocks above the diagonal;
-- dropout on the attention probabilities from a Philox stream (eight 16-bit numbers per call) keyed by a
-  seed drawn from torch's CUDA generator, so gradient checkpointing's recompute, which restores that
-  generator, drops the same entries;
+- dropout on the attention probabilities from a counter-based hash (`uniform16`) of each probability's
+  index, keyed by a seed drawn from torch's CUDA generator, so the backward and gradient checkpointing's
+  recompute (which restores that generator) drop the same entries without storing a mask;
 - no 1/sqrt(d) unless asked (T5 folds it into the weights).
 
 Used through transformers' attention interface (`attn_implementation: triton`), so T5's modules, masks and
@@ -54,13 +54,15 @@ def _scores(
     HAS_MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
 ):
-    """Score tile (BLOCK_M x BLOCK_N), fp32: q.k * scale + bias + key mask; out-of-range/causal keys -inf."""
+    """Score tile (BLOCK_M x BLOCK_N), fp32: q.k * scale + bias + key mask; out-of-range/causal keys -inf.
+
+    The bias and the key mask have rows padded to a whole number of key blocks (key_stride): their tiles are
+    read without a per-key bound, which is what lets Triton vectorise those loads."""
     s = tl.dot(q, k) * scale
     if HAS_BIAS:
-        inside = (rows[:, None] < T) & (cols[None, :] < S)
-        s += tl.load(bias_ptrs, mask=inside, other=0.0).to(tl.float32)
+        s += tl.load(bias_ptrs, mask=rows[:, None] < T, other=0.0).to(tl.float32)
     if HAS_MASK:
-        s += tl.load(mask_ptrs, mask=cols < S, other=0.0)[None, :]
+        s += tl.load(mask_ptrs)[None, :]
     valid = cols[None, :] < S
     if CAUSAL:
         valid = valid & (cols[None, :] <= rows[:, None])
@@ -68,30 +70,39 @@ def _scores(
 
 
 @triton.jit
-def philox_uint16x8(seed, counters):
-    """Eight 16-bit random numbers per counter from one Philox call (128 bits), as counters.shape + (2, 2, 2):
-    reshaped to (..., 8 x last) they give counter c's numbers at positions 8c..8c+7 of the last axis."""
-    r0, r1, r2, r3 = tl.randint4x(seed, counters)
-    r = tl.join(tl.join(r0, r1), tl.join(r2, r3))
-    return tl.join(r & 0xFFFF, r >> 16)
+def _mix32(x):
+    """lowbias32 (C. Wellons, "hash prospector"): a bijective mix of a uint32, every input bit flipping each
+    output bit with probability ~1/2."""
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x
 
 
 @triton.jit
-def _keep(seed, bh, rows, start_n, S, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Which attention probabilities of the tile (rows, start_n + [0, BLOCK_N)) survive dropout.
-
-    One Philox call (key: seed + batch x head, counter: i * ceil(S / 8) + j // 8) gives 128 random bits,
-    eight 16-bit numbers: those of keys j..j+7 (j a multiple of 8) of query i. tl.rand would spend a whole
-    call on each probability. dropout_p is a multiple of 2**-16 (see t5_attention), so keeping u >= p * 2**16
-    keeps each probability with exactly 1 - p."""
-    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
-    u = philox_uint16x8(seed + bh, rows[:, None] * ((S + 7) // 8) + groups[None, :])
-    return tl.reshape(u, (BLOCK_M, BLOCK_N)).to(tl.float32) >= dropout_p * 65536.0
+def uniform16(seed, index):
+    """A uniform 16-bit random number (as uint32) for each element index, keyed by `seed`: the mixed index
+    plus the mixed seed, mixed again. Distinct indices below 2**32 get distinct hashes (the mix is a
+    bijection). One hash per number, computed where the number is used: the kernels' tiles need no
+    reshaping, which made Philox (four numbers per call) ~2x dearer here (bench/NOTES.md)."""
+    return _mix32(index.to(tl.uint32) + _mix32(seed.to(tl.uint32))) >> 16
 
 
-# Triton compiles a variant per value class (== 1, divisible by 16) of each int argument; lengths, rows and
-# the strides that follow them change every batch, and each new variant costs a compile (~1 s).
-VARYING = ["sbh", "sbm", "smb", "T", "S"]
+@triton.jit
+def _keep(seed, bh, rows, cols, T, S, dropout_p):
+    """Which attention probabilities of the tile (rows x cols) of batch-head bh survive dropout: the number of
+    probability (bh, i, j) is uniform16 of its index (bh x T + i) x S + j. dropout_p is a multiple of 2**-16
+    (see t5_attention), so keeping u >= p * 2**16 keeps each probability with probability exactly 1 - p."""
+    index = (bh * T + rows[:, None]).to(tl.uint32) * S + cols[None, :]
+    return uniform16(seed, index).to(tl.float32) >= dropout_p * 65536.0
+
+
+# Triton compiles a variant per value class (== 1, divisible by 16) of each int argument; lengths and rows
+# change every batch, and each new variant costs a compile (~1 s). The bias and key-mask strides stay
+# specialised: they are whole key blocks (key_stride), so the divisibility Triton sees is always the same.
+VARYING = ["T", "S"]
 
 
 @triton.jit(do_not_specialize=VARYING)
@@ -174,7 +185,7 @@ def _fwd_kernel(
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(_keep(seed, bh, rows, start_n, S, dropout_p, BLOCK_M, BLOCK_N), p, 0.0)
+            p = tl.where(_keep(seed, bh, rows, cols, T, S, dropout_p), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     acc = acc / l_i[:, None]
@@ -285,7 +296,7 @@ def _bwd_kv_kernel(
             p = tl.where(rows[:, None] < T, p, 0.0)
             dp = tl.dot(do, tl.trans(v).to(do.dtype))
             if DROPOUT:
-                keep = _keep(seed, bh, rows, pid_n * BLOCK_N, S, dropout_p, BLOCK_M, BLOCK_N)
+                keep = _keep(seed, bh, rows, cols, T, S, dropout_p)
                 p_kept = tl.where(keep, p / (1.0 - dropout_p), 0.0)
                 dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
             else:
@@ -293,9 +304,9 @@ def _bwd_kv_kernel(
             dv += tl.dot(tl.trans(p_kept.to(do.dtype)), do)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            if HAS_BIAS:
-                inside = (rows[:, None] < T) & (cols[None, :] < S)
-                db_ptrs = DBias + (g * H + h) * T * S + rows[:, None] * S + cols[None, :]
+            if HAS_BIAS:  # DBias: (groups, H, T, key_stride), the bias's layout per group
+                inside = rows[:, None] < T
+                db_ptrs = DBias + (g * H + h) * sbh + rows[:, None] * sbm + cols[None, :]
                 tl.store(db_ptrs, tl.load(db_ptrs, mask=inside, other=0.0) + ds, mask=inside)
         tl.store(
             DK + b * skb + h * skh + cols[:, None] * skn + offs_d[None, :],
@@ -392,7 +403,7 @@ def _bwd_q_kernel(
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, v.to(do.dtype))
         if DROPOUT:
-            keep = _keep(seed, bh, rows, start_n, S, dropout_p, BLOCK_M, BLOCK_N)
+            keep = _keep(seed, bh, rows, cols, T, S, dropout_p)
             dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), tl.trans(k))
@@ -424,11 +435,13 @@ class _T5Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, mask, scale, dropout_p, causal):
         B, H, T, D = q.shape
         S = k.shape[2]
+        if bias is not None:  # rows padded to key_stride(S) (zeros), as the kernels read them
+            bias = torch.nn.functional.pad(bias, (0, key_stride(S) - S)).contiguous()
         # (B, T, H, D): the layout T5's output projection reads
         out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
         seed = (
-            torch.randint(0, 2**31 - 1 - B * H, (1,), device=q.device, dtype=torch.int64)
+            torch.randint(0, 2**31 - 1, (1,), device=q.device, dtype=torch.int64)
             if dropout_p > 0
             else torch.zeros(1, dtype=torch.int64, device=q.device)
         )
@@ -485,7 +498,7 @@ class _T5Attention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         key_blocks = triton.cdiv(S, BWD_CONFIG["BLOCK_N"])
         groups, rows_per_group = bias_grad_groups(B, H, S) if has_bias else (B, 1)
-        dbias = torch.zeros((groups, H, T, S), dtype=torch.float32, device=q.device) if has_bias else q
+        dbias = torch.zeros((groups, *bias.shape), dtype=torch.float32, device=q.device) if has_bias else q
         strides = _strides(q, k, v, do, bias, mask)
         flags = dict(
             HAS_BIAS=has_bias,
@@ -539,8 +552,14 @@ class _T5Attention(torch.autograd.Function):
             ctx.dropout_p,
             **flags,
         )
-        grad_bias = dbias.sum(0).to(bias.dtype) if has_bias else None
+        grad_bias = dbias[..., :S].sum(0).to(bias.dtype) if has_bias else None
         return dq, dk, dv, grad_bias, None, None, None, None
+
+
+def key_stride(keys: int) -> int:
+    """Row length of the bias and key-mask buffers the kernels read: `keys` rounded up to whole key blocks."""
+    block = max(FWD_CONFIG["BLOCK_N"], BWD_CONFIG["BLOCK_N"])
+    return triton.cdiv(keys, block) * block
 
 
 def bias_grad_groups(rows: int, heads: int, keys: int) -> tuple[int, int]:
@@ -571,12 +590,11 @@ def t5_attention(
     multiple of 2**-16 (0.1 -> 0.100006), the resolution of the kernels' random numbers.
     """
     dropout_p = round(dropout_p * 65536) / 65536
-    if bias is not None and bias.stride(-1) != 1:
-        bias = bias.contiguous()
     mask = None
     if key_padding is not None:
-        mask = torch.zeros(key_padding.shape, dtype=torch.float32, device=q.device)
-        mask.masked_fill_(key_padding == 0, MASKED)
+        S = key_padding.size(1)
+        mask = torch.zeros((key_padding.size(0), key_stride(S)), dtype=torch.float32, device=q.device)
+        mask[:, :S].masked_fill_(key_padding == 0, MASKED)
     return _T5Attention.apply(q, k, v, bias, mask, scale, dropout_p, causal)
 
 

@@ -4,9 +4,10 @@ Eager T5 (`T5DenseGatedActDense`) writes and reads the (tokens x d_ff) intermedi
 (GELU, product, dropout with its byte mask) and more in the backward, all twice with gradient checkpointing:
 at FLAN-T5-XL size (d_ff 5120) that is ~0.15 s of a ~1.9 s optimizer step (bench/NOTES.md). The fused
 forward reads a and b once and writes the result once; the backward reads the gradient, a and b and writes
-both gradients. Dropout keeps no mask: the kept set is drawn from a Philox stream keyed by a seed from
-torch's CUDA generator, regenerated in the backward, and reproduced by checkpoint recompute (which restores
-that generator). Arithmetic is fp32, rounded once at the end.
+both gradients. Dropout keeps no mask: the kept set is drawn from a hash of each element's index keyed by
+a seed from torch's CUDA generator (trainer.attention.uniform16), regenerated in the backward, and
+reproduced by checkpoint recompute (which restores that generator). Arithmetic is fp32, rounded once at
+the end.
 
 On CPU (tests) the kernels run under TRITON_INTERPRET=1.
 """
@@ -17,20 +18,18 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer.attention import philox_uint16x8
+from trainer.attention import uniform16
 
-BLOCK = 1024  # elements per program (a multiple of 8: one Philox call gives eight 16-bit numbers)
+BLOCK = 1024  # elements per program
 # 4 elements per thread: forward + backward 1.50 -> 1.13 ms at XL size (bench/fused_ops.py --sweep)
 NUM_WARPS = 8
 
 
 @triton.jit
-def _keep(seed, start, dropout_p, BLOCK: tl.constexpr):
-    """Which of elements start + [0, BLOCK) survive dropout: element e takes a 16-bit number from Philox
-    counter e // 8 (eight per call); keeping u >= p * 2**16 keeps each with exactly 1 - p (p a multiple of
-    2**-16)."""
-    u = philox_uint16x8(seed, start // 8 + tl.arange(0, BLOCK // 8))
-    return tl.reshape(u, (BLOCK,)).to(tl.float32) >= dropout_p * 65536.0
+def _keep(seed, offs, dropout_p):
+    """Which elements `offs` survive dropout: keeping u >= p * 2**16 keeps each with probability exactly
+    1 - p (p a multiple of 2**-16)."""
+    return uniform16(seed, offs).to(tl.float32) >= dropout_p * 65536.0
 
 
 @triton.jit
@@ -49,7 +48,7 @@ def _gated_gelu_fwd_kernel(A, B, Out, Seed, n, dropout_p, DROPOUT: tl.constexpr,
     b = tl.load(B + offs, mask=inside, other=0.0).to(tl.float32)
     y = 0.5 * a * (1.0 + _tanh_inner(a)) * b
     if DROPOUT:
-        keep = _keep(tl.load(Seed), start, dropout_p, BLOCK)
+        keep = _keep(tl.load(Seed), offs, dropout_p)
         y = tl.where(keep, y / (1.0 - dropout_p), 0.0)
     tl.store(Out + offs, y.to(Out.dtype.element_ty), mask=inside)
 
@@ -65,7 +64,7 @@ def _gated_gelu_bwd_kernel(
     a = tl.load(A + offs, mask=inside, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=inside, other=0.0).to(tl.float32)
     if DROPOUT:
-        keep = _keep(tl.load(Seed), start, dropout_p, BLOCK)
+        keep = _keep(tl.load(Seed), offs, dropout_p)
         g = tl.where(keep, g / (1.0 - dropout_p), 0.0)
     t = _tanh_inner(a)
     gelu = 0.5 * a * (1.0 + t)

@@ -272,9 +272,9 @@ def _attention_sublayer(
     checked on CPU (with dropout the CPU runs the math path): the GPU calibration decides.
 
     Triton (trainer.attention) saves q, k, v, its output (B x T x H x D), the log-sum-exp (fp32, B x H x T)
-    and a contiguous copy of the position bias (H x q x k, self-attention only); in backward the q/k/v grads,
-    the fp32 row terms rowsum(dO * O) (B x H x q, one kernel) and the bias gradient, summed in fp32 over
-    groups of rows (trainer.attention.bias_grad_groups).
+    and its copy of the position bias (H x q x k, rows padded to whole key blocks; self-attention only); in
+    backward the q/k/v grads, the fp32 row terms rowsum(dO * O) (B x H x q, one kernel) and the bias gradient,
+    summed in fp32 over groups of rows (trainer.attention.bias_grad_groups).
     """
     d, inner, h, p = shape.d_model, shape.inner, shape.num_heads, shape.dropout_rate
     n, m = b * q_len, b * kv_len
@@ -284,13 +284,14 @@ def _attention_sublayer(
     qkv = n * inner * e + 2 * m * inner * e
     tail = n * inner * e + n * d * drop + n * d * e  # o's input, output dropout mask, residual sum
     if attention == "triton":
-        from trainer.attention import bias_grad_groups
+        from trainer.attention import bias_grad_groups, key_stride
 
         lse = b * h * q_len * 4
-        bias = h * q_len * kv_len * e if has_bias else 0
+        # The kernels' copy of the bias, rows padded to whole key blocks; its gradient is summed in fp32.
+        bias = h * q_len * key_stride(kv_len) * e if has_bias else 0
         saved = ln + qkv + n * inner * e + lse + bias + tail
         groups = bias_grad_groups(b, h, kv_len)[0] if has_bias else 0
-        scratch = groups * h * q_len * kv_len * 4 + bias * 2
+        scratch = groups * bias // e * 4 + (h * q_len * kv_len * 4 if has_bias else 0)
         return saved, saved + qkv + lse + scratch
     if attention == "sdpa":
         bias = (b if bias_rows is None else bias_rows) * h * q_len * kv_len * e
