@@ -1,4 +1,5 @@
-"""The fused gated-GELU kernels (trainer.fused_ops) against torch's ops, and inside a real T5.
+"""The fused gated-GELU and residual-dropout kernels (trainer.fused_ops) against torch's ops, and inside a
+real T5.
 
 On a machine without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), in
 float32; on CUDA in bfloat16, as the trainer runs them.
@@ -9,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.fused_ops import BLOCK, gated_gelu, use_fused_gated_gelu
+from trainer.fused_ops import (
+    BLOCK,
+    gated_gelu,
+    residual_dropout,
+    use_fused_gated_gelu,
+    use_fused_residual_dropout,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -73,7 +80,7 @@ def test_checkpoint_recompute_reproduces_dropout():
     a, b = inputs(4, 50, 24)
 
     def ff(a, b):
-        return gated_gelu(a, b, 0.3).float().square().sum()
+        return residual_dropout(a, gated_gelu(a, b, 0.3), 0.2).float().square().sum()
 
     torch.manual_seed(3)
     plain = torch.autograd.grad(ff(a, b), (a, b))
@@ -84,13 +91,36 @@ def test_checkpoint_recompute_reproduces_dropout():
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("shape", [(3, 7, 40), (2, 3 * BLOCK // 16 + 5, 16)])
+def test_residual_dropout_adds_the_kept_part_and_backward_drops_the_same(shape):
+    p = 0.25
+    residual, x = inputs(*shape)  # |x| >= 0.5: x / (1 - p) is never 0 where kept
+    torch.manual_seed(5)
+    out = residual_dropout(residual, x, p)
+    kept = (out.float() - residual.float()).abs() > 0.25
+    n = out.numel()
+    assert abs(float((~kept).float().mean()) - p) < 5 * (p * (1 - p) / n) ** 0.5  # 5 standard deviations
+    expected = residual.float() + torch.where(kept, x.float() / (1 - p), 0.0)
+    assert rel_err(out, expected) < TOL
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, DTYPE)
+    d_residual, dx = torch.autograd.grad(out, (residual, x), grad)
+    assert torch.equal(d_residual, grad)
+    assert torch.all(dx[~kept] == 0)
+    assert rel_err(dx, torch.where(kept, grad.float() / (1 - p), 0.0)) < TOL
+    assert torch.equal(residual_dropout(residual, x, 0.0), residual + x)  # p = 0: the plain sum
+    torch.manual_seed(6)
+    assert not torch.equal(residual_dropout(residual, x, p), out)  # a new seed, a new mask
+
+
 def test_mismatched_inputs_are_refused():
     a, b = inputs(2, 8)
     with pytest.raises(ValueError, match="differ"):
         gated_gelu(a, b[:, :4])
+    with pytest.raises(ValueError, match="differ"):
+        residual_dropout(a, b[:, :4], 0.1)
 
 
-def test_tiny_t5_with_the_fused_feed_forward_keeps_its_weights_and_loss(tiny_model_dir):
+def test_tiny_t5_with_the_fused_ops_keeps_its_weights_loss_and_generations(tiny_model_dir):
     from transformers import AutoModelForSeq2SeqLM
 
     from trainer.train import token_loss_sum
@@ -110,15 +140,20 @@ def test_tiny_t5_with_the_fused_feed_forward_keeps_its_weights_and_loss(tiny_mod
     keys = list(plain.state_dict())
     blocks = len(plain.encoder.block) + len(plain.decoder.block)
     assert use_fused_gated_gelu(fused) == blocks
+    # every sublayer: self-attention and feed-forward, plus cross-attention in the decoder
+    assert use_fused_residual_dropout(fused) == 2 * blocks + len(plain.decoder.block)
     assert list(fused.state_dict()) == keys  # checkpoints load either way
-    losses, grads = [], []
+    losses, grads, generated = [], [], []
     for model in (plain, fused):
         loss = token_loss_sum(model, batch)
         loss.backward()
         losses.append(float(loss))
-        grads.append(model.decoder.block[0].layer[2].DenseReluDense.wi_0.weight.grad.clone())
+        grads.append(model.encoder.block[0].layer[0].SelfAttention.q.weight.grad.clone())
+        # generation runs the attention sublayers with a cache
+        generated.append(model.generate(input_ids=batch["input_ids"], max_new_tokens=5, do_sample=False))
     assert losses[1] == pytest.approx(losses[0], rel=TOL)
     assert rel_err(grads[1], grads[0]) < 5 * TOL
+    assert torch.equal(generated[1], generated[0])
     fused.train()  # dropout on: training moves the loss
     torch.manual_seed(0)
     assert float(token_loss_sum(fused, batch)) != losses[1]

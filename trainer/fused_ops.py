@@ -73,15 +73,81 @@ def _gated_gelu_bwd_kernel(
     tl.store(GradB + offs, (g * gelu).to(GradB.dtype.element_ty), mask=inside)
 
 
+@triton.jit(do_not_specialize=["n"])
+def _residual_dropout_fwd_kernel(Residual, X, Out, Seed, n, dropout_p, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    inside = offs < n
+    r = tl.load(Residual + offs, mask=inside, other=0.0).to(tl.float32)
+    x = tl.load(X + offs, mask=inside, other=0.0).to(tl.float32)
+    x = tl.where(_keep(tl.load(Seed), offs, dropout_p), x / (1.0 - dropout_p), 0.0)
+    tl.store(Out + offs, (r + x).to(Out.dtype.element_ty), mask=inside)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _dropout_bwd_kernel(Grad, GradX, Seed, n, dropout_p, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    inside = offs < n
+    g = tl.load(Grad + offs, mask=inside, other=0.0).to(tl.float32)
+    g = tl.where(_keep(tl.load(Seed), offs, dropout_p), g / (1.0 - dropout_p), 0.0)
+    tl.store(GradX + offs, g.to(GradX.dtype.element_ty), mask=inside)
+
+
+def _new_seed(device: torch.device) -> torch.Tensor:
+    """A dropout seed from torch's generator on `device`: checkpoint recompute, which restores that generator,
+    draws the same one."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
+
+
+class _ResidualDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, residual, x, dropout_p):
+        residual, x = residual.contiguous(), x.contiguous()
+        seed = _new_seed(x.device)
+        out = torch.empty_like(x)
+        n = x.numel()
+        _residual_dropout_fwd_kernel[(triton.cdiv(n, BLOCK),)](
+            residual, x, out, seed, n, dropout_p, BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
+        ctx.save_for_backward(seed)
+        ctx.dropout_p = dropout_p
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (seed,) = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = torch.empty_like(grad_out)
+        n = grad_out.numel()
+        _dropout_bwd_kernel[(triton.cdiv(n, BLOCK),)](
+            grad_out, grad_x, seed, n, ctx.dropout_p, BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
+        return grad_out, grad_x, None
+
+
+@torch.compiler.disable
+def residual_dropout(residual: torch.Tensor, x: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """residual + dropout(x, dropout_p) in one pass each way, no mask kept; T5's sublayer output.
+
+    dropout_p is rounded to a multiple of 2**-16 (0.1 -> 0.100006), the resolution of the random numbers.
+    """
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual_dropout: residual {tuple(residual.shape)} {residual.dtype} and x {tuple(x.shape)} "
+            f"{x.dtype} differ"
+        )
+    dropout_p = round(dropout_p * 65536) / 65536
+    if dropout_p == 0:
+        return residual + x
+    return _ResidualDropout.apply(residual, x, dropout_p)
+
+
 class _GatedGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, dropout_p):
         a, b = a.contiguous(), b.contiguous()
-        seed = (
-            torch.randint(0, 2**31 - 1, (1,), device=a.device, dtype=torch.int64)
-            if dropout_p > 0
-            else torch.zeros(1, dtype=torch.int64, device=a.device)
-        )
+        seed = _new_seed(a.device) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64, device=a.device)
         out = torch.empty_like(a)
         n = a.numel()
         _gated_gelu_fwd_kernel[(triton.cdiv(n, BLOCK),)](
@@ -144,6 +210,95 @@ def use_fused_gated_gelu(model: torch.nn.Module) -> int:
         if type(dense).__name__ == "T5DenseGatedActDense" and _is_gelu_tanh(dense.act):
             parent.DenseReluDense = FusedGatedGelu(dense)
             swapped += 1
+    return swapped
+
+
+class FusedT5LayerFF(torch.nn.Module):
+    """T5LayerFF, x + dropout(DenseReluDense(layer_norm(x))), with the dropout and the sum as one kernel
+    (residual_dropout). Holds the original submodules under the same names (state-dict keys unchanged)."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.DenseReluDense, self.layer_norm = layer.DenseReluDense, layer.layer_norm
+        self.dropout = layer.dropout
+        self.train(layer.training)
+
+    def forward(self, hidden_states):
+        return residual_dropout(
+            hidden_states, self.DenseReluDense(self.layer_norm(hidden_states)), _train_p(self.dropout)
+        )
+
+
+class FusedT5LayerSelfAttention(torch.nn.Module):
+    """T5LayerSelfAttention (transformers 5) with the output dropout and the residual sum as one kernel."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.SelfAttention, self.layer_norm = layer.SelfAttention, layer.layer_norm
+        self.dropout = layer.dropout
+        self.train(layer.training)
+
+    def forward(self, hidden_states, attention_mask=None, position_bias=None, past_key_values=None, **kwargs):
+        out, position_bias, weights = self.SelfAttention(
+            self.layer_norm(hidden_states),
+            mask=attention_mask,
+            position_bias=position_bias,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        return residual_dropout(hidden_states, out, _train_p(self.dropout)), position_bias, weights
+
+
+class FusedT5LayerCrossAttention(torch.nn.Module):
+    """T5LayerCrossAttention (transformers 5) with the output dropout and the residual sum as one kernel."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.EncDecAttention, self.layer_norm = layer.EncDecAttention, layer.layer_norm
+        self.dropout = layer.dropout
+        self.train(layer.training)
+
+    def forward(
+        self,
+        hidden_states,
+        key_value_states,
+        attention_mask=None,
+        position_bias=None,
+        past_key_values=None,
+        **kwargs,
+    ):
+        out, position_bias, weights = self.EncDecAttention(
+            self.layer_norm(hidden_states),
+            mask=attention_mask,
+            key_value_states=key_value_states,
+            position_bias=position_bias,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        return residual_dropout(hidden_states, out, _train_p(self.dropout)), position_bias, weights
+
+
+def _train_p(dropout: torch.nn.Dropout) -> float:
+    return dropout.p if dropout.training else 0.0
+
+
+def use_fused_residual_dropout(model: torch.nn.Module) -> int:
+    """Swap T5's sublayers (feed-forward; with transformers >= 5, whose sublayer signatures these follow,
+    self- and cross-attention) for versions whose output dropout and residual sum are one kernel each way;
+    returns the count. The caller checks the device: the kernels need a GPU (or TRITON_INTERPRET=1 on CPU)."""
+    import transformers
+
+    fused = {"T5LayerFF": FusedT5LayerFF}
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        fused.update(
+            T5LayerSelfAttention=FusedT5LayerSelfAttention, T5LayerCrossAttention=FusedT5LayerCrossAttention
+        )
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ in fused:
+                setattr(parent, name, fused[type(child).__name__](child))
+                swapped += 1
     return swapped
 
 

@@ -289,6 +289,7 @@ def _attention_sublayer(
         lse = b * h * q_len * 4
         # The kernels' copy of the bias, rows padded to whole key blocks; its gradient is summed in fp32.
         bias = h * q_len * key_stride(kv_len) * e if has_bias else 0
+        tail = n * inner * e + n * d * e  # the output dropout is fused with the residual sum: no mask
         saved = ln + qkv + n * inner * e + lse + bias + tail
         groups = bias_grad_groups(b, h, kv_len)[0] if has_bias else 0
         scratch = groups * bias // e * 4 + (h * q_len * kv_len * 4 if has_bias else 0)
@@ -318,14 +319,16 @@ def _ff_sublayer(n, shape, e, mask, fused=True):
     nf = n * f
     drop = mask if p > 0 else 0
     ln = _layer_norm_saved(n, d, e, fused)
+    # On CUDA the output dropout and the residual sum are one kernel (trainer.fused_ops): no mask kept.
+    residual = n * d * e + (0 if fused else n * d * drop)
     if fused and shape.gated:
         # trainer.fused_ops on CUDA: the kernel saves wi_0's and wi_1's outputs, wo saves the product (dropout
         # drawn again in the backward, no mask); widest: the kernel's backward, its gradient in, two out.
-        saved = ln + 3 * nf * e + n * d * drop + n * d * e
+        saved = ln + 3 * nf * e + residual
         return saved, ln + 5 * nf * e
     acts = (1 + (2 if shape.gated else 0)) * nf * e  # wi_0 .. wi_1 outputs
     dropped = nf * (drop + e) if p > 0 else (nf * e if shape.gated else 0)  # wo's input (or its dropout)
-    saved = ln + acts + dropped + n * d * drop + n * d * e
+    saved = ln + acts + dropped + residual
     widest = ln + acts + (3 if shape.gated else 2) * nf * e
     return saved, max(widest, saved + nf * e)
 

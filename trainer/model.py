@@ -96,7 +96,7 @@ def load_model(cfg, device: torch.device, *, path: str | Path | None = None, ran
     swapped = use_fused_t5_ops(model)
     log.info(
         "fused ops: %d T5 layer norms -> RMSNorm, %d gelu_new -> GELU(tanh), "
-        "%d gated-GELU feed-forwards -> Triton kernels",
+        "%d gated-GELU feed-forwards and %d residual dropouts -> Triton kernels",
         *swapped,
     )
     model.config.use_cache = False
@@ -129,23 +129,24 @@ def _use_triton_attention(model: torch.nn.Module, device: torch.device, dtype: t
     attention.use_triton_attention(model)
 
 
-def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int]:
+def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int, int]:
     """Swap T5's Python-written layer norm and GELU for fused kernels; returns the counts (norms, GELUs,
-    gated feed-forwards).
+    gated feed-forwards, sublayers with a fused residual dropout).
 
     T5LayerNorm (RMS norm, fp32 statistics) is ~7 elementwise kernels and gelu_new
     (0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))) ~8, each a full pass over B x T x d_ff in forward and more
     in backward: at FLAN-T5-XL size they take about as long as the matmuls. `nn.RMSNorm` (same weight
     Parameter, so state-dict keys and checkpoints are unchanged) and `nn.GELU(approximate="tanh")` compute the
     same functions in one kernel each; results differ only in bf16 rounding (RMSNorm rounds once, at the end).
-    On CUDA, the gated feed-forward's GELU, product and dropout become one Triton kernel each way
-    (trainer.fused_ops); elsewhere they stay torch ops.
+    On CUDA, the gated feed-forward's GELU, product and dropout become one Triton kernel each way, and so do
+    each sublayer's output dropout and residual sum (trainer.fused_ops); elsewhere they stay torch ops.
     """
-    gated = 0
+    gated = residual = 0
     if next(model.parameters()).is_cuda:
-        from trainer.fused_ops import use_fused_gated_gelu
+        from trainer.fused_ops import use_fused_gated_gelu, use_fused_residual_dropout
 
         gated = use_fused_gated_gelu(model)
+        residual = use_fused_residual_dropout(model)
     norms = gelus = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -158,7 +159,7 @@ def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int]:
             elif kind == "NewGELUActivation":
                 setattr(parent, name, torch.nn.GELU(approximate="tanh"))
                 gelus += 1
-    return norms, gelus, gated
+    return norms, gelus, gated, residual
 
 
 def compile_blocks(model: torch.nn.Module) -> int:
