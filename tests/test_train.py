@@ -111,6 +111,21 @@ def test_unknown_model_path_fails_before_training(sample_csv, tmp_path):
         train(_cfg(tmp_path / "no-such-model", sample_csv, tmp_path / "out"), dry_run=True)
 
 
+def test_kernel_timeline_merges_overlapping_kernels_and_finds_the_idle_slices(tmp_path):
+    from trainer.profiling import kernel_timeline
+
+    kernels = [(0, 10), (5, 10), (30, 10)]  # (start, duration) in us: busy 0-15 and 30-40 of 0-40
+    events = [{"cat": "kernel", "ts": ts, "dur": dur} for ts, dur in kernels]
+    events.append({"cat": "cpu_op", "ts": 15, "dur": 15})  # host work is not GPU time
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    timeline = kernel_timeline(path, slices=4)
+    assert timeline["busy"] == pytest.approx(25 / 40)
+    assert timeline["slices"] == pytest.approx([1.0, 0.5, 0.0, 1.0])
+    (tmp_path / "empty.json").write_text(json.dumps({"traceEvents": events[-1:]}))
+    assert kernel_timeline(tmp_path / "empty.json") is None
+
+
 def test_profile_steps_write_a_report_of_the_profiled_window(tiny_model_dir, sample_csv, tmp_path):
     out = tmp_path / "run"
     cfg = _cfg(tiny_model_dir, sample_csv, out, max_steps=4, profile_steps=2, profile_start_step=1)

@@ -3,7 +3,8 @@
 `profile_steps: N` (with `profile_start_step: S`, default 5: after compilation and allocator warm-up)
 records optimizer steps S+1 .. S+N and writes to output_dir/profile/:
 - kernels.txt: CUDA kernels by self time, and the loop's phases (data, forward_backward, optimizer) as host
-  time; the head says how busy the GPU was (kernel time / wall time).
+  time; the head says how busy the GPU was (kernel time / wall time) and, along the profiled window in
+  equal slices, what share of each slice had a kernel running (where the host left the GPU waiting).
 - trace.json: the Chrome/Perfetto trace (open in https://ui.perfetto.dev).
 """
 
@@ -58,7 +59,14 @@ class StepProfiler:
         events = prof.key_averages()
         # Kernels are the device-side events; ops and annotations carry their kernels' time as well.
         cuda = torch.autograd.DeviceType.CUDA
-        kernels = [e for e in events if e.device_type == cuda and e.self_device_time_total > 0]
+        host = [e for e in events if e.device_type != cuda]
+        # record_function annotations show on the GPU too, as the span of their kernels: not kernels
+        annotations = {e.key for e in host}
+        kernels = [
+            e
+            for e in events
+            if e.device_type == cuda and e.self_device_time_total > 0 and e.key not in annotations
+        ]
         gpu_s = sum(e.self_device_time_total for e in kernels) / 1e6
         if not kernels:
             log.info("profile: no CUDA kernels recorded (CPU run); the trace has the host side")
@@ -76,7 +84,7 @@ class StepProfiler:
         lines = [
             f"{self.steps} optimizer steps from step {self.start_step + 1}: "
             f"{wall / self.steps:.3f} s per step, "
-            f"GPU busy {100 * summary['gpu_busy']:.1f}% (kernel time / wall time)",
+            f"kernel time {100 * summary['gpu_busy']:.1f}% of it",
             "host time per step: "
             + ", ".join(f"{k} {v:.3f} s" for k, v in summary["host_s_per_step"].items()),
             "GPU time per step: " + ", ".join(f"{k} {v:.3f} s" for k, v in summary["gpu_s_per_step"].items()),
@@ -87,8 +95,46 @@ class StepProfiler:
             ms = e.self_device_time_total / 1e3 / self.steps
             share = e.self_device_time_total / 1e6 / max(gpu_s, 1e-12)
             lines.append(f"{e.key[:90]:<90} {ms:9.2f} {100 * share:5.1f}% {e.count // self.steps:7d}")
+        lines += ["", f"{'host op (self time)':<90} {'ms/step':>9} {'calls':>7}"]
+        for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:30]:
+            if e.key not in PHASES:
+                ms = e.self_cpu_time_total / 1e3 / self.steps
+                lines.append(f"{e.key[:90]:<90} {ms:9.2f} {e.count // self.steps:7d}")
+        prof.export_chrome_trace(str(self.out / "trace.json"))
+        timeline = kernel_timeline(self.out / "trace.json")
+        if timeline:
+            summary["kernel_busy"] = timeline["busy"]
+            lines[1:1] = [
+                f"kernels running {100 * timeline['busy']:.1f}% of the span from first to last kernel; "
+                f"by {len(timeline['slices'])} equal slices: "
+                + " ".join(f"{100 * x:.0f}" for x in timeline["slices"])
+            ]
         (self.out / "kernels.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-        prof.export_chrome_trace(str(self.out / "trace.json"))
         log.info("profile: %s; written to %s", lines[0], self.out)
         return summary
+
+
+def kernel_timeline(trace_path: Path, slices: int = 40) -> dict | None:
+    """Share of time with a GPU kernel running (overlaps merged), over the span of the trace's kernels and per
+    equal slice of it; None without kernels."""
+    events = json.loads(Path(trace_path).read_text(encoding="utf-8")).get("traceEvents", [])
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") == "kernel")
+    if not spans:
+        return None
+    start, end = spans[0][0], max(e for _, e in spans)
+    width = max(end - start, 1e-9) / slices
+    busy = [0.0] * slices
+    cur_s, cur_e = spans[0]
+    for s, e in [*spans[1:], (float("inf"), float("inf"))]:
+        if s <= cur_e:
+            cur_e = max(cur_e, e)
+            continue
+        # add the merged interval [cur_s, cur_e) to the slices it covers
+        i = int((cur_s - start) / width)
+        while cur_s < cur_e and i < slices:
+            edge = start + (i + 1) * width
+            busy[i] += min(cur_e, edge) - cur_s
+            cur_s, i = min(cur_e, edge), i + 1
+        cur_s, cur_e = s, e
+    return {"busy": sum(busy) / (end - start), "slices": [b / width for b in busy]}

@@ -180,11 +180,15 @@ def token_loss_sum(model, batch: dict):
     return model(batch["input_ids"], batch["attention_mask"], batch["labels"])
 
 
-def accumulate_gradients(model, group: list[dict], split: int, stop: StopRequested | None = None):
+def accumulate_gradients(
+    model, group: list[dict], split: int, stop: StopRequested | None = None, n_target: int | None = None
+):
     """Forward+backward over the loader batches of one optimizer step, each split into `split` micro-batches.
 
     Gradients are of (sum of token losses) / (target tokens in the whole group). Returns (loss sum tensor,
-    number of target tokens), or None when a stop was requested at a micro-batch boundary.
+    number of target tokens), or None when a stop was requested at a micro-batch boundary. `n_target`: this
+    rank's target-token count when the caller has it from the host copy of the batches (counting the GPU
+    copy would wait for the GPU to finish the previous step).
 
     Several ranks: the group is this rank's part of the global one. The target-token count is summed over
     ranks before any backward, and each rank's loss is scaled by world_size because DDP and FSDP average
@@ -193,7 +197,9 @@ def accumulate_gradients(model, group: list[dict], split: int, stop: StopRequest
     returned count is the global one, the loss sum this rank's.
     """
 
-    n_target = int(distributed.all_sum([sum(int((b["labels"] != -100).sum()) for b in group)])[0])
+    if n_target is None:
+        n_target = sum(int((b["labels"] != -100).sum()) for b in group)
+    n_target = int(distributed.all_sum([n_target])[0])
     per_rank_tokens = max(n_target, 1) / distributed.world_size()
     micro_batches = [micro for batch in group for micro in memory.split_batch(batch, split)]
     total = 0.0
@@ -208,7 +214,7 @@ def accumulate_gradients(model, group: list[dict], split: int, stop: StopRequest
 
 
 def accumulate_with_oom_backoff(
-    model, group, state: dict, cfg: TrainConfig, reporter=None, step: int = 0, stop=None
+    model, group, state: dict, cfg: TrainConfig, reporter=None, step: int = 0, stop=None, n_target=None
 ):
     """accumulate_gradients, halving the micro-batch (doubling state["split"]) on out-of-memory and
     retrying the same data, at most cfg.max_oom_halvings times in the run."""
@@ -217,7 +223,7 @@ def accumulate_with_oom_backoff(
     while True:
         oom = False
         try:
-            return accumulate_gradients(model, group, state["split"], stop)
+            return accumulate_gradients(model, group, state["split"], stop, n_target)
         except torch.OutOfMemoryError:
             if distributed.is_distributed():
                 # The other ranks are waiting in a collective of this step: no retry, torchrun stops them all.
@@ -536,10 +542,12 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
                 group_np = [next(batches) for _ in range(accum)]
                 pending_loader_state = train_stream.state_dict()
                 group = [to_device(b, device) for b in group_np]
+                local_targets = sum(int((b["labels"] != -100).sum()) for b in group_np)
             # Several ranks stop together at a step boundary (below), never inside a step.
             with record_function("forward_backward"):
+                step_stop = stop if world_size == 1 else None
                 result = accumulate_with_oom_backoff(
-                    train_module, group, oom, cfg, reporter, step, stop if world_size == 1 else None
+                    train_module, group, oom, cfg, reporter, step, step_stop, n_target=local_targets
                 )
             heartbeat.beat(step)
             if result is None:  # stop requested mid-step: the partial gradients are dropped
@@ -548,9 +556,11 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
             loader_state = pending_loader_state
             loss_sum, n_target = result
             with record_function("optimizer"):
-                loss = distributed.all_sum([float(loss_sum)])[0] / max(n_target, 1)  # the same on every rank
                 grad_norm = distributed.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
+                # One wait for the GPU per step, for both numbers the update depends on.
+                loss_sum, grad_norm = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()
+                loss = distributed.all_sum([loss_sum])[0] / max(n_target, 1)  # the same on every rank
+                finite = math.isfinite(loss) and math.isfinite(grad_norm)
                 if finite:
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -578,7 +588,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
             empty_cache.after_step(step)
 
             source_tokens = sum(int(b["attention_mask"].sum()) for b in group_np)
-            target_tokens = sum(int((b["labels"] != -100).sum()) for b in group_np)
+            target_tokens = local_targets
             tokens = source_tokens + target_tokens  # real (non-pad) tokens
             padded_tokens = sum(b["input_ids"].size + b["labels"].size for b in group_np)
             samples = sum(len(b["input_ids"]) for b in group_np)
