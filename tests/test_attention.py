@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trainer import attention
 from trainer.attention import t5_attention, uniform16, use_triton_attention
 
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16
@@ -116,6 +117,21 @@ def test_dropout_drops_the_same_probabilities_in_forward_and_backward(b, t, s):
     torch.manual_seed(7)  # the same seed: the same mask, whatever V is
     out = t5_attention(q, k, v, pos, keep, dropout_p=p)
     assert_matches_eager(out, q, k, v, pos, lambda *qkvb: reference(*qkvb, keep, False, dropped=dropped, p=p))
+
+
+def test_backward_is_deterministic(monkeypatch):
+    # The bias gradient is summed over rows by atomic adds; each slice has one writer, in a fixed order.
+    # Few backward programs: all 5 rows in one group, so several rows add into the same slice.
+    monkeypatch.setattr(attention, "BWD_PROGRAMS", 2)
+    assert attention.bias_grad_groups(5, 2, 40) == (1, 5)
+    q, k, v, pos, keep = inputs(5, 2, 40, 40, 16, bias=True, padded=True)
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        out = t5_attention(q, k, v, pos, keep, dropout_p=0.1, causal=True)
+        grads.append(torch.autograd.grad(out.float().square().sum(), (q, k, v, pos)))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
 
 
 @triton.jit

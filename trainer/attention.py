@@ -305,9 +305,10 @@ def _bwd_kv_kernel(
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
             if HAS_BIAS:  # DBias: (groups, H, T, key_stride), the bias's layout per group
-                inside = rows[:, None] < T
+                # An atomic add (done in L2, nothing comes back) instead of load + add + store; still
+                # deterministic: this program alone adds to this slice, its adds to an address in order.
                 db_ptrs = DBias + (g * H + h) * sbh + rows[:, None] * sbm + cols[None, :]
-                tl.store(db_ptrs, tl.load(db_ptrs, mask=inside, other=0.0) + ds, mask=inside)
+                tl.atomic_add(db_ptrs, ds, mask=rows[:, None] < T, sem="relaxed")
         tl.store(
             DK + b * skb + h * skh + cols[:, None] * skn + offs_d[None, :],
             (dk * scale).to(DK.dtype.element_ty),
