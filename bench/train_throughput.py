@@ -60,6 +60,7 @@ VARIANTS = {
     "ours_empty_cache_every_step": {"empty_cache_steps": 1},
     "ours_8k": {"max_tokens": 8192},
     "ours_32k": {"max_tokens": 32768},
+    "ours_32k_all_checkpointed": {"max_tokens": 32768, "decoder_blocks_without_checkpointing": 0},
     "ours_32k_compile": {"max_tokens": 32768, "torch_compile": True},
     "ours_64k": {"max_tokens": 65536},
     "ours_eager": {"attn_implementation": "eager"},
@@ -130,7 +131,7 @@ def run_ours(
     import torch
 
     from trainer.config import TrainConfig
-    from trainer.memory_plan import _plan_kwargs, budget_peak, load_shape
+    from trainer.memory_plan import _plan_kwargs, budget_peak, load_shape, with_planned_batch
     from trainer.train import SUMMARY, TRAIN_LOG, train
 
     shape = "tiny" if tiny else "xl"
@@ -158,7 +159,8 @@ def run_ours(
         profile_steps=2 if profile_dir else 0,
         profile_start_step=steps,
     )
-    cfg = TrainConfig.from_dict(values, source=variant)
+    # What the trainer leaves to the memory plan (decoder blocks without checkpointing), decided as it does.
+    cfg = with_planned_batch(TrainConfig.from_dict(values, source=variant))
     plan = {  # the memory plan's prediction for this config: typical recipe rows, and the worst case
         f"plan_{kind}_gib": budget_peak(
             load_shape(str(model_dir)), cfg.max_tokens, worst_case=kind == "worst", **_plan_kwargs(cfg)
@@ -191,6 +193,7 @@ def run_ours(
         tokens_per_step=(src + tgt) / len(timed),
         accumulation=accumulation,
         max_tokens=cfg.max_tokens,
+        decoder_blocks_without_checkpointing=cfg.decoder_blocks_without_checkpointing,
         optimizer=f"{cfg.optimizer} ({cfg.bf16_update})",
         final_loss=rows[-1]["loss"],
         oom_split=summary.get("oom_split"),

@@ -3,6 +3,9 @@ step, and the activation terms against the live tensor bytes of a real checkpoin
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
@@ -25,7 +28,7 @@ from trainer.memory_plan import (
     parse_size,
     plan_memory,
 )
-from trainer.model import use_fused_t5_ops
+from trainer.model import skip_decoder_checkpointing, use_fused_t5_ops
 from trainer.train import token_loss_sum
 
 
@@ -113,13 +116,15 @@ def test_weights_gradients_and_states_are_exact_after_a_real_step(optimizer):
 
 
 def measured_activation_peak(
-    config: T5Config, rows: int, src: int, tgt: int, checkpointing: bool = True
+    config: T5Config, rows: int, src: int, tgt: int, checkpointing: bool = True, unchecked: int = 0
 ) -> int:
     """Peak live tensor bytes of one accumulated micro-step of the trainer's step (fused T5 ops, chunked
-    cross-entropy) above weights + gradients + optimizer states."""
+    cross-entropy) above weights + gradients + optimizer states; `unchecked`: the last decoder blocks without
+    checkpointing."""
     import optimi
 
     model = build_bf16(config, checkpointing)
+    assert skip_decoder_checkpointing(model, unchecked) == unchecked
     use_fused_t5_ops(model)
     opt = optimi.AdamW(model.parameters(), lr=1e-4, kahan_sum=True)
     inputs = batch(config, rows, src, tgt)
@@ -152,6 +157,33 @@ def test_activation_terms_match_live_tensor_bytes_of_a_real_checkpointed_step(ro
     predicted = plan.activations + plan.logits
     assert plan.peak_moment == moment
     assert predicted == pytest.approx(measured, rel=0.15)
+
+
+def test_decoder_blocks_without_checkpointing_keep_their_activations():
+    config = tiny_config()
+    shape = ModelShape.from_config(config)
+    plans = [
+        plan_memory(
+            shape, rows=8, src_len=64, tgt_len=128, device="cpu", decoder_blocks_without_checkpointing=k
+        )
+        for k in (0, 1, 2)
+    ]
+    for k, plan in zip((1, 2), plans[1:], strict=True):
+        measured = measured_activation_peak(config, 8, 64, 128, unchecked=k)
+        assert plan.activations + plan.logits == pytest.approx(measured, rel=0.15)
+    peaks = [p.activations + p.logits for p in plans]
+    assert peaks[0] < peaks[1] < peaks[2]  # each block kept costs memory
+
+
+def test_the_trainer_skips_checkpointing_only_where_the_plan_has_room():
+    from trainer.memory_plan import choose_decoder_blocks_without_checkpointing
+
+    cfg = TrainConfig.load(Path(__file__).parents[1] / "configs" / "flan-t5-xl-rtx5090.yaml")
+    assert choose_decoder_blocks_without_checkpointing(cfg, 32 * GIB) == 3  # on the card the preset is for
+    assert choose_decoder_blocks_without_checkpointing(cfg, 24 * GIB) == 0  # no room left
+    assert choose_decoder_blocks_without_checkpointing(cfg, 80 * GIB) == 19  # most on an 80 GB card
+    off = dataclasses.replace(cfg, gradient_checkpointing=False)
+    assert choose_decoder_blocks_without_checkpointing(off, 80 * GIB) == 0
 
 
 def test_activation_terms_without_checkpointing():

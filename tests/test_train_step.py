@@ -193,7 +193,8 @@ def test_oom_probe_halves_the_budget_before_training():
 
 
 def test_no_batch_setting_starts_from_the_memory_plan():
-    from trainer.memory_plan import starting_max_tokens
+    from trainer.memory_plan import with_planned_batch
 
-    cfg = TrainConfig(max_source_length=64, max_target_length=96)
-    assert starting_max_tokens(cfg) == 2 * (64 + 96)  # no GPU here: two maximal rows
+    cfg = with_planned_batch(TrainConfig(max_source_length=64, max_target_length=96))
+    assert cfg.max_tokens == 2 * (64 + 96)  # no GPU here: two maximal rows
+    assert cfg.decoder_blocks_without_checkpointing == 0  # and every block checkpointed

@@ -30,6 +30,9 @@ class TrainConfig:
     # Any name transformers accepts works too; bench/NOTES.md compares them.
     attn_implementation: str = "triton"
     gradient_checkpointing: bool = True
+    # With checkpointing: how many of the last decoder blocks keep their activations instead of recomputing
+    # them in the backward (they are the first to run it). None: as many as the memory plan fits on the GPU.
+    decoder_blocks_without_checkpointing: int | None = None
     torch_compile: bool = False  # compile each T5 block (slower start, faster steps on a GPU)
     random_init: bool = False  # build the architecture from model_name_or_path's config.json (benchmarks)
 
@@ -107,6 +110,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size is not None and self.max_tokens is not None:
             raise ConfigError("set per_device_train_batch_size or max_tokens, not both")
+        blocks = self.decoder_blocks_without_checkpointing
+        if blocks is not None and blocks < 0:
+            raise ConfigError(f"decoder_blocks_without_checkpointing must be >= 0 or null, got {blocks}")
         for name in ("gradient_accumulation_steps", "logging_steps", "eval_steps", "save_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -18,6 +18,7 @@ Allocator slack (blocks the caching allocator holds but cannot reuse) is one fra
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -385,6 +386,7 @@ def plan_memory(
     tgt_len: int,
     device: str = "cuda",
     attn_implementation: str = "eager",
+    decoder_blocks_without_checkpointing: int = 0,
 ) -> MemoryPlan:
     """Predicted peak of the trainer's training step (trainer.loss.Seq2SeqLMLoss over the model with
     trainer.model.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens.
@@ -394,6 +396,8 @@ def plan_memory(
     CPU tests check these formulas.
     attn_implementation: "eager" (checked term by term on CPU), "sdpa" (memory-efficient kernel) or "triton"
     (trainer.attention); the last two are calibrated on the GPU (bench/train_throughput.py).
+    decoder_blocks_without_checkpointing: with checkpointing, the last k decoder blocks keep everything they
+    save from the forward to their backward (which comes first), instead of recomputing it.
     """
     e = _DTYPE_BYTES[dtype]
     b, s, t = rows, src_len, tgt_len
@@ -438,6 +442,12 @@ def plan_memory(
     if gradient_checkpointing:
         enc_keep = le * b * s * d * e  # each encoder block's input hidden states
         dec_keep = ld * b * t * d * e
+        unchecked = min(ld, max(0, decoder_blocks_without_checkpointing))
+        if unchecked:
+            # Their saved tensors stay from the forward; their backward (the decoder's first) adds only its
+            # scratch, and the checkpointed blocks' recompute comes after they are freed.
+            dec_keep += unchecked * dec_block
+            dec_bwd -= dec_block
     else:  # everything every block saves stays until its backward
         enc_keep = le * (b * s * d * e + enc_block)
         dec_keep = ld * (b * t * d * e + dec_block)
@@ -587,6 +597,7 @@ def _plan_kwargs(cfg) -> dict:
         bf16_update=cfg.bf16_update,
         gradient_checkpointing=cfg.gradient_checkpointing,
         attn_implementation=attn,
+        decoder_blocks_without_checkpointing=cfg.decoder_blocks_without_checkpointing or 0,
     )
 
 
@@ -605,20 +616,59 @@ def choose_max_tokens(cfg, gpu_bytes: int) -> int:
     return tokens
 
 
-def starting_max_tokens(cfg) -> int:
-    """The token budget the loop starts with when the config sets neither batch size nor max_tokens: the
-    plan's largest that fits this process's GPU (gpu_memory_limit_gib when set); on a CPU, two maximal
-    rows."""
+def choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes: int) -> int:
+    """How many of the last decoder blocks can skip checkpointing (keeping their activations, saving their
+    recompute) with the configured micro-batch still within SAFETY_MARGIN of `gpu_bytes`, worst case."""
+    if not cfg.gradient_checkpointing:
+        return 0
+    shape = load_shape(cfg.model_name_or_path)
+    kw = _plan_kwargs(cfg)
+
+    def peak(blocks: int) -> int:
+        kw["decoder_blocks_without_checkpointing"] = blocks
+        if cfg.per_device_train_batch_size is not None:
+            rows, src, tgt = probe_shapes(cfg)[0]
+            return plan_memory(shape, rows=rows, src_len=src, tgt_len=tgt, **kw).peak
+        return budget_peak(
+            shape, cfg.max_tokens, src_cap=cfg.max_source_length, tgt_cap=cfg.max_target_length, **kw
+        ).peak
+
+    blocks = 0
+    while blocks < shape.num_decoder_layers and peak(blocks + 1) <= SAFETY_MARGIN * gpu_bytes:
+        blocks += 1
+    return blocks
+
+
+def gpu_bytes_for(cfg) -> int | None:
+    """This process's GPU memory (gpu_memory_limit_gib when set), None without a GPU."""
     import torch
 
     if not torch.cuda.is_available():
-        tokens = 2 * (cfg.max_source_length + cfg.max_target_length)
-        logger.info("memory plan: no GPU, max_tokens %d", tokens)
-        return tokens
+        return None
     gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     if cfg.gpu_memory_limit_gib:
         gpu_bytes = min(gpu_bytes, int(cfg.gpu_memory_limit_gib * GIB))
-    return choose_max_tokens(cfg, gpu_bytes)
+    return gpu_bytes
+
+
+def with_planned_batch(cfg):
+    """`cfg` with what the memory plan decides when the config leaves it open: max_tokens (neither it nor a
+    batch size set) and decoder_blocks_without_checkpointing (null). Without a GPU: two maximal rows, and
+    every block checkpointed."""
+    gpu_bytes = gpu_bytes_for(cfg)
+    if cfg.per_device_train_batch_size is None and cfg.max_tokens is None:
+        if gpu_bytes is None:
+            tokens = 2 * (cfg.max_source_length + cfg.max_target_length)
+            logger.info("memory plan: no GPU, max_tokens %d", tokens)
+        else:
+            tokens = choose_max_tokens(cfg, gpu_bytes)
+        cfg = dataclasses.replace(cfg, max_tokens=tokens)
+    if cfg.decoder_blocks_without_checkpointing is None:
+        blocks = 0 if gpu_bytes is None else choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes)
+        if cfg.gradient_checkpointing:
+            logger.info("memory plan: the last %d decoder blocks skip checkpointing", blocks)
+        cfg = dataclasses.replace(cfg, decoder_blocks_without_checkpointing=blocks)
+    return cfg
 
 
 def probe_shapes(cfg) -> list[tuple[int, int, int]]:
@@ -640,8 +690,16 @@ def print_plan(cfg, gpu_memory: str) -> int:
     except ValueError as e:
         print(f"trainer plan: {e}", file=sys.stderr)
         return 2
-    kw = _plan_kwargs(cfg)
     src_cap, tgt_cap = cfg.max_source_length, cfg.max_target_length
+    source = "max_tokens" if cfg.max_tokens else "chosen by the plan"
+    if cfg.per_device_train_batch_size is None and not cfg.max_tokens:
+        cfg = dataclasses.replace(cfg, max_tokens=choose_max_tokens(cfg, gpu_bytes))
+    if cfg.decoder_blocks_without_checkpointing is None:  # what the trainer would choose on this card
+        blocks = choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes)
+        cfg = dataclasses.replace(cfg, decoder_blocks_without_checkpointing=blocks)
+    kw = _plan_kwargs(cfg)
+    # The trainer picks the budget with every block checkpointed, then skips checkpointing where room is left.
+    kw_all = dict(kw, decoder_blocks_without_checkpointing=0)
     if cfg.per_device_train_batch_size is not None:
         batch = (
             f"{cfg.per_device_train_batch_size} rows x ({src_cap} + {tgt_cap}) tokens (padded to the maximum)"
@@ -650,8 +708,7 @@ def print_plan(cfg, gpu_memory: str) -> int:
             shape, rows=cfg.per_device_train_batch_size, src_len=src_cap, tgt_len=tgt_cap, **kw
         )
     else:
-        tokens = cfg.max_tokens or choose_max_tokens(cfg, gpu_bytes)
-        source = "max_tokens" if cfg.max_tokens else "chosen by the plan"
+        tokens = cfg.max_tokens
         batch = f"token budget {tokens} ({source}; worst case over typical and maximal-length rows)"
         plan = budget_peak(shape, tokens, src_cap=src_cap, tgt_cap=tgt_cap, **kw)
     print(f"model: {cfg.model_name_or_path} ({shape.num_params() / 1e9:.2f}B parameters)")
@@ -659,6 +716,9 @@ def print_plan(cfg, gpu_memory: str) -> int:
         f"optimizer: {cfg.optimizer} ({cfg.bf16_update} bf16 update), "
         f"checkpointing: {cfg.gradient_checkpointing}, attention: {kw['attn_implementation']}"
     )
+    if cfg.gradient_checkpointing:
+        blocks = cfg.decoder_blocks_without_checkpointing
+        print(f"decoder blocks without checkpointing (the last ones; no recompute): {blocks}")
     print(f"micro-batch: {batch}")
     print(f"peak at: {plan.peak_moment}")
     print(f"{'component':<24}{'GiB':>8}")
@@ -667,9 +727,11 @@ def print_plan(cfg, gpu_memory: str) -> int:
     print(f"{'total (predicted peak)':<24}{plan.peak / GIB:>8.2f}")
     print(f"{'card':<24}{gpu_bytes / GIB:>8.2f}")
     print(f"{'headroom':<24}{(gpu_bytes - plan.peak) / GIB:>8.2f}")
-    best = largest_token_budget(shape, gpu_bytes, src_cap=src_cap, tgt_cap=tgt_cap, **kw)
-    typical = largest_token_budget(shape, gpu_bytes, src_cap=src_cap, tgt_cap=tgt_cap, worst_case=False, **kw)
-    rows = largest_batch_size(shape, gpu_bytes, src_len=src_cap, tgt_len=tgt_cap, **kw)
+    best = largest_token_budget(shape, gpu_bytes, src_cap=src_cap, tgt_cap=tgt_cap, **kw_all)
+    typical = largest_token_budget(
+        shape, gpu_bytes, src_cap=src_cap, tgt_cap=tgt_cap, worst_case=False, **kw_all
+    )
+    rows = largest_batch_size(shape, gpu_bytes, src_len=src_cap, tgt_len=tgt_cap, **kw_all)
     print(
         f"largest max_tokens that fits ({SAFETY_MARGIN:.0%} of the card): {best} "
         f"(typical lengths only: {typical})"

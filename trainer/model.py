@@ -102,6 +102,7 @@ def load_model(cfg, device: torch.device, *, path: str | Path | None = None, ran
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        skip_decoder_checkpointing(model, cfg.decoder_blocks_without_checkpointing or 0)
     if cfg.torch_compile:
         compile_blocks(model)
     return model
@@ -160,6 +161,23 @@ def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int, int]:
                 setattr(parent, name, torch.nn.GELU(approximate="tanh"))
                 gelus += 1
     return norms, gelus, gated, residual
+
+
+def skip_decoder_checkpointing(model: torch.nn.Module, blocks: int) -> int:
+    """Turn gradient checkpointing off for the last `blocks` decoder blocks: they keep their activations and
+    skip the recompute. Their backward runs first, so the checkpointed blocks' recompute finds their memory
+    freed (trainer.memory_plan counts it so). Returns how many were switched; 0 where transformers
+    checkpoints the stack as a whole (no per-block switch)."""
+    decoder_blocks = list(model.decoder.block)[len(model.decoder.block) - blocks :] if blocks > 0 else []
+    switched = 0
+    for block in decoder_blocks:
+        if getattr(block, "gradient_checkpointing", None) is True:
+            block.gradient_checkpointing = False
+            switched += 1
+    if blocks:
+        total = len(model.decoder.block)
+        log.info("gradient checkpointing: off for the last %d of %d decoder blocks", switched, total)
+    return switched
 
 
 def compile_blocks(model: torch.nn.Module) -> int:

@@ -15,7 +15,6 @@ writes the train log, the progress bar, W&B and Discord; checkpoints are collect
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -391,10 +390,9 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         from trainer.config import ConfigError
 
         raise ConfigError("train_files is empty: name at least one recipe file or glob")
-    if cfg.per_device_train_batch_size is None and cfg.max_tokens is None:
-        from trainer.memory_plan import starting_max_tokens
+    from trainer.memory_plan import with_planned_batch
 
-        cfg = dataclasses.replace(cfg, max_tokens=starting_max_tokens(cfg))
+    cfg = with_planned_batch(cfg)
     tokenizer_file = tokenizer_file_for(cfg)
     train_stream = stream_for(cfg, tokenizer_file, "train", rank=rank, world_size=world_size)
     eval_stream = None
