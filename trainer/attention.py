@@ -90,6 +90,12 @@ def uniform16(seed, index):
     return _mix32(index.to(tl.uint32) + _mix32(seed.to(tl.uint32))) >> 16
 
 
+def dropout_seed(device: torch.device) -> torch.Tensor:
+    """A dropout seed (for uniform16) from torch's generator on `device`, as a 1-element tensor the kernels
+    read: gradient checkpointing's recompute, which restores that generator, draws the same one."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
+
+
 @triton.jit
 def _keep(seed, bh, rows, cols, T, S, dropout_p):
     """Which attention probabilities of the tile (rows x cols) of batch-head bh survive dropout: the number of
@@ -441,11 +447,7 @@ class _T5Attention(torch.autograd.Function):
         # (B, T, H, D): the layout T5's output projection reads
         out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-        seed = (
-            torch.randint(0, 2**31 - 1, (1,), device=q.device, dtype=torch.int64)
-            if dropout_p > 0
-            else torch.zeros(1, dtype=torch.int64, device=q.device)
-        )
+        seed = dropout_seed(q.device) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64, device=q.device)
         has_bias, has_mask = bias is not None, mask is not None
         _fwd_kernel[(triton.cdiv(T, FWD_CONFIG["BLOCK_M"]), B * H)](
             q,

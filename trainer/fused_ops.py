@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer.attention import uniform16
+from trainer.attention import dropout_seed, uniform16
 
 BLOCK = 1024  # elements per program
 # 4 elements per thread: forward + backward 1.50 -> 1.13 ms at XL size (bench/fused_ops.py --sweep)
@@ -94,17 +94,11 @@ def _dropout_bwd_kernel(Grad, GradX, Seed, n, dropout_p, BLOCK: tl.constexpr):
     tl.store(GradX + offs, g.to(GradX.dtype.element_ty), mask=inside)
 
 
-def _new_seed(device: torch.device) -> torch.Tensor:
-    """A dropout seed from torch's generator on `device`: checkpoint recompute, which restores that generator,
-    draws the same one."""
-    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
-
-
 class _ResidualDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, residual, x, dropout_p):
         residual, x = residual.contiguous(), x.contiguous()
-        seed = _new_seed(x.device)
+        seed = dropout_seed(x.device)
         out = torch.empty_like(x)
         n = x.numel()
         _residual_dropout_fwd_kernel[(triton.cdiv(n, BLOCK),)](
@@ -147,7 +141,7 @@ class _GatedGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, dropout_p):
         a, b = a.contiguous(), b.contiguous()
-        seed = _new_seed(a.device) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64, device=a.device)
+        seed = dropout_seed(a.device) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64, device=a.device)
         out = torch.empty_like(a)
         n = a.numel()
         _gated_gelu_fwd_kernel[(triton.cdiv(n, BLOCK),)](
