@@ -142,3 +142,33 @@ def test_profile_steps_write_a_report_of_the_profiled_window(tiny_model_dir, sam
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"forward_backward", "optimizer"} <= names
     assert len(_losses(out)) == 4  # profiling does not change the run
+
+
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model_dir, sample_csv, tmp_path):
+    import shutil
+
+    import torch
+    from transformers import AutoModelForSeq2SeqLM
+
+    # A model whose LM head has one NaN weight: every logit row, so every step's loss, is NaN.
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    model = AutoModelForSeq2SeqLM.from_pretrained(broken)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[5, 3] = float("nan")
+    model.save_pretrained(broken)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    out = tmp_path / "run"
+    cfg = _cfg(broken, sample_csv, out, max_consecutive_nan_steps=3)
+    with pytest.raises(RuntimeError, match="3 optimizer steps in a row had a NaN/inf loss"):
+        train(cfg)
+    losses = _losses(out)
+    assert list(losses) == [1, 2, 3] and all(loss != loss for loss in losses.values())  # NaN, logged
+    checkpoint = find_resume_checkpoint("auto", out)
+    assert checkpoint is not None and checkpoint.name == "checkpoint-3"
+    assert load_trainer_state(checkpoint)["nan_skipped"] == 3
+    # No update was applied: the saved weights are the ones loaded (NaN where it was put).
+    saved = AutoModelForSeq2SeqLM.from_pretrained(checkpoint).state_dict()
+    for name, value in before.items():
+        assert torch.equal(saved[name].nan_to_num(), value.nan_to_num()), name

@@ -577,12 +577,6 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
             profiler.after_step(step)
             boundary_rng = ckpt.rng_state()
             lr = scheduler.get_last_lr()[0]
-            if consecutive_nan >= cfg.max_consecutive_nan_steps:
-                path = save(step)
-                raise RuntimeError(
-                    f"{consecutive_nan} optimizer steps in a row had a NaN/inf loss or gradient (at {step}); "
-                    f"saved {path}. Lower the learning rate or check the data."
-                )
             empty_cache.after_step(step)
 
             source_tokens = sum(int(b["attention_mask"].sum()) for b in group_np)
@@ -606,6 +600,12 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
                     row.update(padded_tokens=padded_tokens)
                     f.write(json.dumps(row) + "\n")
             heartbeat.beat(step)
+            if consecutive_nan >= cfg.max_consecutive_nan_steps:
+                path = save(step)
+                raise RuntimeError(
+                    f"{consecutive_nan} optimizer steps in a row had a NaN/inf loss or gradient (at {step}); "
+                    f"saved {path}. Lower the learning rate or check the data."
+                )
             mem_gib = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else None
             bar.update(1)
             if step % cfg.logging_steps == 0 or step == total_steps:
