@@ -86,7 +86,7 @@ def uniform16(seed, index):
     """A uniform 16-bit random number (as uint32) for each element index, keyed by `seed`: the mixed index
     plus the mixed seed, mixed again. Distinct indices below 2**32 get distinct hashes (the mix is a
     bijection). One hash per number, computed where the number is used: the kernels' tiles need no
-    reshaping, which made Philox (four numbers per call) ~2x dearer here (bench/NOTES.md)."""
+    reshaping, which made Philox (eight 16-bit numbers per call) ~2x dearer here (bench/dropout_rng.py)."""
     return _mix32(index.to(tl.uint32) + _mix32(seed.to(tl.uint32))) >> 16
 
 
