@@ -651,11 +651,12 @@ def gpu_bytes_for(cfg) -> int | None:
     return gpu_bytes
 
 
-def with_planned_batch(cfg):
+def with_planned_batch(cfg, gpu_bytes: int | None = None):
     """`cfg` with what the memory plan decides when the config leaves it open: max_tokens (neither it nor a
-    batch size set) and decoder_blocks_without_checkpointing (null). Without a GPU: two maximal rows, and
-    every block checkpointed."""
-    gpu_bytes = gpu_bytes_for(cfg)
+    batch size set) and decoder_blocks_without_checkpointing (null), for a card of `gpu_bytes` (default:
+    this process's GPU). Without a GPU: two maximal rows, and every block checkpointed."""
+    if gpu_bytes is None:
+        gpu_bytes = gpu_bytes_for(cfg)
     if cfg.per_device_train_batch_size is None and cfg.max_tokens is None:
         if gpu_bytes is None:
             tokens = 2 * (cfg.max_source_length + cfg.max_target_length)
@@ -692,11 +693,8 @@ def print_plan(cfg, gpu_memory: str) -> int:
         return 2
     src_cap, tgt_cap = cfg.max_source_length, cfg.max_target_length
     source = "max_tokens" if cfg.max_tokens else "chosen by the plan"
-    if cfg.per_device_train_batch_size is None and not cfg.max_tokens:
-        cfg = dataclasses.replace(cfg, max_tokens=choose_max_tokens(cfg, gpu_bytes))
-    if cfg.decoder_blocks_without_checkpointing is None:  # what the trainer would choose on this card
-        blocks = choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes)
-        cfg = dataclasses.replace(cfg, decoder_blocks_without_checkpointing=blocks)
+    # What the trainer would choose on this card (max_tokens: 0 counts as unset here).
+    cfg = with_planned_batch(dataclasses.replace(cfg, max_tokens=cfg.max_tokens or None), gpu_bytes)
     kw = _plan_kwargs(cfg)
     # The trainer picks the budget with every block checkpointed, then skips checkpointing where room is left.
     kw_all = dict(kw, decoder_blocks_without_checkpointing=0)
