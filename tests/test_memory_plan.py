@@ -173,6 +173,9 @@ def test_decoder_blocks_without_checkpointing_keep_their_activations():
         assert plan.activations + plan.logits == pytest.approx(measured, rel=0.15)
     peaks = [p.activations + p.logits for p in plans]
     assert peaks[0] < peaks[1] < peaks[2]  # each block kept costs memory
+    # More than the decoder has: all of them (the plan clamps the same way).
+    blocks = config.num_decoder_layers
+    assert skip_decoder_checkpointing(build_bf16(config), blocks + 1) == blocks
 
 
 def test_the_trainer_skips_checkpointing_only_where_the_plan_has_room():

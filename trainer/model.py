@@ -168,9 +168,8 @@ def skip_decoder_checkpointing(model: torch.nn.Module, blocks: int) -> int:
     skip the recompute. Their backward runs first, so the checkpointed blocks' recompute finds their memory
     freed (trainer.memory_plan counts it so). Returns how many were switched; 0 where transformers
     checkpoints the stack as a whole (no per-block switch)."""
-    decoder_blocks = list(model.decoder.block)[len(model.decoder.block) - blocks :] if blocks > 0 else []
     switched = 0
-    for block in decoder_blocks:
+    for block in list(model.decoder.block)[-blocks:] if blocks > 0 else []:
         if getattr(block, "gradient_checkpointing", None) is True:
             block.gradient_checkpointing = False
             switched += 1
