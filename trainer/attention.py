@@ -90,6 +90,19 @@ def uniform16(seed, index):
     return _mix32(index.to(tl.uint32) + _mix32(seed.to(tl.uint32))) >> 16
 
 
+def dropout_resolution(dropout_p: float) -> float:
+    """dropout_p rounded to a multiple of 2**-16 (0.1 -> 0.100006), the resolution of uniform16: what the
+    kernels drop with, so that dropout_keep keeps each element with probability exactly 1 - p."""
+    return round(dropout_p * 65536) / 65536
+
+
+@triton.jit
+def dropout_keep(seed, index, dropout_p):
+    """Which elements survive dropout: those whose uniform16 number u has u >= p * 2**16 (p from
+    dropout_resolution)."""
+    return uniform16(seed, index).to(tl.float32) >= dropout_p * 65536.0
+
+
 def dropout_seed(device: torch.device) -> torch.Tensor:
     """A dropout seed (for uniform16) from torch's generator on `device`, as a 1-element tensor the kernels
     read: gradient checkpointing's recompute, which restores that generator, draws the same one."""
@@ -98,11 +111,10 @@ def dropout_seed(device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def _keep(seed, bh, rows, cols, T, S, dropout_p):
-    """Which attention probabilities of the tile (rows x cols) of batch-head bh survive dropout: the number of
-    probability (bh, i, j) is uniform16 of its index (bh x T + i) x S + j. dropout_p is a multiple of 2**-16
-    (see t5_attention), so keeping u >= p * 2**16 keeps each probability with probability exactly 1 - p."""
+    """Which attention probabilities of the tile (rows x cols) of batch-head bh survive dropout: probability
+    (bh, i, j) is element (bh x T + i) x S + j of dropout_keep."""
     index = (bh * T + rows[:, None]).to(tl.uint32) * S + cols[None, :]
-    return uniform16(seed, index).to(tl.float32) >= dropout_p * 65536.0
+    return dropout_keep(seed, index, dropout_p)
 
 
 # Triton compiles a variant per value class (== 1, divisible by 16) of each int argument; lengths and rows
@@ -592,7 +604,7 @@ def t5_attention(
     (as eager does with its additive minimum mask) instead of producing NaN. dropout_p is rounded to a
     multiple of 2**-16 (0.1 -> 0.100006), the resolution of the kernels' random numbers.
     """
-    dropout_p = round(dropout_p * 65536) / 65536
+    dropout_p = dropout_resolution(dropout_p)
     mask = None
     if key_padding is not None:
         S = key_padding.size(1)

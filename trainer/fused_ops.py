@@ -18,18 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer.attention import dropout_seed, uniform16
+from trainer.attention import dropout_keep, dropout_resolution, dropout_seed
 
 BLOCK = 1024  # elements per program
 # 4 elements per thread: forward + backward 1.50 -> 1.13 ms at XL size (bench/fused_ops.py --sweep)
 NUM_WARPS = 8
-
-
-@triton.jit
-def _keep(seed, offs, dropout_p):
-    """Which elements `offs` survive dropout: keeping u >= p * 2**16 keeps each with probability exactly
-    1 - p (p a multiple of 2**-16)."""
-    return uniform16(seed, offs).to(tl.float32) >= dropout_p * 65536.0
 
 
 @triton.jit
@@ -48,7 +41,7 @@ def _gated_gelu_fwd_kernel(A, B, Out, Seed, n, dropout_p, DROPOUT: tl.constexpr,
     b = tl.load(B + offs, mask=inside, other=0.0).to(tl.float32)
     y = 0.5 * a * (1.0 + _tanh_inner(a)) * b
     if DROPOUT:
-        keep = _keep(tl.load(Seed), offs, dropout_p)
+        keep = dropout_keep(tl.load(Seed), offs, dropout_p)
         y = tl.where(keep, y / (1.0 - dropout_p), 0.0)
     tl.store(Out + offs, y.to(Out.dtype.element_ty), mask=inside)
 
@@ -64,7 +57,7 @@ def _gated_gelu_bwd_kernel(
     a = tl.load(A + offs, mask=inside, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=inside, other=0.0).to(tl.float32)
     if DROPOUT:
-        keep = _keep(tl.load(Seed), offs, dropout_p)
+        keep = dropout_keep(tl.load(Seed), offs, dropout_p)
         g = tl.where(keep, g / (1.0 - dropout_p), 0.0)
     t = _tanh_inner(a)
     gelu = 0.5 * a * (1.0 + t)
@@ -80,7 +73,7 @@ def _residual_dropout_fwd_kernel(Residual, X, Out, Seed, n, dropout_p, BLOCK: tl
     inside = offs < n
     r = tl.load(Residual + offs, mask=inside, other=0.0).to(tl.float32)
     x = tl.load(X + offs, mask=inside, other=0.0).to(tl.float32)
-    x = tl.where(_keep(tl.load(Seed), offs, dropout_p), x / (1.0 - dropout_p), 0.0)
+    x = tl.where(dropout_keep(tl.load(Seed), offs, dropout_p), x / (1.0 - dropout_p), 0.0)
     tl.store(Out + offs, (r + x).to(Out.dtype.element_ty), mask=inside)
 
 
@@ -90,7 +83,7 @@ def _dropout_bwd_kernel(Grad, GradX, Seed, n, dropout_p, BLOCK: tl.constexpr):
     offs = start + tl.arange(0, BLOCK)
     inside = offs < n
     g = tl.load(Grad + offs, mask=inside, other=0.0).to(tl.float32)
-    g = tl.where(_keep(tl.load(Seed), offs, dropout_p), g / (1.0 - dropout_p), 0.0)
+    g = tl.where(dropout_keep(tl.load(Seed), offs, dropout_p), g / (1.0 - dropout_p), 0.0)
     tl.store(GradX + offs, g.to(GradX.dtype.element_ty), mask=inside)
 
 
@@ -131,7 +124,7 @@ def residual_dropout(residual: torch.Tensor, x: torch.Tensor, dropout_p: float =
             f"residual_dropout: residual {tuple(residual.shape)} {residual.dtype} and x {tuple(x.shape)} "
             f"{x.dtype} differ"
         )
-    dropout_p = round(dropout_p * 65536) / 65536
+    dropout_p = dropout_resolution(dropout_p)
     if dropout_p == 0:
         return residual + x
     return _ResidualDropout.apply(residual, x, dropout_p)
@@ -172,7 +165,7 @@ def gated_gelu(a: torch.Tensor, b: torch.Tensor, dropout_p: float = 0.0) -> torc
     """
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"gated_gelu: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} differ")
-    return _GatedGelu.apply(a, b, round(dropout_p * 65536) / 65536)
+    return _GatedGelu.apply(a, b, dropout_resolution(dropout_p))
 
 
 class FusedGatedGelu(torch.nn.Module):
