@@ -283,14 +283,15 @@ def _attention_sublayer(
     drop = mask if p > 0 else 0
     ln = _layer_norm_saved(n, d, e, fused)
     qkv = n * inner * e + 2 * m * inner * e
-    tail = n * inner * e + n * d * drop + n * d * e  # o's input, output dropout mask, residual sum
+    # o's input, the output dropout's mask (none with Triton: trainer.fused_ops fuses it with the residual
+    # sum), the residual sum
+    tail = n * inner * e + (0 if attention == "triton" else n * d * drop) + n * d * e
     if attention == "triton":
         from trainer.attention import bias_grad_groups, key_stride
 
         lse = b * h * q_len * 4
         # The kernels' copy of the bias, rows padded to whole key blocks; its gradient is summed in fp32.
         bias = h * q_len * key_stride(kv_len) * e if has_bias else 0
-        tail = n * inner * e + n * d * e  # the output dropout is fused with the residual sum: no mask
         saved = ln + qkv + n * inner * e + lse + bias + tail
         groups = bias_grad_groups(b, h, kv_len)[0] if has_bias else 0
         scratch = groups * bias // e * 4 + (h * q_len * kv_len * 4 if has_bias else 0)
