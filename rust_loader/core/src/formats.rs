@@ -153,8 +153,11 @@ pub fn parse_csv(rec: &ByteRecord, format: Format, cols: &Columns) -> Result<Par
     let get = |i: usize, what: &str| utf8(rec.get(i).unwrap_or(b""), what);
     let list = |i: usize, what: &str| -> Result<Field, Skip> {
         let s = get(i, what)?;
+        // RecipeNLG writes JSON lists; exports re-saved through pandas write Python ones, as Food.com does.
         let parsed = match format {
-            Format::RecipeNlg => serde_json::from_str::<Vec<String>>(s).map_err(|e| e.to_string()),
+            Format::RecipeNlg => serde_json::from_str::<Vec<String>>(s)
+                .map_err(|e| e.to_string())
+                .or_else(|json_err| parse_py_list(s).map_err(|_| json_err)),
             _ => parse_py_list(s),
         };
         parsed
@@ -343,6 +346,31 @@ mod tests {
         assert!(parse_py_list("['a'").is_err());
         assert!(parse_py_list("'a'").is_err());
         assert!(parse_py_list("['a' 'b']").is_err());
+    }
+
+    #[test]
+    fn recipenlg_lists_in_json_or_python_form() {
+        let header: Vec<String> = ["title", "ingredients", "directions"]
+            .map(String::from)
+            .into();
+        let cols = Columns::from_header(Format::RecipeNlg, &header).unwrap();
+        let parse = |ingredients: &str| {
+            let rec = ByteRecord::from(vec!["Pie", ingredients, r#"["Mix."]"#]);
+            parse_csv(&rec, Format::RecipeNlg, &cols).map(|p| match p {
+                Parsed::Recipe(r) => r.ingredients,
+                _ => panic!("not a recipe"),
+            })
+        };
+        let want = Field::List(vec!["1 egg".into(), "\u{bd} cup".into()]);
+        assert_eq!(parse(r#"["1 egg", "\u00bd cup"]"#).unwrap(), want);
+        assert_eq!(parse(r#"['1 egg', '\u00bd cup']"#).unwrap(), want);
+        let err = parse("not a list").unwrap_err();
+        assert_eq!(err.reason, "malformed_csv");
+        assert!(
+            err.detail.contains("expected"),
+            "the JSON error is the one shown: {}",
+            err.detail
+        );
     }
 
     #[test]

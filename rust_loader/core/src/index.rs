@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{LoaderError, Result};
 use crate::formats::{self, Columns, Format, Parsed, Skip, MAX_RECORD_BYTES};
-use crate::hash::{hash_bytes, hash_parts};
+use crate::hash::hash_parts;
 use crate::render::Renderer;
 use crate::tokenize::Tok;
 
@@ -124,32 +124,58 @@ pub struct IndexSettings<'a> {
     pub strict: bool,
 }
 
-/// Expands paths and globs, in the given order (each glob sorted).
+/// Expands paths and globs, in the given order (each glob sorted). An existing path is taken as it is, even with
+/// `[`, `*` or `?` in its name; a glob skips hidden files (the loader's own `.<name>.<key>.rlidx` caches live
+/// beside the data). A file named twice, literally or through overlapping globs, is an error: it would be read
+/// twice per epoch.
 pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
     if patterns.is_empty() {
         return Err(LoaderError::Config("no data paths given".into()));
     }
-    let mut out = Vec::new();
+    let mut out: Vec<PathBuf> = Vec::new();
+    let mut seen: std::collections::HashMap<PathBuf, String> = std::collections::HashMap::new();
     for p in patterns {
-        if p.contains(['*', '?', '[']) {
-            let entries =
-                glob::glob(p).map_err(|e| LoaderError::file(p, format!("bad glob: {e}")))?;
-            let mut found: Vec<PathBuf> = entries
-                .filter_map(|e| e.ok())
-                .filter(|p| p.is_file())
-                .collect();
+        let literal = PathBuf::from(p);
+        let found = if literal.exists() || !p.contains(['*', '?', '[']) {
+            if !literal.exists() {
+                return Err(LoaderError::file(p, "no such file"));
+            }
+            if !literal.is_file() {
+                return Err(LoaderError::file(p, "not a regular file"));
+            }
+            vec![literal]
+        } else {
+            let options = glob::MatchOptions {
+                require_literal_leading_dot: true,
+                ..Default::default()
+            };
+            let entries = glob::glob_with(p, options)
+                .map_err(|e| LoaderError::file(p, format!("bad glob: {e}")))?;
+            let mut found = Vec::new();
+            for entry in entries {
+                let path = entry.map_err(|e| {
+                    LoaderError::file(
+                        e.path().display(),
+                        format!("cannot read while expanding {p}: {}", e.error()),
+                    )
+                })?;
+                if path.is_file() {
+                    found.push(path);
+                }
+            }
             if found.is_empty() {
                 return Err(LoaderError::file(p, "glob matches no file"));
             }
             found.sort();
-            out.extend(found);
-        } else {
-            let path = PathBuf::from(p);
-            if !path.exists() {
-                return Err(LoaderError::file(p, "no such file"));
-            }
-            if !path.is_file() {
-                return Err(LoaderError::file(p, "not a regular file"));
+            found
+        };
+        for path in found {
+            let canon = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone());
+            if let Some(first) = seen.insert(canon, p.clone()) {
+                return Err(LoaderError::file(
+                    path.display(),
+                    format!("named twice (by {first:?} and {p:?}); each file must be listed once"),
+                ));
             }
             out.push(path);
         }
@@ -183,13 +209,13 @@ fn split_compression(path: &Path) -> (Compression, String) {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    if let Some(stem) = name.strip_suffix(".gz") {
-        (Compression::Gzip, stem.to_string())
-    } else if let Some(stem) = name.strip_suffix(".zst") {
-        (Compression::Zstd, stem.to_string())
-    } else {
-        (Compression::None, name)
+    let lower = name.to_ascii_lowercase();
+    for (suffix, comp) in [(".gz", Compression::Gzip), (".zst", Compression::Zstd)] {
+        if lower.ends_with(suffix) {
+            return (comp, name[..name.len() - suffix.len()].to_string());
+        }
     }
+    (Compression::None, name)
 }
 
 fn file_identity(path: &Path) -> Result<(String, u64, u128)> {
@@ -297,6 +323,28 @@ fn read_header(data_path: &Path, shown: &Path) -> Result<Vec<String>> {
         .collect())
 }
 
+/// The first byte that is not whitespace or a UTF-8 byte-order mark; `None` for a file without content.
+fn first_content_byte(path: &Path) -> std::io::Result<Option<u8>> {
+    let mut r = BufReader::new(File::open(path)?);
+    let mut at_start = true;
+    loop {
+        let buf = r.fill_buf()?;
+        if buf.is_empty() {
+            return Ok(None);
+        }
+        let mut body = buf;
+        if at_start && body.starts_with(b"\xef\xbb\xbf") {
+            body = &body[3..];
+        }
+        at_start = false;
+        if let Some(&b) = body.iter().find(|b| !b.is_ascii_whitespace()) {
+            return Ok(Some(b));
+        }
+        let n = buf.len();
+        r.consume(n);
+    }
+}
+
 enum RawData {
     Csv(csv::ByteRecord),
     Line(Vec<u8>),
@@ -328,6 +376,11 @@ pub fn index_file(path: &Path, s: &IndexSettings) -> Result<FileIndex> {
     } else {
         decompress(path, comp, &stem, &root)?
     };
+    let first_byte =
+        first_content_byte(&data_path).map_err(|e| LoaderError::file(path.display(), e))?;
+    let Some(first_byte) = first_byte else {
+        return Err(LoaderError::file(path.display(), "empty file"));
+    };
     let ext = Path::new(&stem)
         .extension()
         .map(|e| e.to_string_lossy().to_lowercase())
@@ -353,6 +406,13 @@ pub fn index_file(path: &Path, s: &IndexSettings) -> Result<FileIndex> {
             }
         },
     };
+    if format == Format::Jsonl && first_byte == b'[' {
+        return Err(LoaderError::data(
+            path.display(),
+            1,
+            "a JSON array, not JSON Lines (one object per line); convert it with `jq -c '.[]' FILE > FILE.jsonl`",
+        ));
+    }
     let columns = match format {
         Format::Jsonl => None,
         f => {
@@ -460,10 +520,12 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
                 let mut chunk = Vec::with_capacity(CHUNK);
                 while chunk.len() < CHUNK {
                     let mut buf = Vec::new();
-                    let n = r.read_until(b'\n', &mut buf).map_err(io_err)?;
+                    let n = read_line_bounded(&mut r, &mut buf, MAX_RECORD_BYTES + 1)
+                        .map_err(io_err)?;
                     if n == 0 {
                         break;
                     }
+                    let truncated = n > buf.len();
                     line += 1;
                     let mut start = pos;
                     pos += n as u64;
@@ -478,7 +540,11 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
                     if body.iter().all(|c| c.is_ascii_whitespace()) {
                         continue;
                     }
-                    let len = body.len() as u64;
+                    let len = if truncated {
+                        n as u64
+                    } else {
+                        body.len() as u64
+                    };
                     chunk.push(Raw {
                         data: RawData::Line(body.to_vec()),
                         start,
@@ -493,11 +559,14 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
             }
         }
         Format::RecipeNlg | Format::FoodCom => {
-            let mut rdr = csv_reader(BufReader::with_capacity(1 << 20, f));
+            let mut rdr = csv_reader(NewlineLog {
+                inner: f,
+                pos: 0,
+                offsets: Default::default(),
+            });
             rdr.byte_headers()
                 .map_err(|e| LoaderError::data(&shown, 1, e))?;
-            // csv counts only line ends outside quotes; add the ones inside fields of earlier records.
-            let mut inner_newlines = 0u64;
+            let mut newlines_before = 0u64;
             loop {
                 let mut chunk = Vec::with_capacity(CHUNK);
                 while chunk.len() < CHUNK {
@@ -515,17 +584,33 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
                     if !more {
                         break;
                     }
-                    let p = rec.position().expect("csv record position").clone();
+                    let start = rec.position().expect("csv record position").byte();
                     let end = rdr.position().byte();
-                    let line = p.line() + inner_newlines;
-                    inner_newlines += rec.iter().map(memchr_count).sum::<u64>();
-                    if rec.len() == 1 && rec.get(0).is_some_and(|f| f.is_empty()) {
+                    let line = {
+                        let mut q = rdr.get_ref().offsets.borrow_mut();
+                        while q.front().is_some_and(|&o| o < start) {
+                            q.pop_front();
+                            newlines_before += 1;
+                        }
+                        let in_record = q.iter().take_while(|&&o| o < end).count() as u64;
+                        let trailing = in_record > 0 && q[in_record as usize - 1] == end - 1;
+                        let inside_fields = rec.iter().map(memchr_count).sum::<u64>();
+                        // Line ends at the front of the record's bytes: blank lines, or the `\n` of the
+                        // previous record's CRLF, which the csv crate consumes with this record.
+                        let leading = in_record.saturating_sub(inside_fields + trailing as u64);
+                        1 + newlines_before + leading
+                    };
+                    if rec.len() == 1
+                        && rec
+                            .get(0)
+                            .is_some_and(|f| f.iter().all(u8::is_ascii_whitespace))
+                    {
                         continue; // a blank line
                     }
                     chunk.push(Raw {
                         data: RawData::Csv(rec),
-                        start: p.byte(),
-                        len: end - p.byte(),
+                        start,
+                        len: end - start,
                         line,
                     });
                 }
@@ -537,6 +622,56 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The CSV input, noting where each `\n` is, so that a record's line can be told exactly (see `scan`).
+struct NewlineLog<R> {
+    inner: R,
+    pos: u64,
+    offsets: std::cell::RefCell<std::collections::VecDeque<u64>>,
+}
+
+impl<R: Read> Read for NewlineLog<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        let offsets = self.offsets.get_mut();
+        for (i, _) in buf[..n].iter().enumerate().filter(|(_, &b)| b == b'\n') {
+            offsets.push_back(self.pos + i as u64);
+        }
+        self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+/// Reads one line (through its `\n`) and keeps at most `limit` bytes of it in `buf`, so an over-long line (a whole
+/// JSON array on one line, say) costs no memory; returns the line's full length, 0 at the end.
+fn read_line_bounded(
+    r: &mut impl BufRead,
+    buf: &mut Vec<u8>,
+    limit: usize,
+) -> std::io::Result<usize> {
+    let mut total = 0;
+    loop {
+        let avail = match r.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if avail.is_empty() {
+            return Ok(total);
+        }
+        let (used, done) = match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (avail.len(), false),
+        };
+        let keep = used.min(limit.saturating_sub(buf.len()));
+        buf.extend_from_slice(&avail[..keep]);
+        r.consume(used);
+        total += used;
+        if done {
+            return Ok(total);
+        }
+    }
 }
 
 fn memchr_count(b: &[u8]) -> u64 {
@@ -652,7 +787,10 @@ fn save_cache(dest: &Path, idx: &FileIndex) -> std::io::Result<()> {
 
 fn load_cache(src: &Path, idx: &mut FileIndex) -> std::io::Result<()> {
     let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "bad index cache");
-    let mut r = BufReader::new(File::open(src)?);
+    let file = File::open(src)?;
+    let cache_len = file.metadata()?.len();
+    let data_len = std::fs::metadata(&idx.data_path)?.len();
+    let mut r = BufReader::new(file);
     let mut magic = [0u8; 8];
     r.read_exact(&mut magic)?;
     let mut u64buf = [0u8; 8];
@@ -663,7 +801,12 @@ fn load_cache(src: &Path, idx: &mut FileIndex) -> std::io::Result<()> {
     if &magic != MAGIC || read_u64(&mut r)? != idx.key {
         return Err(bad());
     }
-    let n = read_u64(&mut r)? as usize;
+    // A damaged cache must not drive an allocation: the arrays take 28 bytes per record.
+    let n = read_u64(&mut r)?;
+    if n > cache_len / 28 {
+        return Err(bad());
+    }
+    let n = n as usize;
     fn arr<const N: usize, T>(
         r: &mut impl Read,
         n: usize,
@@ -682,20 +825,21 @@ fn load_cache(src: &Path, idx: &mut FileIndex) -> std::io::Result<()> {
     idx.src_len = arr(&mut r, n, u16::from_le_bytes)?;
     idx.tgt_len = arr(&mut r, n, u16::from_le_bytes)?;
     idx.hashes = arr(&mut r, n, u64::from_le_bytes)?;
-    let m = read_u64(&mut r)? as usize;
-    if m > 1 << 24 {
+    let in_data = |(&o, &l): (&u64, &u32)| {
+        l as usize <= MAX_RECORD_BYTES && o.checked_add(l as u64).is_some_and(|e| e <= data_len)
+    };
+    if !idx.offsets.iter().zip(&idx.lens).all(in_data) {
         return Err(bad());
     }
+    let m = read_u64(&mut r)?;
+    if m > cache_len {
+        return Err(bad());
+    }
+    let m = m as usize;
     let mut meta = vec![0u8; m];
     r.read_exact(&mut meta)?;
     let meta: CacheMeta = serde_json::from_slice(&meta).map_err(|_| bad())?;
     idx.skipped = meta.skipped;
     idx.examples = meta.examples;
     Ok(())
-}
-
-/// Hash of the index keys of several files (part of the resume fingerprint).
-pub fn keys_hash(files: &[FileIndex]) -> u64 {
-    let bytes: Vec<u8> = files.iter().flat_map(|f| f.key.to_le_bytes()).collect();
-    hash_bytes(&bytes)
 }

@@ -22,6 +22,16 @@ pub enum Split {
     Eval,
 }
 
+impl std::fmt::Display for Split {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Split::All => "all",
+            Split::Train => "train",
+            Split::Eval => "eval",
+        })
+    }
+}
+
 impl Split {
     pub fn parse(s: &str) -> Option<Split> {
         match s {

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{LoaderError, Result};
 use crate::formats::Format;
-use crate::hash::hash_parts;
+use crate::hash::{hash_parts, mix};
 use crate::index::{self, Example, FileIndex, IndexSettings};
 use crate::plan::{self, Plan, PlanConfig};
 use crate::render::Renderer;
@@ -198,7 +198,9 @@ impl Pipeline {
                     for k in job_rx.iter() {
                         let r =
                             catch_unwind(AssertUnwindSafe(|| ctx.build(plan.batch(k), &mut files)))
-                                .unwrap_or_else(|p| Err(LoaderError::Internal(panic_message(&p))));
+                                .unwrap_or_else(|p| {
+                                    Err(LoaderError::Internal(panic_message("worker", &p)))
+                                });
                         if res_tx.send((k, r)).is_err() {
                             break;
                         }
@@ -260,14 +262,53 @@ impl Drop for Pipeline {
     }
 }
 
-fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+fn panic_message(what: &str, p: &Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
-        format!("worker panicked: {s}")
+        format!("{what} panicked: {s}")
     } else if let Some(s) = p.downcast_ref::<String>() {
-        format!("worker panicked: {s}")
+        format!("{what} panicked: {s}")
     } else {
-        "worker panicked".into()
+        format!("{what} panicked")
     }
+}
+
+/// What the epoch plan depends on, from the records themselves: their rendered text's hash and token lengths,
+/// in order. Touching, copying or moving the files keeps it (a resume in a container sees other paths and
+/// times); any change to what would be trained on changes it.
+fn content_hash(src_len: &[u16], tgt_len: &[u16], hashes: &[u64]) -> u64 {
+    let mut h = mix(hashes.len() as u64);
+    for ((&s, &t), &x) in src_len.iter().zip(tgt_len).zip(hashes) {
+        h = mix(h ^ x).wrapping_add(((s as u64) << 16) | t as u64);
+    }
+    mix(h)
+}
+
+/// The error when nothing is left to train on, with what was skipped and why.
+fn no_usable_records(
+    paths: &[PathBuf],
+    files: &[FileIndex],
+    valid: usize,
+    split: plan::Split,
+) -> LoaderError {
+    let mut skipped: BTreeMap<&str, u64> = BTreeMap::new();
+    for f in files {
+        for (reason, n) in &f.skipped {
+            *skipped.entry(reason).or_default() += n;
+        }
+    }
+    let total_skipped: u64 = skipped.values().sum();
+    let mut reason =
+        format!("no usable records for the {split} split ({valid} valid, {total_skipped} skipped");
+    if !skipped.is_empty() {
+        let counts: Vec<String> = skipped.iter().map(|(r, n)| format!("{r}: {n}")).collect();
+        reason += &format!(": {}", counts.join(", "));
+    }
+    reason += ")";
+    if let Some(ex) = files.iter().flat_map(|f| &f.examples).next() {
+        reason += &format!("; first skipped: {ex}");
+    }
+    let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    LoaderError::data(shown.join(", "), 0, reason)
 }
 
 /// The whole loader: index, plan, workers, position.
@@ -290,8 +331,14 @@ pub struct Loader {
 }
 
 impl Loader {
-    /// Validates settings, indexes every file (or loads cached indexes) and computes the selection.
+    /// Validates settings, indexes every file (or loads cached indexes) and computes the selection. A bug that
+    /// panics here is returned as [`LoaderError::Internal`].
     pub fn new(c: LoaderConfig) -> Result<Loader> {
+        catch_unwind(AssertUnwindSafe(|| Loader::build(c)))
+            .unwrap_or_else(|p| Err(LoaderError::Internal(panic_message("indexing", &p))))
+    }
+
+    fn build(c: LoaderConfig) -> Result<Loader> {
         let p = &c.plan;
         if p.batch_size.is_some() == p.max_tokens.is_some() {
             return Err(LoaderError::Config(
@@ -369,30 +416,19 @@ impl Loader {
             hashes.append(&mut f.hashes);
         }
         let (selected, duplicates) = plan::select(&hashes, &c.plan);
-        drop(hashes);
         if selected.is_empty() {
-            let skipped: u64 = files.iter().flat_map(|f| f.skipped.values()).sum();
-            return Err(LoaderError::data(
-                paths
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                0,
-                format!(
-                    "no usable records for split {:?} ({total} valid, {skipped} skipped)",
-                    c.plan.split
-                ),
-            ));
+            return Err(no_usable_records(&paths, &files, total, c.plan.split));
         }
         let fingerprint = format!(
             "{:016x}",
             hash_parts(&[
                 PLAN_VERSION,
-                &index::keys_hash(&files).to_le_bytes(),
+                &content_hash(&src_len, &tgt_len, &hashes).to_le_bytes(),
+                &tok.file_hash.to_le_bytes(),
                 format!("{:?}", c.plan).as_bytes()
             ])
         );
+        drop(hashes);
         let pad_id = tok.pad_id as i64;
         let threads = c
             .num_threads
@@ -514,7 +550,9 @@ impl Loader {
     pub fn load_state(&mut self, s: &State) -> Result<()> {
         if s.fingerprint != self.fingerprint {
             return Err(LoaderError::Config(format!(
-                "cannot resume: the state was saved with other data or loader settings (fingerprint {} != {})",
+                "cannot resume: the saved data position belongs to other data or loader settings (the records' \
+                 text or token lengths, batch size or token budget, seed, split, dedup, rank or world size; \
+                 fingerprint {} != {})",
                 s.fingerprint, self.fingerprint
             )));
         }

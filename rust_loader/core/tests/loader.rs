@@ -243,3 +243,184 @@ fn resume_and_determinism() {
     let mut o = Loader::new(other).unwrap();
     assert!(o.load_state(&full.state()).is_err());
 }
+
+#[test]
+fn csv_lines_count_newlines_inside_fields_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = "\"[\"\"x\"\"]\",\"[\"\"y\"\"]\"";
+    for (name, end, inner) in [
+        ("lf.csv", "\n", "\n"),
+        ("lf_inner_crlf.csv", "\n", "\r\n"),
+        ("crlf.csv", "\r\n", "\n"),
+        ("crlf_both.csv", "\r\n", "\r\n"),
+    ] {
+        let rows = [
+            "title,ingredients,directions".to_string(),
+            format!("\"a{inner}b\",{good}"),
+            format!("\"c{inner}d{inner}e\",{good}"),
+            "Bad,not a list,\"[]\"".to_string(),
+            String::new(), // a blank line
+            "  ".to_string(),
+            format!("\"f{inner}g\",{good}"),
+            "Bad2,not a list,\"[]\"".to_string(),
+        ];
+        let text = rows.join(end) + end;
+        let p = write(dir.path(), name, text.as_bytes());
+        let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+        assert_eq!(all_rows(&mut l).len(), 3, "{name}");
+        let st = l.stats();
+        let lines: Vec<&str> = st
+            .examples
+            .iter()
+            .map(|e| e.split(':').nth(1).unwrap())
+            .collect();
+        assert_eq!(lines, ["7", "12"], "{name}: {:?}", st.examples);
+    }
+}
+
+#[test]
+fn globs_skip_hidden_files_and_literal_paths_win() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let p = write(&data, "r.csv", RECIPENLG.as_bytes());
+    // The index cache is written beside the data as a hidden file; a second run's glob must not pick it up.
+    let glob = data.join("*");
+    for _ in 0..2 {
+        let mut l = Loader::new(config(&[&glob], dir.path())).unwrap();
+        assert_eq!(l.stats().files, [p.display().to_string()]);
+    }
+    assert!(
+        std::fs::read_dir(&data).unwrap().count() > 1,
+        "no index cache was written"
+    );
+    // A file whose name looks like a glob is read as named.
+    let odd = write(dir.path(), "recipes [v2].csv", RECIPENLG.as_bytes());
+    let mut l = Loader::new(config(&[&odd], dir.path())).unwrap();
+    assert_eq!(all_rows(&mut l).len(), 3);
+    // The same file twice would be read twice per epoch.
+    let e = Loader::new(config(&[&glob, &p], dir.path())).err().unwrap();
+    assert!(e.to_string().contains("named twice"), "{e}");
+}
+
+#[test]
+fn odd_files_get_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, bytes) in [
+        ("blank.csv", b"\n\r\n  \n".to_vec()),
+        ("bom.jsonl", b"\xef\xbb\xbf\n".to_vec()),
+        ("nothing.csv.gz", {
+            let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            gz.finish().unwrap()
+        }),
+    ] {
+        let p = write(dir.path(), name, &bytes);
+        let e = Loader::new(config(&[&p], dir.path())).err().unwrap();
+        assert!(
+            matches!(e, LoaderError::File { .. }) && e.to_string().ends_with(": empty file"),
+            "{name}: {e}"
+        );
+    }
+    let array = write(
+        dir.path(),
+        "recipes.json",
+        b"[\n {\"title\": \"A\"},\n {\"title\": \"B\"}\n]\n",
+    );
+    let e = Loader::new(config(&[&array], dir.path())).err().unwrap();
+    assert!(
+        e.to_string().contains("recipes.json:1: a JSON array"),
+        "{e}"
+    );
+    // Upper-case compression suffixes are recognised.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(RECIPENLG.as_bytes()).unwrap();
+    let p = write(dir.path(), "R.CSV.GZ", &gz.finish().unwrap());
+    let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+    assert_eq!(all_rows(&mut l).len(), 3);
+}
+
+#[test]
+fn over_long_jsonl_line_is_skipped_and_the_next_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let long = format!("{{\"title\":\"{}\"}}", "x".repeat(3 << 20));
+    let text = format!("{long}\n{{\"source\":\"s\",\"target\":\"t\"}}\n");
+    let p = write(dir.path(), "long.jsonl", text.as_bytes());
+    let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+    assert_eq!(all_rows(&mut l).len(), 1);
+    let st = l.stats();
+    assert_eq!(st.skipped.get("over_long"), Some(&1), "{:?}", st.skipped);
+    assert!(
+        st.examples[0].contains("long.jsonl:1: over_long"),
+        "{:?}",
+        st.examples
+    );
+}
+
+#[test]
+fn all_skipped_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write(
+        dir.path(),
+        "r.csv",
+        b"title,ingredients,directions\nPie,\"['1 egg']\",\"['Mix.']\"\n",
+    );
+    let e = Loader::new(config(&[&p], dir.path()))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("no usable records for the all split (0 valid, 1 skipped: malformed_csv: 1)"),
+        "{e}"
+    );
+    assert!(
+        e.contains("first skipped: ") && e.contains("r.csv:2: malformed_csv"),
+        "{e}"
+    );
+}
+
+#[test]
+fn damaged_index_cache_is_rebuilt() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write(dir.path(), "r.csv", RECIPENLG.as_bytes());
+    let mut want = Loader::new(config(&[&p], dir.path())).unwrap();
+    let want = all_rows(&mut want);
+    let cache = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "rlidx"))
+        .expect("index cache beside the data");
+    let good = std::fs::read(&cache).unwrap();
+    // A record count that would allocate terabytes, then an offset past the end of the data.
+    let mut huge = good.clone();
+    huge[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    let mut past_end = good.clone();
+    past_end[24..32].copy_from_slice(&(1u64 << 30).to_le_bytes());
+    for bytes in [huge, past_end, good[..20].to_vec()] {
+        std::fs::write(&cache, &bytes).unwrap();
+        let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+        assert!(!l.stats().index_cached[0]);
+        assert_eq!(all_rows(&mut l), want);
+    }
+}
+
+#[test]
+fn resume_survives_touching_or_moving_the_data_but_not_editing_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = many(dir.path(), 60);
+    let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+    l.next_batch().unwrap();
+    let state = l.state();
+    let moved = dir.path().join("elsewhere");
+    std::fs::create_dir(&moved).unwrap();
+    let q = moved.join("many.jsonl");
+    std::fs::copy(&p, &q).unwrap(); // a new path and a new mtime
+    let mut r = Loader::new(config(&[&q], dir.path())).unwrap();
+    r.load_state(&state).unwrap();
+    assert_eq!(r.next_batch().unwrap(), l.next_batch().unwrap());
+    let mut text = std::fs::read_to_string(&q).unwrap();
+    text = text.replacen("Dish 3", "Dish three", 1);
+    std::fs::write(&q, text).unwrap();
+    let mut edited = Loader::new(config(&[&q], dir.path())).unwrap();
+    let e = edited.load_state(&state).err().unwrap();
+    assert!(e.to_string().contains("cannot resume"), "{e}");
+}
