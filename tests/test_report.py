@@ -434,6 +434,8 @@ def test_a_real_run_reports_every_event_to_discord_and_wandb(
     assert len(tables) == 2 and all(row["eval/generations/_type"] == "table-file" for row in tables)
     assert run["summary"]["train/oom_backoffs"] == 1 and run["summary"]["train/skipped_nan_steps"] == 1
     assert run["config"]["run_name"] == "good"
+    records, skipped = run["summary"]["data/records"], run["summary"]["data/skipped_records"]
+    assert records > 0 and f"({records:,} records, {skipped:,} skipped)" in started["Data"], started["Data"]
     # The run id is stored with the checkpoint, so a resume continues this W&B run.
     assert load_trainer_state(find_resume_checkpoint("auto", out))["wandb_run_id"] == run["run_id"]
 

@@ -58,6 +58,24 @@ def test_dry_run_checks_data_and_loads_no_model(tiny_model_dir, sample_csv, tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_skipped_records_are_reported_when_training_starts(tiny_model_dir, sample_csv, tmp_path, caplog):
+    # The sample plus two broken rows at known lines: a short row and a list column that is not a list.
+    lines = sample_csv.read_text().splitlines()
+    n = len(lines)
+    lines += ['9001,Short,"[""a""]"', '9002,Bad,not a list,"[""x""]",l,s,"[]"']
+    data = tmp_path / "full_dataset.csv"
+    data.write_text("\n".join(lines) + "\n")
+    caplog.set_level("INFO")
+    assert train(_cfg(tiny_model_dir, data, tmp_path / "out"), dry_run=True) == 0
+    (warning,) = [
+        r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "skipped" in r.getMessage()
+    ]
+    assert "skipped 2 of " in warning and "malformed_csv 2" in warning, warning
+    assert f"{data}:{n + 1}: malformed_csv" in warning and f"{data}:{n + 2}: malformed_csv" in warning, (
+        warning
+    )
+
+
 def test_sigterm_saves_and_resume_continues_the_same_loss_sequence(
     tiny_model_dir, sample_csv, tmp_path, caplog
 ):

@@ -284,6 +284,21 @@ def resolve_tokenizer_file(name: str) -> Path:
         raise RecipeFileError(f"{name}: no tokenizer.json locally or in the Hugging Face cache ({e})") from e
 
 
+def skipped_summary(stats: dict[str, Any], usable: int, *, examples: int = 3) -> str | None:
+    """One line on the records the lenient reader skipped (counts by reason, the first few `file:line`), or
+    None when nothing was skipped. `stats` is `RecipeStream.stats()`; `usable`: records kept, all splits."""
+    skipped = stats["skipped"]
+    n = sum(skipped.values())
+    if n == 0:
+        return None
+    read = n + usable
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(skipped.items()))
+    line = f"skipped {n} of {read} records ({100 * n / read:.1f}%): {reasons}"
+    if stats["examples"]:
+        line += "; first: " + "; ".join(stats["examples"][:examples])
+    return line + " (`trainer data inspect` lists more; strict_data: true stops at the first)"
+
+
 def _percentiles(a: np.ndarray) -> str:
     if a.size == 0:
         return "-"

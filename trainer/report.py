@@ -191,7 +191,15 @@ class Reporter:
     # -- events ------------------------------------------------------------------------------------
 
     @_never_raise
-    def started(self, *, model: str, data: str, effective_batch: str, planned_steps: int) -> None:
+    def started(
+        self,
+        *,
+        model: str,
+        data: str,
+        effective_batch: str,
+        planned_steps: int,
+        data_counts: dict[str, int] | None = None,
+    ) -> None:
         fields = [
             ("Model", model, True),
             ("Effective batch", effective_batch, True),
@@ -207,7 +215,8 @@ class Reporter:
             fields.append(("W&B", url, False))
         self._notify("started", f"Training started: {self._name}", "", fields, priority=Priority.CRITICAL)
         if self._wandb is not None:
-            self._wandb.set_summary({"planned_steps": planned_steps})
+            counts = {f"data/{k}": v for k, v in (data_counts or {}).items()}
+            self._wandb.set_summary({"planned_steps": planned_steps, **counts})
 
     @_never_raise
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:

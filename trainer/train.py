@@ -28,7 +28,7 @@ from typing import Any
 
 from trainer import distributed, memory
 from trainer.config import TrainConfig
-from trainer.data import stream_for, to_device
+from trainer.data import skipped_summary, stream_for, to_device
 
 log = logging.getLogger(__name__)
 
@@ -398,6 +398,18 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     eval_stream = None
     if cfg.eval_fraction > 0:
         eval_stream = stream_for(cfg, tokenizer_file, "eval", rank=rank, world_size=world_size)
+    train_stats = train_stream.stats()
+    usable = train_stats["records"] + (eval_stream.stats()["records"] if eval_stream is not None else 0)
+    skipped = sum(train_stats["skipped"].values())
+    log.info(
+        "data: %d records for training, %d held out for eval, from %d file(s)",
+        train_stats["records"],
+        usable - train_stats["records"],
+        len(train_stats["files"]),
+    )
+    skips = skipped_summary(train_stats, usable)
+    if skips:
+        log.warning("data: %s", skips)
     accum = cfg.gradient_accumulation_steps
     batches_per_epoch = len(train_stream)
     if cfg.max_steps > 0:
@@ -473,9 +485,10 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     reporter = Reporter(cfg, is_main=is_main, run_id=state.get("wandb_run_id"))
     reporter.started(
         model=cfg.model_name_or_path,
-        data=", ".join(cfg.train_files),
+        data=f"{', '.join(cfg.train_files)} ({usable:,} records, {skipped:,} skipped)",
         effective_batch=effective,
         planned_steps=total_steps,
+        data_counts={"records": usable, "skipped_records": skipped},
     )
     empty_cache = memory.EmptyCacheSchedule(cfg.empty_cache_steps)
     profiler = StepProfiler(cfg.profile_start_step, cfg.profile_steps, output_dir, enabled=is_main)
