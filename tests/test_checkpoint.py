@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
 
 from trainer import checkpoint as ckpt
+from trainer.config import ConfigError
 
 
 def _setup():
@@ -68,8 +69,49 @@ def test_incomplete_checkpoints_are_never_picked(tmp_path):
     assert ckpt.find_resume_checkpoint("auto", tmp_path) == tmp_path / "checkpoint-10"
     assert ckpt.find_resume_checkpoint("never", tmp_path) is None
     assert ckpt.find_resume_checkpoint("auto", tmp_path / "nothing-here") is None
-    with pytest.raises(FileNotFoundError, match="checkpoint-20"):
+    with pytest.raises(ConfigError, match="checkpoint-20 is not a usable checkpoint"):
         ckpt.find_resume_checkpoint(str(broken), tmp_path)
+
+
+def _truncate(path, size=10):
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: (p / "model.safetensors").write_bytes(b""),
+        lambda p: _truncate(p / "model.safetensors", 100),
+        lambda p: next((p / "dcp").glob("*.distcp")).unlink(),
+        lambda p: _truncate(next((p / "dcp").glob("*.distcp")), 64),
+        lambda p: _truncate(p / "scheduler.pt"),
+        lambda p: _truncate(p / ckpt.MARKER, 20),
+        lambda p: (p / "rng.pt").unlink(),
+        lambda p: (p / ckpt.MARKER).unlink(),
+    ],
+    ids=[
+        "empty-weights",
+        "cut-weights",
+        "no-dcp-data",
+        "cut-dcp-data",
+        "cut-scheduler",
+        "cut-state",
+        "no-rng",
+        "no-marker",
+    ],  # fmt: skip
+)
+def test_resume_auto_falls_back_past_a_damaged_checkpoint(tmp_path, caplog, damage):
+    model, opt, sched = _setup()
+    _save(tmp_path, 3, model, opt, sched)
+    newest = _save(tmp_path, 6, model, opt, sched)
+    assert ckpt.find_resume_checkpoint("auto", tmp_path) == newest
+    damage(newest)
+    assert ckpt.find_resume_checkpoint("auto", tmp_path) == tmp_path / "checkpoint-3"
+    assert "skipping" in caplog.text and "checkpoint-6" in caplog.text
+    if (newest / ckpt.MARKER).is_file():
+        with pytest.raises(ConfigError, match="checkpoint-6 is not a usable checkpoint"):
+            ckpt.find_resume_checkpoint(str(newest), tmp_path)
 
 
 def test_rotation_keeps_the_last_n_and_the_best(tmp_path):

@@ -153,17 +153,61 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from (a missing, empty or truncated file), or None.
+
+    Reads only headers and the small files: the trainer state, the safetensors headers, DCP's metadata (every
+    byte range it names must exist), the scheduler and RNG states."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        state = json.loads((path / MARKER).read_text(encoding="utf-8"))
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            return f"{MARKER} holds no step"
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weights = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        else:
+            weights = ["model.safetensors"]
+        for name in weights:
+            with safe_open(path / name, framework="pt"):
+                pass
+        metadata = FileSystemReader(path / "dcp").read_metadata()
+        for item in metadata.storage_data.values():
+            data = path / "dcp" / item.relative_path
+            if data.stat().st_size < item.offset + item.length:
+                return f"dcp/{item.relative_path} is truncated"
+        torch.load(path / "scheduler.pt", weights_only=True)
+        torch.load(path / "rng.pt", weights_only=False)
+    except Exception as e:  # any unreadable part makes the checkpoint unusable; say which
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
-    """resume "auto": the newest complete checkpoint (None if there is none); "never": None; else a path."""
+    """resume "auto": the newest usable checkpoint in `output_dir` (None if there is none; damaged ones are
+    skipped with a warning); "never": None; else that checkpoint, which must be usable (else ConfigError)."""
+    from trainer.config import ConfigError
+
     if resume == "never":
         return None
-    if resume == "auto":
-        found = list_checkpoints(output_dir)
-        return found[-1][1] if found else None
-    path = Path(resume)
-    if not (path / MARKER).is_file():
-        raise FileNotFoundError(f"resume: {path} is not a complete checkpoint (no {MARKER})")
-    return path
+    if resume != "auto":
+        path = Path(resume)
+        problem = f"no {MARKER}" if not (path / MARKER).is_file() else checkpoint_problem(path)
+        if problem:
+            raise ConfigError(f"resume: {path} is not a usable checkpoint ({problem})")
+        return path
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None
+    named = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    for _, path in sorted(named, reverse=True):
+        problem = f"no {MARKER}" if not (path / MARKER).is_file() else checkpoint_problem(path)
+        if problem is None:
+            return path
+        log.warning("resume: skipping %s, it cannot be resumed from (%s)", path, problem)
+    return None
 
 
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
