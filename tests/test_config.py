@@ -37,6 +37,13 @@ def test_overrides_are_typed():
         ("optimizer=sgd", "optimizer must be one of"),
         ("gradient_accumulation_steps=0", "gradient_accumulation_steps must be >= 1"),
         ("max_steps", "not of the form key=value"),
+        ("per_device_train_batch_size=0", "per_device_train_batch_size must be >= 1 or null, got 0"),
+        ("max_source_length=0", "max_source_length must be >= 1, got 0"),
+        ("warmup_steps=-5", "warmup_steps must be >= 0"),
+        ("learning_rate=-1", "learning_rate must be a positive number"),
+        ("learning_rate=.nan", "learning_rate must be a positive number"),
+        ("max_grad_norm=-1", "max_grad_norm must be >= 0 (0: no clipping"),
+        ("learning_rate=[1", "override 'learning_rate=[1': the value is not valid YAML"),
     ],
 )
 def test_bad_overrides_are_clear_errors(override, message):
@@ -49,3 +56,18 @@ def test_bad_yaml_names_the_file(tmp_path):
     bad.write_text("learning_rate: [1\n")
     with pytest.raises(ConfigError, match="bad.yaml"):
         TrainConfig.load(bad)
+
+
+def test_every_set_counts_and_paths_expand_the_home_directory(tmp_path):
+    from trainer.cli import _build_parser
+
+    args = _build_parser().parse_args(
+        ["train", "--config", "c.yaml", "--set", "max_steps=3", "--set", "seed=1"]
+    )
+    assert args.set == ["max_steps=3", "seed=1"]
+    cfg = TrainConfig.load(None, ["output_dir=~/runs/a", "train_files=[~/data/r.csv]", "resume=~/runs/a/ck"])
+    home = str(Path.home())
+    assert cfg.output_dir == f"{home}/runs/a" and cfg.train_files == [f"{home}/data/r.csv"]
+    assert cfg.resume == f"{home}/runs/a/ck"
+    with pytest.raises(ConfigError, match="set max_steps > 0 or num_train_epochs > 0"):
+        TrainConfig.load(None, ["max_steps=-1", "num_train_epochs=0"])

@@ -241,7 +241,7 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["32", "lots", "32XB", ""])
+@pytest.mark.parametrize("text", ["32", "lots", "32XB", "", "0GiB", "0.0000001KB"])
 def test_parse_size_rejects_unclear_sizes(text):
     with pytest.raises(ValueError, match="memory size"):
         parse_size(text)
@@ -313,6 +313,15 @@ def test_trainer_plan_fails_with_a_suggestion_when_the_batch_does_not_fit(tmp_pa
     out = capsys.readouterr().out
     assert code == 1
     assert "does not fit" in out and "max_tokens" in out
+
+
+def test_trainer_plan_says_when_not_even_one_row_fits(tmp_path, capsys):
+    code = cli_main(
+        ["plan", "--config", write_config(tmp_path, "optimizer: adamw\n"), "--gpu-memory", "6GiB"]
+    )
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "no micro-batch fits, not even one row" in out and "max_tokens: 0" not in out, out
 
 
 def test_trainer_plan_rejects_a_bad_card_size_or_model(tmp_path, capsys):

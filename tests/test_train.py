@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -122,6 +123,34 @@ def test_sigterm_saves_and_resume_continues_the_same_loss_sequence(
     assert [resumed[s] for s in range(1, STEPS + 1)] == [expected[s] for s in range(1, STEPS + 1)]
 
 
+def test_rerun_of_a_finished_or_killed_run(tiny_model_dir, sample_csv, tmp_path, caplog):
+    caplog.set_level("INFO")
+    out = tmp_path / "out"
+    assert train(_cfg(tiny_model_dir, sample_csv, out, save_steps=4)) == 0
+    logged = (out / TRAIN_LOG).read_text()
+    summary = (out / SUMMARY).read_text()
+
+    # The same command again: nothing to do, nothing overwritten.
+    caplog.clear()
+    assert train(_cfg(tiny_model_dir, sample_csv, out, save_steps=4)) == 0
+    assert f"is at step {STEPS} of {STEPS}: this run is already finished" in caplog.text
+    assert (out / SUMMARY).read_text() == summary and (out / TRAIN_LOG).read_text() == logged
+
+    # As if killed after step 8 was logged but before its checkpoint: resume at 4, with a changed learning
+    # rate. The log keeps one row per step, and the optimizer's state (its learning rate too) is the
+    # checkpoint's, which the warning says.
+    shutil.rmtree(out / f"checkpoint-{STEPS}")
+    shutil.rmtree(out / "final")
+    caplog.clear()
+    assert train(_cfg(tiny_model_dir, sample_csv, out, save_steps=4, learning_rate=2e-3)) == 0
+    assert "learning_rate 0.001 -> 0.002" in caplog.text
+
+    def rows(text):
+        return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in text.splitlines()]
+
+    assert rows((out / TRAIN_LOG).read_text()) == rows(logged)
+
+
 def test_unknown_model_path_fails_before_training(sample_csv, tmp_path):
     from trainer.data import RecipeFileError
 
@@ -190,3 +219,14 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model_dir, s
     saved = AutoModelForSeq2SeqLM.from_pretrained(checkpoint).state_dict()
     for name, value in before.items():
         assert torch.equal(saved[name].nan_to_num(), value.nan_to_num()), name
+
+
+def test_bad_data_paths_are_one_clear_line_not_a_traceback(tiny_model_dir, tmp_path, capsys):
+    from trainer.cli import main as cli_main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model_name_or_path: {tiny_model_dir}\nreport_to: none\n")
+    missing = tmp_path / "nothing" / "*.csv"
+    assert cli_main(["train", "--config", str(config), "--dry-run", "--set", f"train_files=[{missing}]"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"trainer: data error: {missing}: glob matches no file", err

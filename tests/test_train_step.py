@@ -198,3 +198,13 @@ def test_no_batch_setting_starts_from_the_memory_plan():
     cfg = with_planned_batch(TrainConfig(max_source_length=64, max_target_length=96))
     assert cfg.max_tokens == 2 * (64 + 96)  # no GPU here: two maximal rows
     assert cfg.decoder_blocks_without_checkpointing == 0  # and every block checkpointed
+
+
+def test_max_grad_norm_zero_measures_the_norm_without_clipping():
+    from trainer.distributed import clip_grad_norm_
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([3.0, 4.0, 0.0])
+    assert clip_grad_norm_([p], 0.0).item() == 5.0 and p.grad.tolist() == [3.0, 4.0, 0.0]
+    assert clip_grad_norm_([p], 1.0).item() == 5.0
+    assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)

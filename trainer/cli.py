@@ -14,12 +14,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model from a YAML config")
     train.add_argument("--config", required=True, help="YAML config (see configs/)")
-    train.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override config keys")
+    train.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", action="extend", help="override config keys"
+    )
     train.add_argument("--dry-run", action="store_true", help="check the config and data paths, then exit")
 
     plan = sub.add_parser("plan", help="predict peak GPU memory for a config")
     plan.add_argument("--config", required=True)
-    plan.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", action="extend")
     plan.add_argument("--gpu-memory", default="32GiB", help="card size, e.g. 32GiB or 24GB")
 
     data = sub.add_parser("data", help="sample data and inspect recipe files").add_subparsers(
@@ -35,7 +37,7 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect = data.add_parser("inspect", help="count records, skips, token lengths and padding")
     inspect.add_argument("paths", nargs="+")
     inspect.add_argument("--config", help="YAML config whose tokenizer, task and batching to use")
-    inspect.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    inspect.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", action="extend")
 
     tiny = sub.add_parser("tiny-model", help="build a tiny random FLAN-T5 and tokenizer for offline use")
     tiny.add_argument("--out", required=True)
@@ -45,7 +47,9 @@ def _build_parser() -> argparse.ArgumentParser:
     where = health.add_mutually_exclusive_group(required=True)
     where.add_argument("--file", help="heartbeat file to check")
     where.add_argument("--config", help="YAML config of the run: checks <output_dir>/heartbeat")
-    health.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override config keys")
+    health.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", action="extend", help="override config keys"
+    )
     health.add_argument("--max-age", type=float, default=900.0, help="allowed seconds since the last beat")
     return parser
 
@@ -57,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    from trainer._loader import RecipeDataError, RecipeFileError
     from trainer.config import ConfigError
     from trainer.redact import install_log_redaction, redact
 
@@ -66,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except ConfigError as e:
         print(f"trainer: config error: {redact(str(e))}", file=sys.stderr)
+        return 2
+    except (RecipeDataError, RecipeFileError) as e:  # bad data or paths: the message names the file and line
+        print(f"trainer: data error: {redact(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("trainer: interrupted", file=sys.stderr)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +21,9 @@ import yaml
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; raised before anything heavy loads."""
+
+
+_NULLABLE = ("per_device_train_batch_size", "max_tokens", "pad_to_multiple_of")
 
 
 @dataclass
@@ -113,11 +118,46 @@ class TrainConfig:
         blocks = self.decoder_blocks_without_checkpointing
         if blocks is not None and blocks < 0:
             raise ConfigError(f"decoder_blocks_without_checkpointing must be >= 0 or null, got {blocks}")
-        for name in ("gradient_accumulation_steps", "logging_steps", "eval_steps", "save_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        at_least_one = (
+            "gradient_accumulation_steps",
+            "logging_steps",
+            "eval_steps",
+            "save_steps",
+            "per_device_train_batch_size",
+            "max_tokens",
+            "pad_to_multiple_of",
+            "max_source_length",
+            "max_target_length",
+        )
+        for name in at_least_one:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(
+                    f"{name} must be >= 1{' or null' if name in _NULLABLE else ''}, got {value}"
+                )
+        for name in ("warmup_steps", "empty_cache_steps", "save_total_limit", "max_oom_halvings"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ConfigError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise ConfigError(
+                f"max_grad_norm must be >= 0 (0: no clipping, as in HF), got {self.max_grad_norm}"
+            )
+        if self.max_steps <= 0 and not (math.isfinite(self.num_train_epochs) and self.num_train_epochs > 0):
+            raise ConfigError(
+                f"set max_steps > 0 or num_train_epochs > 0 (got max_steps {self.max_steps}, "
+                f"num_train_epochs {self.num_train_epochs})"
+            )
+        # `~` in a path means the home directory, as in a shell.
+        self.output_dir = os.path.expanduser(self.output_dir)
+        self.train_files = [os.path.expanduser(f) for f in self.train_files]
+        if self.model_name_or_path.startswith("~"):
+            self.model_name_or_path = os.path.expanduser(self.model_name_or_path)
+        if self.resume not in ("auto", "never"):
+            self.resume = os.path.expanduser(self.resume)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -143,7 +183,14 @@ class TrainConfig:
             key, sep, raw = item.partition("=")
             if not sep or not key.strip():
                 raise ConfigError(f"override {item!r} is not of the form key=value")
-            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            try:
+                values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            except yaml.YAMLError as e:
+                problem = getattr(e, "problem", None) or str(e)
+                raise ConfigError(
+                    f"override {item!r}: the value is not valid YAML ({problem}); quote lists for the shell, "
+                    "e.g. --set 'train_files=[a.csv, b.csv]'"
+                ) from None
         return cls.from_dict(values, source=str(path) if path else "overrides")
 
     @classmethod

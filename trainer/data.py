@@ -273,6 +273,8 @@ def resolve_tokenizer_file(name: str) -> Path:
         if (p / "tokenizer.json").is_file():
             return p / "tokenizer.json"
         raise RecipeFileError(f"{p}: directory has no tokenizer.json")
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a local path, not a Hub id (org/name)
+        raise RecipeFileError(f"{name}: no such file or directory")
     try:
         from huggingface_hub import hf_hub_download, try_to_load_from_cache
 

@@ -179,12 +179,14 @@ def full_weights(module: torch.nn.Module):
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_, with the norm of FSDP's sharded gradients taken over all ranks."""
+    """torch.nn.utils.clip_grad_norm_, with the norm of FSDP's sharded gradients taken over all ranks.
+    `max_norm` 0 only measures the norm (logged, and checked for non-finite values): no clipping, as in HF."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in params])
     if isinstance(total, DTensor):
         total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

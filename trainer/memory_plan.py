@@ -586,7 +586,10 @@ def parse_size(text: str) -> int:
     num, unit, binary, b = float(m.group(1)), m.group(2).upper(), m.group(3), m.group(4)
     power = "KMGT".index(unit) + 1
     base = 1000 if (b and not binary) else 1024
-    return int(num * base**power)
+    size = int(num * base**power)
+    if size <= 0:
+        raise ValueError(f"memory size {text!r} must be more than 0")
+    return size
 
 
 def _plan_kwargs(cfg) -> dict:
@@ -694,8 +697,8 @@ def print_plan(cfg, gpu_memory: str) -> int:
         return 2
     src_cap, tgt_cap = cfg.max_source_length, cfg.max_target_length
     source = "max_tokens" if cfg.max_tokens else "chosen by the plan"
-    # What the trainer would choose on this card (max_tokens: 0 counts as unset here).
-    cfg = with_planned_batch(dataclasses.replace(cfg, max_tokens=cfg.max_tokens or None), gpu_bytes)
+    # What the trainer would choose on this card.
+    cfg = with_planned_batch(cfg, gpu_bytes)
     kw = _plan_kwargs(cfg)
     # The trainer picks the budget with every block checkpointed, then skips checkpointing where room is left.
     kw_all = dict(kw, decoder_blocks_without_checkpointing=0)
@@ -737,10 +740,14 @@ def print_plan(cfg, gpu_memory: str) -> int:
     )
     print(f"largest per_device_train_batch_size at {src_cap}+{tgt_cap} tokens: {rows}")
     if plan.peak > gpu_bytes * SAFETY_MARGIN:
-        print(
-            f"does not fit: the predicted peak exceeds {SAFETY_MARGIN:.0%} of the card; "
-            f"set max_tokens: {best} (or per_device_train_batch_size: {rows})"
-        )
+        if best > 0:
+            advice = f"set max_tokens: {best} (or per_device_train_batch_size: {rows})"
+        else:
+            advice = (
+                "no micro-batch fits, not even one row: use a bigger card, optimizer: adafactor, shorter "
+                "max_source_length/max_target_length, or FSDP over several GPUs (docs/distributed.md)"
+            )
+        print(f"does not fit: the predicted peak exceeds {SAFETY_MARGIN:.0%} of the card; {advice}")
         return 1
     return 0
 

@@ -354,6 +354,61 @@ def generate(model, tok, batch: dict, cfg: TrainConfig, n: int, synced: bool = F
 # -- the run ----------------------------------------------------------------------------------------------
 
 
+def check_output_dir(output_dir: str) -> None:
+    """Raise ConfigError when `output_dir` cannot be a writable directory (a file, or under a file or a
+    read-only directory), before any work; creates nothing."""
+    from trainer.config import ConfigError
+
+    path = Path(output_dir).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir {output_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir {output_dir}: {existing} is not writable")
+
+
+# Keys whose change on resume changes nothing about what was already trained, or is expected.
+_RESUME_FREE_KEYS = {"max_steps", "num_train_epochs", "resume", "output_dir", "progress_bar", "run_name"}
+
+
+def warn_config_changes(saved: dict[str, Any], cfg: TrainConfig) -> None:
+    """Warn, naming the keys, where the config differs from the one the checkpoint was written with. The
+    optimizer and scheduler states come from the checkpoint, so a changed learning_rate does not apply."""
+    now = cfg.to_dict()
+    changed = sorted(
+        k for k in saved.keys() & now.keys() if k not in _RESUME_FREE_KEYS and saved[k] != now[k]
+    )
+    if changed:
+        log.warning(
+            "resuming with a config that differs from the checkpoint's: %s; the optimizer and learning-rate "
+            "schedule continue from the checkpoint's state (start over in another output_dir to apply them)",
+            ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed),
+        )
+
+
+def drop_log_rows_after(train_log: Path, step: int) -> None:
+    """Keep the train log's rows up to `step`: a run killed after its last checkpoint logged steps that the
+    resumed run repeats."""
+    if not train_log.exists():
+        return
+    lines = train_log.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if _log_step(line) <= step]
+    if len(kept) != len(lines):
+        log.info(
+            "train log: dropping %d rows after step %d (the resumed run logs them again)",
+            len(lines) - len(kept),
+            step,
+        )
+        train_log.write_text("".join(kept), encoding="utf-8")
+
+
+def _log_step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 0  # a partial last line of a killed run is dropped only if it parses to a later step
+
+
 def _device(local_rank: int):
     import torch
 
@@ -378,7 +433,7 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
 
 def _train(cfg: TrainConfig, dry_run: bool) -> int:
     # 1. Allocator settings, before anything can initialise CUDA.
-    alloc_conf = memory.set_alloc_conf(cfg.cuda_alloc_conf)
+    memory.set_alloc_conf(cfg.cuda_alloc_conf)
     rank, world_size, local_rank = distributed.env()
     is_main = rank == 0
     distributed.quiet_other_ranks()
@@ -390,6 +445,11 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         from trainer.config import ConfigError
 
         raise ConfigError("train_files is empty: name at least one recipe file or glob")
+    check_output_dir(cfg.output_dir)
+    from trainer import checkpoint as ckpt
+
+    # Before the data is indexed: a damaged or missing resume point is reported at once.
+    resume_from = ckpt.find_resume_checkpoint(cfg.resume, cfg.output_dir)
     from trainer.memory_plan import with_planned_batch
 
     cfg = with_planned_batch(cfg)
@@ -416,6 +476,13 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         total_steps = cfg.max_steps
     else:
         total_steps = max(1, math.ceil(batches_per_epoch * cfg.num_train_epochs / accum))
+    if cfg.warmup_steps >= total_steps:
+        log.warning(
+            "warmup_steps %d >= the run's %d optimizer steps: the learning rate never reaches %g",
+            cfg.warmup_steps,
+            total_steps,
+            cfg.learning_rate,
+        )
     effective = f"{describe_micro_batch(cfg)} x {accum} accumulation x {world_size} process(es)"
     if world_size > 1:
         effective += f" ({cfg.distributed_strategy})"
@@ -436,7 +503,6 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     from torch.profiler import record_function
     from tqdm.auto import tqdm
 
-    from trainer import checkpoint as ckpt
     from trainer.model import load_model
     from trainer.optim import build_optimizer, build_scheduler
     from trainer.profiling import StepProfiler
@@ -448,9 +514,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     heartbeat.beat(0, force=True)
     device = _device(local_rank)
     distributed.init(device)
-    log.info(
-        "allocator: %s", memory.alloc_conf_in_force() if alloc_conf or device.type == "cuda" else "n/a (CPU)"
-    )
+    log.info("allocator: %s", memory.alloc_conf_in_force() if device.type == "cuda" else "n/a (CPU)")
     if cfg.gpu_memory_limit_gib and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(
@@ -458,8 +522,18 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         )
 
     # 3. Resume point, model (loaded once, from the checkpoint when resuming), optimizer, schedule.
-    resume_from = ckpt.find_resume_checkpoint(cfg.resume, output_dir)
     state: dict[str, Any] = ckpt.load_trainer_state(resume_from) if resume_from else {}
+    if resume_from:
+        warn_config_changes(state.get("config", {}), cfg)
+        if int(state["step"]) >= total_steps:
+            log.info(
+                "%s is at step %d of %d: this run is already finished (raise max_steps to train on, or set "
+                "another output_dir or resume: never to start over)",
+                resume_from,
+                state["step"],
+                total_steps,
+            )
+            return 0
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -478,9 +552,18 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         probe_memory(train_module, cfg, oom, device)
     loader_state = state.get("loader")  # the train stream's position after the last completed step (rank 0)
     if loader_state is not None:
-        loader_state = resume_position(
-            loader_state, int(state.get("world_size", 1)), train_stream, cfg, tokenizer_file
-        )
+        from trainer.config import ConfigError
+        from trainer.data import RecipeDataError
+
+        try:
+            loader_state = resume_position(
+                loader_state, int(state.get("world_size", 1)), train_stream, cfg, tokenizer_file
+            )
+        except RecipeDataError as e:
+            raise ConfigError(
+                f"resume from {resume_from}: {e}. Train on the same data with the same batching, or start "
+                "over with resume: never or another output_dir"
+            ) from None
     best = state.get("best")  # {"eval_loss", "path"}
     reporter = Reporter(cfg, is_main=is_main, run_id=state.get("wandb_run_id"))
     reporter.started(
@@ -520,7 +603,15 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
             },
         )
         if is_main:
-            ckpt.rotate_checkpoints(output_dir, cfg.save_total_limit, Path(best["path"]) if best else None)
+            removed = ckpt.rotate_checkpoints(
+                output_dir, cfg.save_total_limit, Path(best["path"]) if best else None
+            )
+            if removed:
+                log.info(
+                    "removed %s (save_total_limit %d)",
+                    ", ".join(p.name for p in removed),
+                    cfg.save_total_limit,
+                )
         reporter.checkpoint_saved(step=at_step, path=str(path))
         return path
 
@@ -538,6 +629,8 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     window = {"t": time.monotonic(), "tokens": 0, "padded": 0, "samples": 0}
     run_tokens = 0
     train_log = output_dir / TRAIN_LOG if is_main else None
+    if train_log is not None:
+        drop_log_rows_after(train_log, step)  # steps a killed run logged after its last checkpoint
     bar = tqdm(
         total=total_steps,
         initial=step,
