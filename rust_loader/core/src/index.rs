@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
@@ -21,11 +21,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{LoaderError, Result};
 use crate::formats::{self, Columns, Format, Parsed, Skip, MAX_RECORD_BYTES};
-use crate::hash::hash_parts;
+use crate::hash::{hash_parts, mix};
 use crate::render::Renderer;
 use crate::tokenize::Tok;
 
-const MAGIC: &[u8; 8] = b"RLIDX002";
+const MAGIC: &[u8; 8] = b"RLIDX003";
 const CHUNK: usize = 1024;
 /// Bad-record examples kept per file.
 pub const MAX_EXAMPLES: usize = 10;
@@ -133,7 +133,7 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
         return Err(LoaderError::Config("no data paths given".into()));
     }
     let mut out: Vec<PathBuf> = Vec::new();
-    let mut seen: std::collections::HashMap<PathBuf, String> = std::collections::HashMap::new();
+    let mut seen: std::collections::HashMap<(u64, u64), String> = std::collections::HashMap::new();
     for p in patterns {
         let literal = PathBuf::from(p);
         let found = if literal.exists() || !p.contains(['*', '?', '[']) {
@@ -145,12 +145,13 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
             }
             vec![literal]
         } else {
-            let options = glob::MatchOptions {
-                require_literal_leading_dot: true,
-                ..Default::default()
-            };
-            let entries = glob::glob_with(p, options)
-                .map_err(|e| LoaderError::file(p, format!("bad glob: {e}")))?;
+            // Hidden files only when the pattern's file name asks for them (`.*.csv`). (glob's own
+            // require_literal_leading_dot drops every hidden entry, even for such a pattern.)
+            let hidden_wanted = Path::new(p)
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with('.'));
+            let entries =
+                glob::glob(p).map_err(|e| LoaderError::file(p, format!("bad glob: {e}")))?;
             let mut found = Vec::new();
             for entry in entries {
                 let path = entry.map_err(|e| {
@@ -159,7 +160,10 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
                         format!("cannot read while expanding {p}: {}", e.error()),
                     )
                 })?;
-                if path.is_file() {
+                let hidden = path
+                    .file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with('.'));
+                if path.is_file() && (hidden_wanted || !hidden) {
                     found.push(path);
                 }
             }
@@ -170,8 +174,11 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
             found
         };
         for path in found {
-            let canon = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone());
-            if let Some(first) = seen.insert(canon, p.clone()) {
+            // Device and inode: the same file through a symlink, a hard link or another spelling of the path.
+            let id = std::fs::metadata(&path)
+                .map(|m| (m.dev(), m.ino()))
+                .map_err(|e| LoaderError::file(path.display(), e))?;
+            if let Some(first) = seen.insert(id, p.clone()) {
                 return Err(LoaderError::file(
                     path.display(),
                     format!("named twice (by {first:?} and {p:?}); each file must be listed once"),
@@ -559,60 +566,24 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
             }
         }
         Format::RecipeNlg | Format::FoodCom => {
-            let mut rdr = csv_reader(NewlineLog {
-                inner: f,
-                pos: 0,
-                offsets: Default::default(),
-            });
-            rdr.byte_headers()
-                .map_err(|e| LoaderError::data(&shown, 1, e))?;
-            let mut newlines_before = 0u64;
+            let mut rdr = CsvScanner::new(f);
+            rdr.next_record().map_err(io_err)?; // the header, read by `read_header`
             loop {
                 let mut chunk = Vec::with_capacity(CHUNK);
                 while chunk.len() < CHUNK {
-                    let mut rec = csv::ByteRecord::new();
-                    let more = rdr.read_byte_record(&mut rec).map_err(|e| match e.kind() {
-                        csv::ErrorKind::Io(io) => {
-                            LoaderError::file(&shown, format!("read error: {io}"))
-                        }
-                        _ => LoaderError::data(
-                            &shown,
-                            e.position().map(|p| p.line()).unwrap_or(0),
-                            e,
-                        ),
-                    })?;
-                    if !more {
+                    let Some(raw) = rdr.next_record().map_err(io_err)? else {
                         break;
-                    }
-                    let start = rec.position().expect("csv record position").byte();
-                    let end = rdr.position().byte();
-                    let line = {
-                        let mut q = rdr.get_ref().offsets.borrow_mut();
-                        while q.front().is_some_and(|&o| o < start) {
-                            q.pop_front();
-                            newlines_before += 1;
-                        }
-                        let in_record = q.iter().take_while(|&&o| o < end).count() as u64;
-                        let trailing = in_record > 0 && q[in_record as usize - 1] == end - 1;
-                        let inside_fields = rec.iter().map(memchr_count).sum::<u64>();
-                        // Line ends at the front of the record's bytes: blank lines, or the `\n` of the
-                        // previous record's CRLF, which the csv crate consumes with this record.
-                        let leading = in_record.saturating_sub(inside_fields + trailing as u64);
-                        1 + newlines_before + leading
                     };
-                    if rec.len() == 1
-                        && rec
-                            .get(0)
-                            .is_some_and(|f| f.iter().all(u8::is_ascii_whitespace))
-                    {
-                        continue; // a blank line
+                    if let RawData::Csv(rec) = &raw.data {
+                        let blank = rec.len() == 1
+                            && rec
+                                .get(0)
+                                .is_some_and(|f| f.iter().all(u8::is_ascii_whitespace));
+                        if blank && raw.len as usize <= MAX_RECORD_BYTES {
+                            continue;
+                        }
                     }
-                    chunk.push(Raw {
-                        data: RawData::Csv(rec),
-                        start,
-                        len: end - start,
-                        line,
-                    });
+                    chunk.push(raw);
                 }
                 if chunk.is_empty() {
                     break;
@@ -624,22 +595,96 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
     Ok(())
 }
 
-/// The CSV input, noting where each `\n` is, so that a record's line can be told exactly (see `scan`).
-struct NewlineLog<R> {
-    inner: R,
+/// Splits CSV input into records with `csv_core` (the parser under the `csv` crate, same dialect), keeping at
+/// most `MAX_RECORD_BYTES` of a record: an unclosed quote that swallows the rest of the file costs no memory.
+/// It sees every byte, so a record's byte range and first line are exact whatever the line ends.
+struct CsvScanner<R> {
+    input: BufReader<R>,
+    core: csv_core::Reader,
     pos: u64,
-    offsets: std::cell::RefCell<std::collections::VecDeque<u64>>,
+    newlines: u64,
+    out: Vec<u8>,
+    ends: Vec<usize>,
+    done: bool,
 }
 
-impl<R: Read> Read for NewlineLog<R> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        let offsets = self.offsets.get_mut();
-        for (i, _) in buf[..n].iter().enumerate().filter(|(_, &b)| b == b'\n') {
-            offsets.push_back(self.pos + i as u64);
+impl<R: Read> CsvScanner<R> {
+    fn new(r: R) -> Self {
+        CsvScanner {
+            input: BufReader::with_capacity(1 << 20, r),
+            core: csv_core::Reader::new(),
+            pos: 0,
+            newlines: 0,
+            out: vec![0; 4096],
+            ends: vec![0; 64],
+            done: false,
         }
-        self.pos += n as u64;
-        Ok(n)
+    }
+
+    /// The next record (fields empty when it is over the limit: `len` says so), or None at the end.
+    fn next_record(&mut self) -> std::io::Result<Option<Raw>> {
+        use csv_core::ReadRecordResult::*;
+        if self.done {
+            return Ok(None);
+        }
+        let (start, newlines_before) = (self.pos, self.newlines);
+        // Line ends before the record's first byte of content: blank lines, or the `\n` of the previous
+        // record's CRLF, which csv_core reads as the start of this record.
+        let (mut leading, mut in_prefix) = (0u64, true);
+        let (mut outlen, mut endlen, mut over) = (0, 0, false);
+        loop {
+            let input = match self.input.fill_buf() {
+                Ok(b) => b,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            let (res, nin, nout, nend) =
+                self.core
+                    .read_record(input, &mut self.out[outlen..], &mut self.ends[endlen..]);
+            for &b in &input[..nin] {
+                if b == b'\n' {
+                    self.newlines += 1;
+                    leading += in_prefix as u64;
+                } else if b != b'\r' {
+                    in_prefix = false;
+                }
+            }
+            self.input.consume(nin);
+            self.pos += nin as u64;
+            outlen += nout;
+            endlen += nend;
+            match res {
+                InputEmpty => {}
+                OutputFull if self.out.len() > MAX_RECORD_BYTES => (over, outlen) = (true, 0),
+                OutputFull => self.out.resize(self.out.len() * 2, 0),
+                OutputEndsFull if over => endlen = 0,
+                OutputEndsFull => self.ends.resize(self.ends.len() * 2, 0),
+                Record => break,
+                End => {
+                    self.done = true;
+                    return Ok(None);
+                }
+            }
+        }
+        let len = self.pos - start;
+        let mut rec = csv::ByteRecord::new();
+        if !over {
+            let mut from = 0;
+            for &end in &self.ends[..endlen] {
+                rec.push_field(&self.out[from..end]);
+                from = end;
+            }
+        }
+        Ok(Some(Raw {
+            data: RawData::Csv(rec),
+            start,
+            len: if over {
+                len.max(MAX_RECORD_BYTES as u64 + 1)
+            } else {
+                len
+            },
+            line: 1 + newlines_before + leading,
+        }))
     }
 }
 
@@ -672,10 +717,6 @@ fn read_line_bounded(
             return Ok(total);
         }
     }
-}
-
-fn memchr_count(b: &[u8]) -> u64 {
-    b.iter().filter(|&&c| c == b'\n').count() as u64
 }
 
 fn process_chunk(idx: &mut FileIndex, s: &IndexSettings, chunk: Vec<Raw>) -> Result<()> {
@@ -748,6 +789,19 @@ struct CacheMeta {
     examples: Vec<Example>,
 }
 
+/// Every value of the cache: a damaged cache whose offsets still fit the data would otherwise read the wrong
+/// records.
+fn cache_checksum(idx: &FileIndex, meta: &[u8]) -> u64 {
+    let mut h = hash_parts(&[meta]);
+    for i in 0..idx.len() {
+        h = mix(h ^ idx.offsets[i]);
+        h = mix(h ^ (((idx.lens[i] as u64) << 32) | idx.lines[i] as u64));
+        h = mix(h ^ idx.hashes[i]);
+        h = mix(h ^ (((idx.src_len[i] as u64) << 16) | idx.tgt_len[i] as u64));
+    }
+    h
+}
+
 fn save_cache(dest: &Path, idx: &FileIndex) -> std::io::Result<()> {
     if let Some(d) = dest.parent() {
         std::fs::create_dir_all(d)?;
@@ -781,6 +835,7 @@ fn save_cache(dest: &Path, idx: &FileIndex) -> std::io::Result<()> {
         })?;
         w.write_all(&(meta.len() as u64).to_le_bytes())?;
         w.write_all(&meta)?;
+        w.write_all(&cache_checksum(idx, &meta).to_le_bytes())?;
         w.flush()
     })
 }
@@ -838,6 +893,9 @@ fn load_cache(src: &Path, idx: &mut FileIndex) -> std::io::Result<()> {
     let m = m as usize;
     let mut meta = vec![0u8; m];
     r.read_exact(&mut meta)?;
+    if read_u64(&mut r)? != cache_checksum(idx, &meta) {
+        return Err(bad());
+    }
     let meta: CacheMeta = serde_json::from_slice(&meta).map_err(|_| bad())?;
     idx.skipped = meta.skipped;
     idx.examples = meta.examples;

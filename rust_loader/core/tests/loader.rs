@@ -294,12 +294,22 @@ fn globs_skip_hidden_files_and_literal_paths_win() {
         std::fs::read_dir(&data).unwrap().count() > 1,
         "no index cache was written"
     );
+    // Unless the pattern names hidden files itself.
+    let hidden = write(&data, ".hidden.csv", RECIPENLG.as_bytes());
+    let mut l = Loader::new(config(&[&data.join(".*.csv")], dir.path())).unwrap();
+    assert_eq!(l.stats().files, [hidden.display().to_string()]);
     // A file whose name looks like a glob is read as named.
     let odd = write(dir.path(), "recipes [v2].csv", RECIPENLG.as_bytes());
     let mut l = Loader::new(config(&[&odd], dir.path())).unwrap();
     assert_eq!(all_rows(&mut l).len(), 3);
-    // The same file twice would be read twice per epoch.
+    // The same file twice would be read twice per epoch: also through a hard link.
     let e = Loader::new(config(&[&glob, &p], dir.path())).err().unwrap();
+    assert!(e.to_string().contains("named twice"), "{e}");
+    let linked = dir.path().join("linked.csv");
+    std::fs::hard_link(&p, &linked).unwrap();
+    let e = Loader::new(config(&[&p, &linked], dir.path()))
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("named twice"), "{e}");
 }
 
@@ -362,7 +372,7 @@ fn all_skipped_says_why() {
     let p = write(
         dir.path(),
         "r.csv",
-        b"title,ingredients,directions\nPie,\"['1 egg']\",\"['Mix.']\"\n",
+        b"title,ingredients,directions\nPie,not a list,\"['Mix.']\"\n",
     );
     let e = Loader::new(config(&[&p], dir.path()))
         .err()
@@ -395,7 +405,11 @@ fn damaged_index_cache_is_rebuilt() {
     huge[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes());
     let mut past_end = good.clone();
     past_end[24..32].copy_from_slice(&(1u64 << 30).to_le_bytes());
-    for bytes in [huge, past_end, good[..20].to_vec()] {
+    // An offset that still fits the data, moved to the next record's: read silently, it would lose a record.
+    let mut in_range = good.clone();
+    let second: [u8; 8] = good[32..40].try_into().unwrap();
+    in_range[24..32].copy_from_slice(&second);
+    for bytes in [huge, past_end, in_range, good[..20].to_vec()] {
         std::fs::write(&cache, &bytes).unwrap();
         let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
         assert!(!l.stats().index_cached[0]);
@@ -423,4 +437,36 @@ fn resume_survives_touching_or_moving_the_data_but_not_editing_it() {
     let mut edited = Loader::new(config(&[&q], dir.path())).unwrap();
     let e = edited.load_state(&state).err().unwrap();
     assert!(e.to_string().contains("cannot resume"), "{e}");
+}
+
+#[test]
+fn csv_record_over_the_limit_is_skipped_without_holding_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = "\"[\"\"x\"\"]\",\"[\"\"y\"\"]\"";
+    // A field of 3 MiB inside quotes, then a good record; then an unclosed quote that runs to the end.
+    let text = format!(
+        "title,ingredients,directions\n\"{}\",{good}\nok,{good}\n\"open, no closing quote\nlost,a,b\n",
+        "long line\n".repeat(300_000)
+    );
+    let p = write(dir.path(), "r.csv", text.as_bytes());
+    let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+    assert_eq!(all_rows(&mut l).len(), 1);
+    let st = l.stats();
+    assert_eq!(st.skipped.get("over_long"), Some(&1), "{:?}", st.examples);
+    assert_eq!(
+        st.skipped.get("malformed_csv"),
+        Some(&1),
+        "{:?}",
+        st.examples
+    );
+    assert!(
+        st.examples[0].contains("r.csv:2: over_long"),
+        "{:?}",
+        st.examples
+    );
+    assert!(
+        st.examples[1].contains("r.csv:300004: malformed_csv"),
+        "{:?}",
+        st.examples
+    );
 }
