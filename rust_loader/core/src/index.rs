@@ -603,6 +603,7 @@ struct CsvScanner<R> {
     core: csv_core::Reader,
     pos: u64,
     newlines: u64,
+    pending_cr: bool,
     out: Vec<u8>,
     ends: Vec<usize>,
     done: bool,
@@ -615,6 +616,7 @@ impl<R: Read> CsvScanner<R> {
             core: csv_core::Reader::new(),
             pos: 0,
             newlines: 0,
+            pending_cr: false,
             out: vec![0; 4096],
             ends: vec![0; 64],
             done: false,
@@ -628,8 +630,8 @@ impl<R: Read> CsvScanner<R> {
             return Ok(None);
         }
         let (start, newlines_before) = (self.pos, self.newlines);
-        // Line ends before the record's first byte of content: blank lines, or the `\n` of the previous
-        // record's CRLF, which csv_core reads as the start of this record.
+        // Line ends before the record's first byte of content: blank lines, or the end of the previous
+        // record's line (csv_core ends a record at `\r`, so a CRLF's `\n` is read with the next one).
         let (mut leading, mut in_prefix) = (0u64, true);
         let (mut outlen, mut endlen, mut over) = (0, 0, false);
         loop {
@@ -642,12 +644,14 @@ impl<R: Read> CsvScanner<R> {
                 self.core
                     .read_record(input, &mut self.out[outlen..], &mut self.ends[endlen..]);
             for &b in &input[..nin] {
-                if b == b'\n' {
-                    self.newlines += 1;
-                    leading += in_prefix as u64;
-                } else if b != b'\r' {
-                    in_prefix = false;
+                // A line ends at `\n`, or at a `\r` that no `\n` follows (old Mac files).
+                let line_end = (b == b'\n' || self.pending_cr) as u64;
+                self.pending_cr = b == b'\r';
+                if in_prefix {
+                    leading += line_end;
+                    in_prefix = b == b'\r' || b == b'\n';
                 }
+                self.newlines += line_end;
             }
             self.input.consume(nin);
             self.pos += nin as u64;

@@ -253,6 +253,8 @@ fn csv_lines_count_newlines_inside_fields_once() {
         ("lf_inner_crlf.csv", "\n", "\r\n"),
         ("crlf.csv", "\r\n", "\n"),
         ("crlf_both.csv", "\r\n", "\r\n"),
+        ("cr.csv", "\r", "\r"),
+        ("cr_inner_lf.csv", "\r", "\n"),
     ] {
         let rows = [
             "title,ingredients,directions".to_string(),
