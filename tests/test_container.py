@@ -256,6 +256,13 @@ def test_healthcheck_module_reads_time_then_mtime(tmp_path):
     mtime = path.stat().st_mtime
     assert check_heartbeat(path, 900, now=mtime + 10)[0] is True
     assert check_heartbeat(path, 900, now=mtime + 1000)[0] is False
+    # A time that is NaN or far in the future cannot vouch for the loop: the mtime counts.
+    for text in ('{"step": 5, "time": NaN}', '{"step": 5, "time": 99999999999}', "\udcff\x00garbage"):
+        path.write_bytes(text.encode("utf-8", "surrogateescape"))
+        mtime = path.stat().st_mtime
+        assert check_heartbeat(path, 900, now=mtime + 1000)[0] is False, text
+        assert check_heartbeat(path, 900, now=mtime + 10)[0] is True, text
+    assert check_heartbeat(path, float("nan"))[0] is False
 
 
 # --- Compose ------------------------------------------------------------------------------------------------

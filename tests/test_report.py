@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -393,7 +394,12 @@ def test_a_real_run_reports_every_event_to_discord_and_wandb(
 ):
     from trainer.checkpoint import find_resume_checkpoint, load_trainer_state
 
-    config, out = _run_config(tmp_path, tiny_model_dir, sample_csv, "good")
+    # The data under a directory named like the HF token: the path is in the config that each checkpoint
+    # stores, and it must be masked there too.
+    data = tmp_path / RUN_SECRETS["HF_TOKEN"] / "recipes.csv"
+    data.parent.mkdir()
+    shutil.copy(sample_csv, data)
+    config, out = _run_config(tmp_path, tiny_model_dir, data, "good")
     # Micro-batch 2 runs out of memory (step 2 is retried as two half batches: 3 and 4); micro-batch 6, the
     # second half of step 3, turns NaN, so that step is skipped.
     env = _run_env(tmp_path, discord_server.url, oom_at=2, nan_at="6")
@@ -463,6 +469,25 @@ def test_a_crash_in_a_real_run_is_reported_and_redacted(
     assert "Traceback" in crash["description"] and "upstream call failed: *** *** " in crash["description"]
     assert all(limit_violations(p) == [] for p in discord_server.payloads)
     _no_secret_anywhere(out, console, discord_server.url, discord_server.token)
+
+
+def test_a_crash_while_loading_the_model_is_reported(
+    tmp_path,
+    tiny_model_dir,
+    sample_csv,
+    fault_script,
+    discord_server,  # noqa: F811
+):
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    config, out = _run_config(tmp_path, broken, sample_csv, "load", report_to="none")
+    done, _ = _train(fault_script, config, _run_env(tmp_path, discord_server.url))
+    console = done.stdout + done.stderr
+    assert done.returncode == 1, console
+    titles = discord_server.titles()
+    assert titles[0] == "Training started: load" and titles[-1].startswith("Training crashed: "), titles
 
 
 def test_sigterm_in_a_real_run_is_reported(

@@ -135,6 +135,11 @@ def test_rerun_of_a_finished_or_killed_run(tiny_model_dir, sample_csv, tmp_path,
     assert train(_cfg(tiny_model_dir, sample_csv, out, save_steps=4)) == 0
     assert f"is at step {STEPS} of {STEPS}: this run is already finished" in caplog.text
     assert (out / SUMMARY).read_text() == summary and (out / TRAIN_LOG).read_text() == logged
+    # A run that failed while writing final/ left none (it is renamed into place whole): the rerun writes it.
+    shutil.rmtree(out / "final")
+    assert train(_cfg(tiny_model_dir, sample_csv, out, save_steps=4)) == 0
+    assert (out / "final" / "model.safetensors").is_file() and not (out / "final.tmp").exists()
+    assert (out / SUMMARY).read_text() == summary and (out / TRAIN_LOG).read_text() == logged
 
     # As if killed after step 8 was logged but before its checkpoint: resume at 4, with a changed learning
     # rate. The log keeps one row per step, and the optimizer's state (its learning rate too) is the

@@ -103,11 +103,12 @@ def _run(args: argparse.Namespace) -> int:
             path = args.file
         else:
             from trainer.config import ConfigError, TrainConfig
+            from trainer.redact import redact
 
             try:
                 path = heartbeat_path(TrainConfig.load(args.config, args.set).output_dir)
             except ConfigError as e:  # exit 2 is reserved by Docker's HEALTHCHECK: report unhealthy instead
-                print(f"trainer: config error: {e}", file=sys.stderr)
+                print(f"trainer: config error: {redact(str(e))}", file=sys.stderr)
                 return 1
         fresh, reason = check_heartbeat(path, args.max_age)
         print(reason)

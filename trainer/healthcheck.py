@@ -8,6 +8,7 @@ it; "CUDA is available" would still be true.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -23,9 +24,11 @@ def check_heartbeat(path: str | Path, max_age: float, now: float | None = None) 
     """(fresh, one-line reason). The age is taken from the file's "time" field, else from its mtime."""
     path = Path(path)
     now = time.time() if now is None else now
+    if not (math.isfinite(max_age) and max_age > 0):
+        return False, f"--max-age must be a positive number of seconds, got {max_age}"
     try:
         stamp = path.stat().st_mtime
-        raw = path.read_text(encoding="utf-8")
+        raw = path.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return False, f"no heartbeat at {path} (training has not started, or writes elsewhere)"
     except OSError as e:
@@ -33,8 +36,10 @@ def check_heartbeat(path: str | Path, max_age: float, now: float | None = None) 
     step = None
     try:
         beat = json.loads(raw)
-        if isinstance(beat, dict) and isinstance(beat.get("time"), (int, float)):
-            stamp = float(beat["time"])
+        # A time that is not a number, or from the future, cannot say the loop is alive: use the mtime.
+        beat_time = beat.get("time") if isinstance(beat, dict) else None
+        if isinstance(beat_time, (int, float)) and math.isfinite(beat_time) and beat_time <= now + 60:
+            stamp = float(beat_time)
             step = beat.get("step")
     except ValueError:
         pass  # half-written or foreign file: its mtime still says when it was last touched

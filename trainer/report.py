@@ -324,6 +324,19 @@ class Reporter:
             self._wandb.set_summary({"crashed": kind})
 
     @_never_raise
+    def interrupted(self) -> None:
+        """A second Ctrl-C: the run stopped at once, without a checkpoint."""
+        self._exit_code = 130
+        self._notify(
+            "signal",
+            f"Training interrupted: {self._name}",
+            "A second Ctrl-C stopped the run at once, without a checkpoint; the last saved one resumes it.",
+            priority=Priority.CRITICAL,
+        )
+        if self._wandb is not None:
+            self._wandb.set_summary({"stopped_by": "SIGINT (twice, no checkpoint)"})
+
+    @_never_raise
     def stopped_by_signal(self, *, signal_name: str, step: int, checkpoint: str | None) -> None:
         self._exit_code = 0 if self._exit_code == 0 else self._exit_code
         fields = [

@@ -15,6 +15,7 @@ writes the train log, the progress bar, W&B and Discord; checkpoints are collect
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ from typing import Any
 from trainer import distributed, memory
 from trainer.config import TrainConfig
 from trainer.data import skipped_summary, stream_for, to_device
+from trainer.redact import redact_obj
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +356,44 @@ def generate(model, tok, batch: dict, cfg: TrainConfig, n: int, synced: bool = F
 # -- the run ----------------------------------------------------------------------------------------------
 
 
+def report_exit(reporter, e: BaseException) -> None:
+    """Tell Discord and W&B how the run ended with `e`: a second Ctrl-C, or a crash."""
+    if isinstance(e, KeyboardInterrupt):
+        reporter.interrupted()
+    else:
+        reporter.crashed(e)
+    reporter.close()
+
+
+@contextlib.contextmanager
+def reported_exit(reporter):
+    """Report an exception raised inside (then re-raise it): model loading, the last saves."""
+    try:
+        yield
+    except BaseException as e:
+        report_exit(reporter, e)
+        raise
+
+
+def save_final_model(model, cfg: TrainConfig, tokenizer_file: str, final: Path, is_main: bool) -> None:
+    """`final/`: the whole model and its tokenizer, written beside it and renamed into place, so that a run
+    stopped or failing half-way leaves no partial final/ (the next run writes it). Collective under FSDP."""
+    import shutil
+
+    from trainer import checkpoint as ckpt
+
+    tmp = final.with_name(final.name + ".tmp")
+    if is_main and tmp.exists():
+        shutil.rmtree(tmp)
+    distributed.barrier()
+    ckpt.save_pretrained(model, tmp)  # rank 0 writes the whole model (FSDP: gathered)
+    if is_main:
+        _copy_tokenizer(cfg.model_name_or_path, tokenizer_file, tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+
+
 def check_output_dir(output_dir: str) -> None:
     """Raise ConfigError when `output_dir` cannot be a writable directory (a file, or under a file or a
     read-only directory), before any work; creates nothing."""
@@ -374,7 +414,7 @@ _RESUME_FREE_KEYS = {"max_steps", "num_train_epochs", "resume", "output_dir", "p
 def warn_config_changes(saved: dict[str, Any], cfg: TrainConfig) -> None:
     """Warn, naming the keys, where the config differs from the one the checkpoint was written with. The
     optimizer and scheduler states come from the checkpoint, so a changed learning_rate does not apply."""
-    now = cfg.to_dict()
+    now = redact_obj(cfg.to_dict())  # the checkpoint's copy is masked
     changed = sorted(
         k for k in saved.keys() & now.keys() if k not in _RESUME_FREE_KEYS and saved[k] != now[k]
     )
@@ -502,8 +542,13 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     import torch
     from torch.profiler import record_function
     from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
 
     from trainer.model import load_model
+
+    # transformers' own stderr handler would bypass the root handler's secret masking (a token in a path).
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
     from trainer.optim import build_optimizer, build_scheduler
     from trainer.profiling import StepProfiler
     from trainer.report import Reporter
@@ -523,9 +568,10 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
 
     # 3. Resume point, model (loaded once, from the checkpoint when resuming), optimizer, schedule.
     state: dict[str, Any] = ckpt.load_trainer_state(resume_from) if resume_from else {}
+    final = output_dir / "final"  # written whole, then renamed into place: it exists only when complete
     if resume_from:
         warn_config_changes(state.get("config", {}), cfg)
-        if int(state["step"]) >= total_steps:
+        if int(state["step"]) >= total_steps and (final.is_dir() or not cfg.save_final):
             log.info(
                 "%s is at step %d of %d: this run is already finished (raise max_steps to train on, or set "
                 "another output_dir or resume: never to start over)",
@@ -534,37 +580,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
                 total_steps,
             )
             return 0
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    model = load_model(cfg, device, path=resume_from, random_init=False if resume_from else None)
-    model.train()
-    # What the loop calls for the loss: the model itself, or DDP/FSDP2 around it (several processes).
-    train_module = distributed.wrap(model, cfg.distributed_strategy, device)
-    optimizer = build_optimizer(model, cfg, device)
-    scheduler = build_scheduler(optimizer, cfg, total_steps)
-    step = int(state.get("step", 0))
-    if resume_from:
-        ckpt.load_training_state(resume_from, model, optimizer, scheduler)
-        log.info("resumed from step %d (%s)", step, resume_from)
-    oom = {"split": int(state.get("oom_split", 1)), "halvings": int(state.get("oom_halvings", 0))}
-    if cfg.oom_probe and device.type == "cuda" and not resume_from:
-        probe_memory(train_module, cfg, oom, device)
-    loader_state = state.get("loader")  # the train stream's position after the last completed step (rank 0)
-    if loader_state is not None:
-        from trainer.config import ConfigError
-        from trainer.data import RecipeDataError
-
-        try:
-            loader_state = resume_position(
-                loader_state, int(state.get("world_size", 1)), train_stream, cfg, tokenizer_file
-            )
-        except RecipeDataError as e:
-            raise ConfigError(
-                f"resume from {resume_from}: {e}. Train on the same data with the same batching, or start "
-                "over with resume: never or another output_dir"
-            ) from None
-    best = state.get("best")  # {"eval_loss", "path"}
+    # Reported from here on: a crash while loading the model reaches Discord and W&B too.
     reporter = Reporter(cfg, is_main=is_main, run_id=state.get("wandb_run_id"))
     reporter.started(
         model=cfg.model_name_or_path,
@@ -573,6 +589,39 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         planned_steps=total_steps,
         data_counts={"records": usable, "skipped_records": skipped},
     )
+    with reported_exit(reporter):
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        model = load_model(cfg, device, path=resume_from, random_init=False if resume_from else None)
+        model.train()
+        # What the loop calls for the loss: the model itself, or DDP/FSDP2 around it (several processes).
+        train_module = distributed.wrap(model, cfg.distributed_strategy, device)
+        optimizer = build_optimizer(model, cfg, device)
+        scheduler = build_scheduler(optimizer, cfg, total_steps)
+        step = int(state.get("step", 0))
+        if resume_from:
+            ckpt.load_training_state(resume_from, model, optimizer, scheduler)
+            log.info("resumed from step %d (%s)", step, resume_from)
+        oom = {"split": int(state.get("oom_split", 1)), "halvings": int(state.get("oom_halvings", 0))}
+        if cfg.oom_probe and device.type == "cuda" and not resume_from:
+            probe_memory(train_module, cfg, oom, device)
+        # The train stream's position after the last completed step (rank 0).
+        loader_state = state.get("loader")
+        if loader_state is not None:
+            from trainer.config import ConfigError
+            from trainer.data import RecipeDataError
+
+            try:
+                loader_state = resume_position(
+                    loader_state, int(state.get("world_size", 1)), train_stream, cfg, tokenizer_file
+                )
+            except RecipeDataError as e:
+                raise ConfigError(
+                    f"resume from {resume_from}: {e}. Train on the same data with the same batching, or "
+                    "start over with resume: never or another output_dir"
+                ) from None
+        best = state.get("best")  # {"eval_loss", "path"}
     empty_cache = memory.EmptyCacheSchedule(cfg.empty_cache_steps)
     profiler = StepProfiler(cfg.profile_start_step, cfg.profile_steps, output_dir, enabled=is_main)
     log.info(
@@ -593,7 +642,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
             trainer_state={
                 "loader": loader_state,
                 "world_size": world_size,
-                "config": cfg.to_dict(),
+                "config": redact_obj(cfg.to_dict()),
                 "wandb_run_id": reporter.run_id,
                 "oom_split": oom["split"],
                 "oom_halvings": oom["halvings"],
@@ -776,28 +825,27 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     except BaseException as e:
         bar.close()
         stop.restore()
-        if not isinstance(e, KeyboardInterrupt):
-            reporter.crashed(e)
-        reporter.close()
+        report_exit(reporter, e)
         raise
     bar.close()
-    stop.restore()
     duration = time.monotonic() - started
 
     # 5. Stopped by a signal: checkpoint and exit. Else: the final checkpoint and model.
+    # The signal handlers stay until the end: a signal while a checkpoint or final/ is written is noted, the
+    # write completes (a second Ctrl-C still stops at once).
     if stop:
-        path = save(step) if saved_at != step else output_dir / f"checkpoint-{step}"
+        with reported_exit(reporter):
+            path = save(step) if saved_at != step else output_dir / f"checkpoint-{step}"
+        stop.restore()
         reporter.stopped_by_signal(signal_name=stop.signal_name, step=step, checkpoint=str(path))
         reporter.close()
         log.info("stopped by %s at step %d; resume with the same command", stop.signal_name, step)
         return 128 + getattr(signal, stop.signal_name)
-    final = output_dir / "final"
-    if cfg.save_final:
-        if saved_at != step:
-            save(step)
-        ckpt.save_pretrained(model, final)  # rank 0 writes the whole model (FSDP: gathered)
-        if is_main:
-            _copy_tokenizer(cfg.model_name_or_path, tokenizer_file, final)
+    with reported_exit(reporter):
+        if cfg.save_final:
+            if saved_at != step:
+                save(step)
+            save_final_model(model, cfg, tokenizer_file, final, is_main)
     from trainer.model import LAST_LOAD
 
     summary = {
@@ -813,11 +861,14 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     if device.type == "cuda":
         summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
-    if is_main:
+    if is_main and (
+        run_tokens or not (output_dir / SUMMARY).exists()
+    ):  # a rerun that only wrote final/ keeps it
         (output_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     for g in last_generations[:1]:
         log.info("a recipe for held-out ingredients %r:\n%s", g["ingredients"], g["generated"])
     log.info("finished: %d steps in %.0f s, final loss %s, model in %s", step, duration, last_loss, final)
+    stop.restore()
     reporter.finished(final_loss=last_loss, duration_s=duration, model_dir=str(final))
     reporter.close()
     heartbeat.beat(step, force=True)
