@@ -161,6 +161,8 @@ def checkpoint_problem(path: Path) -> str | None:
     from safetensors import safe_open
     from torch.distributed.checkpoint import FileSystemReader
 
+    if not (path / MARKER).is_file():
+        return f"no {MARKER}"
     try:
         state = json.loads((path / MARKER).read_text(encoding="utf-8"))
         if not isinstance(state, dict) or not isinstance(state.get("step"), int):
@@ -194,7 +196,7 @@ def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
         return None
     if resume != "auto":
         path = Path(resume)
-        problem = f"no {MARKER}" if not (path / MARKER).is_file() else checkpoint_problem(path)
+        problem = checkpoint_problem(path)
         if problem:
             raise ConfigError(f"resume: {path} is not a usable checkpoint ({problem})")
         return path
@@ -203,7 +205,7 @@ def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
         return None
     named = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
     for _, path in sorted(named, reverse=True):
-        problem = f"no {MARKER}" if not (path / MARKER).is_file() else checkpoint_problem(path)
+        problem = checkpoint_problem(path)
         if problem is None:
             return path
         log.warning("resume: skipping %s, it cannot be resumed from (%s)", path, problem)
