@@ -23,9 +23,6 @@ class ConfigError(ValueError):
     """A config file or override that cannot be used; raised before anything heavy loads."""
 
 
-_NULLABLE = ("per_device_train_batch_size", "max_tokens", "pad_to_multiple_of")
-
-
 @dataclass
 class TrainConfig:
     # --- model ---
@@ -115,29 +112,29 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size is not None and self.max_tokens is not None:
             raise ConfigError("set per_device_train_batch_size or max_tokens, not both")
-        blocks = self.decoder_blocks_without_checkpointing
-        if blocks is not None and blocks < 0:
-            raise ConfigError(f"decoder_blocks_without_checkpointing must be >= 0 or null, got {blocks}")
-        at_least_one = (
-            "gradient_accumulation_steps",
-            "logging_steps",
-            "eval_steps",
-            "save_steps",
-            "per_device_train_batch_size",
-            "max_tokens",
-            "pad_to_multiple_of",
-            "max_source_length",
-            "max_target_length",
-        )
-        for name in at_least_one:
+        # A key whose default is null may be null ("or null" in the message); the others must be set.
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        at_least = {
+            "gradient_accumulation_steps": 1,
+            "logging_steps": 1,
+            "eval_steps": 1,
+            "save_steps": 1,
+            "per_device_train_batch_size": 1,
+            "max_tokens": 1,
+            "pad_to_multiple_of": 1,
+            "max_source_length": 1,
+            "max_target_length": 1,
+            "decoder_blocks_without_checkpointing": 0,
+            "warmup_steps": 0,
+            "empty_cache_steps": 0,
+            "save_total_limit": 0,
+            "max_oom_halvings": 0,
+        }
+        for name, low in at_least.items():
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(
-                    f"{name} must be >= 1{' or null' if name in _NULLABLE else ''}, got {value}"
-                )
-        for name in ("warmup_steps", "empty_cache_steps", "save_total_limit", "max_oom_halvings"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if value is not None and value < low:
+                nullable = " or null" if defaults[name] is None else ""
+                raise ConfigError(f"{name} must be >= {low}{nullable}, got {value}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
