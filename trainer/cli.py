@@ -7,6 +7,13 @@ import logging
 import sys
 
 
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    # "extend": every --set counts (`--set a=1 --set b=2`), not only the last one.
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", action="extend", help="override config keys"
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainer", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -14,14 +21,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model from a YAML config")
     train.add_argument("--config", required=True, help="YAML config (see configs/)")
-    train.add_argument(
-        "--set", nargs="+", default=[], metavar="KEY=VALUE", action="extend", help="override config keys"
-    )
+    _add_overrides(train)
     train.add_argument("--dry-run", action="store_true", help="check the config and data paths, then exit")
 
     plan = sub.add_parser("plan", help="predict peak GPU memory for a config")
     plan.add_argument("--config", required=True)
-    plan.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", action="extend")
+    _add_overrides(plan)
     plan.add_argument("--gpu-memory", default="32GiB", help="card size, e.g. 32GiB or 24GB")
 
     data = sub.add_parser("data", help="sample data and inspect recipe files").add_subparsers(
@@ -37,7 +42,7 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect = data.add_parser("inspect", help="count records, skips, token lengths and padding")
     inspect.add_argument("paths", nargs="+")
     inspect.add_argument("--config", help="YAML config whose tokenizer, task and batching to use")
-    inspect.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", action="extend")
+    _add_overrides(inspect)
 
     tiny = sub.add_parser("tiny-model", help="build a tiny random FLAN-T5 and tokenizer for offline use")
     tiny.add_argument("--out", required=True)
@@ -47,9 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
     where = health.add_mutually_exclusive_group(required=True)
     where.add_argument("--file", help="heartbeat file to check")
     where.add_argument("--config", help="YAML config of the run: checks <output_dir>/heartbeat")
-    health.add_argument(
-        "--set", nargs="+", default=[], metavar="KEY=VALUE", action="extend", help="override config keys"
-    )
+    _add_overrides(health)
     health.add_argument("--max-age", type=float, default=900.0, help="allowed seconds since the last beat")
     return parser
 
