@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import distributed, memory
-from trainer.config import TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.data import skipped_summary, stream_for, to_device
 from trainer.redact import redact_obj
 
@@ -397,8 +397,6 @@ def save_final_model(model, cfg: TrainConfig, tokenizer_file: str, final: Path, 
 def check_output_dir(output_dir: str) -> None:
     """Raise ConfigError when `output_dir` cannot be a writable directory (a file, or under a file or a
     read-only directory), before any work; creates nothing."""
-    from trainer.config import ConfigError
-
     path = Path(output_dir).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
@@ -482,8 +480,6 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     if cfg.make_demo_data:
         ensure_demo_data(cfg)
     if not cfg.train_files:
-        from trainer.config import ConfigError
-
         raise ConfigError("train_files is empty: name at least one recipe file or glob")
     check_output_dir(cfg.output_dir)
     from trainer import checkpoint as ckpt
@@ -545,13 +541,13 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     from transformers.utils import logging as hf_logging
 
     from trainer.model import load_model
+    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.profiling import StepProfiler
+    from trainer.report import Reporter
 
     # transformers' own stderr handler would bypass the root handler's secret masking (a token in a path).
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
-    from trainer.optim import build_optimizer, build_scheduler
-    from trainer.profiling import StepProfiler
-    from trainer.report import Reporter
 
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -609,7 +605,6 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         # The train stream's position after the last completed step (rank 0).
         loader_state = state.get("loader")
         if loader_state is not None:
-            from trainer.config import ConfigError
             from trainer.data import RecipeDataError
 
             try:
@@ -861,9 +856,8 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     if device.type == "cuda":
         summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
-    if is_main and (
-        run_tokens or not (output_dir / SUMMARY).exists()
-    ):  # a rerun that only wrote final/ keeps it
+    # A rerun that trained nothing (it only wrote a missing final/) keeps the summary of the run.
+    if is_main and (run_tokens or not (output_dir / SUMMARY).exists()):
         (output_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     for g in last_generations[:1]:
         log.info("a recipe for held-out ingredients %r:\n%s", g["ingredients"], g["generated"])
