@@ -283,6 +283,17 @@ fn content_hash(src_len: &[u16], tgt_len: &[u16], hashes: &[u64]) -> u64 {
     mix(h)
 }
 
+/// Skipped records by reason, over all files.
+fn skip_counts(files: &[FileIndex]) -> BTreeMap<String, u64> {
+    let mut skipped = BTreeMap::new();
+    for f in files {
+        for (reason, n) in &f.skipped {
+            *skipped.entry(reason.clone()).or_default() += n;
+        }
+    }
+    skipped
+}
+
 /// The error when nothing is left to train on, with what was skipped and why.
 fn no_usable_records(
     paths: &[PathBuf],
@@ -290,12 +301,7 @@ fn no_usable_records(
     valid: usize,
     split: plan::Split,
 ) -> LoaderError {
-    let mut skipped: BTreeMap<&str, u64> = BTreeMap::new();
-    for f in files {
-        for (reason, n) in &f.skipped {
-            *skipped.entry(reason).or_default() += n;
-        }
-    }
+    let skipped = skip_counts(files);
     let total_skipped: u64 = skipped.values().sum();
     let mut reason =
         format!("no usable records for the {split} split ({valid} valid, {total_skipped} skipped");
@@ -572,14 +578,12 @@ impl Loader {
     pub fn stats(&mut self) -> Stats {
         let plan = self.plan();
         let ctx = &self.ctx;
-        let mut skipped: BTreeMap<String, u64> = BTreeMap::new();
-        let mut examples = Vec::new();
-        for f in &ctx.files {
-            for (k, v) in &f.skipped {
-                *skipped.entry(k.clone()).or_default() += v;
-            }
-            examples.extend(f.examples.iter().map(Example::to_string));
-        }
+        let mut skipped = skip_counts(&ctx.files);
+        let mut examples: Vec<String> = ctx
+            .files
+            .iter()
+            .flat_map(|f| f.examples.iter().map(Example::to_string))
+            .collect();
         if !self.duplicates.is_empty() {
             skipped.insert("duplicate".into(), self.duplicates.len() as u64);
             let at = |id: u32| {
