@@ -313,6 +313,11 @@ def check(root: Path, args: argparse.Namespace, torch) -> int:
         f"@triton.jit and compiled again for sm_120 ({recompiled} built). Limit on sm_120: "
         f"{SM120_SHARED_LIMIT:,} bytes (99 KiB) of shared memory per block.\n"
     )
+    if not args.tiny and launched == 0:
+        print(
+            "[FAIL] the training launched none of the trainer's Triton kernels: it did not take its GPU path"
+        )
+        return 1
     if not kernels:
         print(
             "No kernel was compiled: on the CPU the trainer runs no Triton kernel (attention, the fused ops "
