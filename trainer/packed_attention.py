@@ -134,6 +134,7 @@ class PackedAttentionLayout:
     position_bias: RelativeBias | None  # None: no position bias (T5's cross-attention)
     bias_table: torch.Tensor | None = None  # fp32 (buckets, H), differentiable: set by the first block
     distance_bias: torch.Tensor | None = None  # fp32 (H, 2 x max_distance + 1): bias of each clamped distance
+    gradient_buckets: torch.Tensor | None = None  # fp32 (accumulator entries, buckets): each entry's bucket
 
     @classmethod
     def build(
@@ -167,6 +168,8 @@ class PackedAttentionLayout:
         m = bias.max_distance
         distances = torch.arange(-m, m + 1, device=weight.device)
         self.distance_bias = table.detach()[bias.buckets(distances)].t().contiguous()
+        entry_buckets = bias.buckets(gradient_distances(m, weight.device))
+        self.gradient_buckets = torch.nn.functional.one_hot(entry_buckets, bias.num_buckets).float()
         self.bias_table = table
 
 
@@ -533,7 +536,6 @@ class _PackedAttention(torch.autograd.Function):
         )
         ctx.save_for_backward(q, k, v, distance_bias, out, lse, seed)
         ctx.layout, ctx.dropout_p = layout, dropout_p
-        ctx.table_shape = None if bias_table is None else bias_table.shape
         return out
 
     @staticmethod
@@ -614,11 +616,9 @@ class _PackedAttention(torch.autograd.Function):
             **flags,
         )
         grad_table = None
-        if has_bias and ctx.table_shape is not None:
-            by_distance = dbias.sum((0, 1))  # (H, entries): a fixed-order sum, deterministic
-            buckets = layout.position_bias.buckets(gradient_distances(max_distance, q.device))
-            grad_table = torch.zeros(ctx.table_shape, dtype=torch.float32, device=q.device)
-            grad_table.index_add_(0, buckets, by_distance.t())
+        if has_bias:
+            # Fixed-order sums (no index_add_: its CUDA atomics would add in a varying order)
+            grad_table = (dbias.sum((0, 1)) @ layout.gradient_buckets).t()
         return dq, dk, dv, grad_table, None, None, None
 
 
