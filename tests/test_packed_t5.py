@@ -13,6 +13,7 @@ from trainer.packed_t5 import decoder_input_ids
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+TOL = 4 if DEVICE == "cuda" else 1  # bf16's rounding errors are ~8x fp16's
 
 # (source, target) lengths and (rows, source capacity, target capacity): a record of one source token and
 # one of one target token; records crossing the kernels' 64-token tiles and a last row left empty in the big
@@ -109,18 +110,23 @@ def test_packed_loss_and_gradients_equal_the_sum_over_records_fp32(tiny_model_di
     assert_grads_close(grads, want_grads, 1e-4)
 
 
-def test_packed_kernels_give_the_sum_over_records(tiny_model_dir):
-    # The same through the Triton kernels (bias computed inside them, its gradient summed into the table)
+def test_packed_kernels_give_the_sum_over_records(tiny_model_dir, monkeypatch):
+    # The same through the Triton kernels: the bias computed inside them (T5's dense bias never is), its
+    # gradient summed into the table
+    from transformers.models.t5.modeling_t5 import T5Attention
+
     recs = records(SMALL[0], seed=1)
     reference = load(tiny_model_dir, torch.float32).eval()
     want_loss, want_grads = per_record_loss_and_grads(reference, recs)
     model = load(tiny_model_dir, KERNEL_DTYPE, triton_attention=True).eval()
+
+    def no_dense_bias(*args, **kwargs):
+        raise AssertionError("T5's dense (H, T, S) position bias was computed")
+
+    monkeypatch.setattr(T5Attention, "compute_bias", no_dense_bias)
     loss, grads = packed_loss_and_grads(model, pack(recs, *SMALL[1]))
-    assert loss == pytest.approx(want_loss, rel=3e-3)
-    assert_grads_close(grads, want_grads, 3e-2)
-    for stack in ("encoder", "decoder"):  # the position-bias tables of both stacks learn
-        name = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-        assert_grads_close({name: grads[name]}, {name: want_grads[name]}, 3e-2)
+    assert loss == pytest.approx(want_loss, rel=3e-3 * TOL)
+    assert_grads_close(grads, want_grads, 3e-2 * TOL)  # the bias tables of both stacks included
 
 
 def test_checkpoint_recompute_drops_the_same_probabilities(tiny_model_dir, monkeypatch):
