@@ -146,10 +146,10 @@ def check(kind, layout, q, k, v, table, bias) -> list[str]:
 
 
 def tiles_visited(layout: PackedAttentionLayout, keys: int) -> tuple[int, int]:
-    """(tiles the packed kernels compute, tiles of dense rows: causal halves counted as whole tiles)."""
+    """(tiles the packed forward computes, tiles of dense rows: causal halves counted as whole tiles)."""
     block = packed.BLOCK
     lo, hi = layout.key_ranges[..., 0].long(), layout.key_ranges[..., 1].long()
-    visited = torch.where(hi > lo, (hi - lo // block * block + block - 1) // block, 0)
+    visited = (hi - lo + block - 1) // block
     blocks = layout.key_ranges.size(1)
     key_blocks = triton.cdiv(keys, block)
     dense = layout.key_ranges.size(0) * (blocks * (blocks + 1) // 2 if layout.causal else blocks * key_blocks)

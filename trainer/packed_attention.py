@@ -11,13 +11,14 @@ differs from trainer.attention's kernels on padded rows:
   range [lo, hi) per row (for cross-attention: the encoder span of the block's first to last decoder
   segment), and so do the queries attending a key block. `PackedAttentionLayout.build` computes these ranges
   once per batch (a few small torch ops, shared by every layer); each kernel visits only the 64 x 64 tiles in
-  them, so a tile whose queries and keys share no segment is never computed.
+  them (the forward's and the query backward's from the range's first key, not a block start), so a tile
+  whose queries and keys share no segment is never computed.
 - The position bias comes from T5's (buckets, heads) table, `relative_attention_bias.weight`: inside a segment
   the relative position is j - i, and every distance of at least max_distance falls in the last bucket of its
   side, so a per-head table of the 2 x max_distance + 1 clamped distances (fp32, 1 KiB per head, built once
   per batch) gives each score its bias by a gather that stays in L1. Nothing of size T x S is read or written.
 - The bias-table gradient: each key/value-backward program owns one key block of one head for a group of rows
-  and walks the query tiles of each row, aligned to the key block, so a tile's distances are 64 t + (-63..63),
+  and walks the query tiles of each row, aligned to block starts, so a tile's distances are 64 t + (-63..63),
   t = (key block - query tile) in tiles. A tile at least max_distance away (|t| >= FAR_TILES) has one bucket:
   its column sums go to one accumulator row. A nearer tile is sheared (row i rotated left by i, `tl.gather`)
   so that column c holds the distances 64 t + c (upper part) and 64 t + c - 64 (lower part): two masked
@@ -249,7 +250,7 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start_n in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):  # tiles from the range's first key, not a block start
         cols = start_n + offs_n
         k = tl.load(
             K + b * skb + h * skh + cols[None, :] * skn + offs_d[:, None], mask=cols[None, :] < S, other=0.0
@@ -354,7 +355,9 @@ def _bwd_kv_kernel(
         hi = tl.load(ranges + 1)
         dk = tl.zeros([BLOCK_N, D], tl.float32)
         dv = tl.zeros([BLOCK_N, D], tl.float32)
-        for start_m in range(lo // BLOCK_M * BLOCK_M, hi, BLOCK_M):
+        # With a bias, tiles start at block starts: then a tile's distances are 64 t + (-63..63).
+        start = lo // BLOCK_M * BLOCK_M if HAS_BIAS else lo
+        for start_m in range(start, hi, BLOCK_M):
             rows = start_m + offs_m
             q = tl.load(
                 Q + b * sqb + h * sqh + rows[:, None] * sqm + offs_d[None, :],
@@ -470,7 +473,7 @@ def _bwd_q_kernel(
     seed = tl.load(Seed) if DROPOUT else 0
     dist = Dist + h * (2 * MAX_DISTANCE + 1)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    for start_n in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):  # tiles from the range's first key, not a block start
         cols = start_n + offs_n
         k = tl.load(
             K + b * skb + h * skh + cols[None, :] * skn + offs_d[:, None], mask=cols[None, :] < S, other=0.0
