@@ -259,7 +259,11 @@ def shared_memory_report(cuda: bool) -> list[str]:
                 print(f"  {name:<14} this GPU: {shared / 1024:5.1f} KiB, {regs} registers, {spills} spilled")
                 if shared > SHARED_LIMIT:
                     failures.append(f"{name}: {shared} bytes of shared memory on this GPU")
-        shared = compile_for_rtx5090(fn, {**flags, **extra}, options).metadata.shared
+        try:
+            shared = compile_for_rtx5090(fn, {**flags, **extra}, options).metadata.shared
+        except Exception as e:  # noqa: BLE001 - another Triton's compile API: this GPU's numbers remain
+            print(f"  {name:<14} sm_120: not compiled here ({type(e).__name__}: {e})")
+            continue
         print(f"  {name:<14} sm_120 (bias, causal, dropout): {shared / 1024:5.1f} KiB")
         if shared > SHARED_LIMIT:
             failures.append(f"{name}: {shared} bytes of shared memory on sm_120")
