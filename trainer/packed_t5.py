@@ -27,8 +27,6 @@ import torch
 
 from trainer.loss import linear_cross_entropy, scales_decoder_outputs
 
-PACKED_KEYS = ("encoder_segment_ids", "decoder_segment_ids", "encoder_positions", "decoder_positions")
-
 
 def segment_mask(query_segments: torch.Tensor, key_segments: torch.Tensor, causal: bool) -> torch.Tensor:
     """(R, T, S) bool: query i may attend key j (same nonzero segment; j <= i when causal)."""
