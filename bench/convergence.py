@@ -40,6 +40,7 @@ Needs `train_log.jsonl` rows with an `eval_loss` key ({"step", "eval_loss", "tim
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 import math
@@ -225,14 +226,30 @@ def token_rows(cfg, tokenizer_file: str, split: str) -> dict[str, np.ndarray]:
     }
 
 
-def steps_for_target_tokens(cfg, tokenizer_file: str, target_tokens: float) -> dict:
-    """The optimizer steps after which our trainer (same config, same seed, so the same batches in the same
-    order) has trained on at least `target_tokens` target tokens, and its real tokens per step."""
+@dataclasses.dataclass
+class StepPlan:
+    """Our trainer's optimizer steps on this data (same config and seed as the run, so the same batches in the
+    same order): the target tokens trained after each step, and the real tokens per step."""
+
+    cumulative_target: list[int]
+    real_tokens_per_step: float
+
+    def steps_for(self, target_tokens: float) -> int:
+        """The steps after which at least `target_tokens` target tokens are trained."""
+        i = bisect.bisect_left(self.cumulative_target, target_tokens)
+        if i == len(self.cumulative_target):
+            raise ValueError(
+                f"the plan covers {self.cumulative_target[-1]:,} target tokens, not {target_tokens:,.0f}"
+            )
+        return i + 1
+
+
+def plan_steps(cfg, tokenizer_file: str, target_tokens: float) -> StepPlan:
+    """Our steps up to `target_tokens` target tokens, read from the loader as the trainer reads it."""
     from trainer.data import stream_for
 
     stream = stream_for(cfg, tokenizer_file, "train")
-    steps = batches = target = real = 0
-    epoch = 0
+    cumulative, batches, target, real, epoch = [], 0, 0, 0, 0
     while target < target_tokens:
         stream.set_epoch(epoch)
         for batch in stream:
@@ -241,11 +258,11 @@ def steps_for_target_tokens(cfg, tokenizer_file: str, target_tokens: float) -> d
             real += n_tgt + int(batch["attention_mask"].sum())
             batches += 1
             if batches % cfg.gradient_accumulation_steps == 0:
-                steps += 1
+                cumulative.append(target)
                 if target >= target_tokens:
                     break
         epoch += 1
-    return {"steps": steps, "target_tokens": target, "real_tokens_per_step": real / max(steps, 1)}
+    return StepPlan(cumulative, real / max(len(cumulative), 1))
 
 
 # ---------------------------------------------------------------------------------------- the reference
@@ -595,6 +612,7 @@ class Setup:
     cfg: object  # our TrainConfig (the preset's batching), for the loader
     tokenizer_file: str
     rows_file: Path
+    plan: StepPlan  # ours
     batch_size: int  # the reference's rows per micro-batch ...
     grad_accum: int  # ... and accumulation, matching ours in real tokens per optimizer step
     reference_steps: float  # the reference's optimizer steps for --target-tokens (estimated)
@@ -624,18 +642,19 @@ def set_up(args, work: Path) -> Setup:
     )
     n_train, n_eval = len(train_rows["src_off"]) - 1, len(held_out["src_off"]) - 1
     mean_src, mean_tgt = len(train_rows["src"]) / n_train, len(train_rows["tgt"]) / n_train
-    plan = steps_for_target_tokens(cfg, tokenizer_file, args.target_tokens)
+    # Enough steps for ours on anything the reference can reach (it stops at the step passing the budget).
+    plan = plan_steps(cfg, tokenizer_file, 1.1 * args.target_tokens * (1 + args.ours_margin) + 10**5)
     batch = HF_BATCH_SIZE if not args.tiny else 4
-    grad_accum = max(1, round(plan["real_tokens_per_step"] / (mean_src + mean_tgt) / batch))
+    grad_accum = max(1, round(plan.real_tokens_per_step / (mean_src + mean_tgt) / batch))
     print(
         f"data: {n_train:,} train / {n_eval:,} held-out records, mean {mean_src:.0f} source + {mean_tgt:.0f} "
-        f"target tokens; ours ~{plan['real_tokens_per_step']:,.0f} real tokens per step, the reference "
+        f"target tokens; ours ~{plan.real_tokens_per_step:,.0f} real tokens per step, the reference "
         f"{batch} rows x {grad_accum} (~{batch * grad_accum * (mean_src + mean_tgt):,.0f}); "
         f"{time.perf_counter() - t0:.0f} s",
         flush=True,
     )
     reference_steps = args.target_tokens / (batch * grad_accum * mean_tgt)
-    return Setup(prep, cfg, tokenizer_file, rows_file, batch, grad_accum, reference_steps)
+    return Setup(prep, cfg, tokenizer_file, rows_file, plan, batch, grad_accum, reference_steps)
 
 
 def run_reference(setup: Setup, args, work: Path) -> dict:
@@ -672,10 +691,12 @@ def run_ours(name: str, setup: Setup, args, work: Path, target_tokens: float) ->
     `target_tokens`; its train log's steps and evaluations."""
     import yaml
 
-    at_target = steps_for_target_tokens(setup.cfg, setup.tokenizer_file, target_tokens)["steps"]
-    plan = steps_for_target_tokens(setup.cfg, setup.tokenizer_file, target_tokens * (1 + args.ours_margin))
+    at_target = setup.plan.steps_for(target_tokens)
     values = ours_config(setup.prep, args, work, name)
-    values.update(max_steps=plan["steps"], eval_steps=max(1, round(at_target / args.evals)))
+    values.update(
+        max_steps=setup.plan.steps_for(target_tokens * (1 + args.ours_margin)),
+        eval_steps=max(1, round(at_target / args.evals)),
+    )
     if name == "ours_adamw":
         values["warmup_steps"] = max(1, round(WARMUP_FRACTION * at_target))
     config_file = work / f"{name}.yaml"
@@ -758,7 +779,7 @@ def main() -> int:
     parser.add_argument("--tokenizer-pieces", type=int, default=TOKENIZER_PIECES)
     parser.add_argument("--eval-fraction", type=float, default=0.005, help="records held out for eval")
     parser.add_argument("--target-tokens", type=float, default=4e6, help="the reference's training budget")
-    parser.add_argument("--max-reference-s", type=float, default=210, help="...or this many seconds of it")
+    parser.add_argument("--max-reference-s", type=float, default=120, help="...or this many seconds of it")
     parser.add_argument("--ours-margin", type=float, default=0.2, help="ours train this share longer")
     parser.add_argument("--evals", type=int, default=8, help="evaluations per run (about)")
     parser.add_argument("--adamw-lr", type=float, default=5e-4, help="AdamW's lr, the reference's and ours")
