@@ -588,12 +588,14 @@ def plot(curves: dict[str, list[dict]], out: Path, title: str) -> Path:
 
 
 def run_child(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
-    """Run `cmd` with its output in `log`; (exit code, seconds). 124 on timeout."""
+    """Run `cmd` in the log's directory with its output in `log`; (exit code, seconds). 124 on timeout.
+    (Not in the checkout: `python -m trainer` there would import its source tree, which may lack the
+    built loader, instead of the installed package.)"""
     t0 = time.perf_counter()
     with open(log, "w", encoding="utf-8") as f:
         try:
             rc = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=os.environ
+                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=os.environ, cwd=log.parent
             ).returncode
         except subprocess.TimeoutExpired:
             rc = 124
@@ -673,7 +675,8 @@ def run_reference(setup: Setup, args, work: Path) -> dict:
         "result": str(work / "reference.json"),
     }
     (work / "reference_spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, __file__, "--out", args.out, "--reference", str(work / "reference_spec.json")]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--out", args.out]
+    cmd += ["--reference", str(work / "reference_spec.json")]
     rc, seconds = run_child(
         cmd, work / "reference.log", timeout=args.max_reference_s + (900 if args.tiny else 180)
     )
@@ -799,14 +802,15 @@ def main() -> int:
         args.tokenizer_pieces = min(args.tokenizer_pieces, 2000)
         args.eval_fraction = max(args.eval_fraction, 0.02)
         args.target_tokens = min(args.target_tokens, 12_000)
+        args.max_reference_s = max(args.max_reference_s, 900)  # a busy CPU: stop by tokens, as on the GPU
         args.evals = min(args.evals, 3)
     runs = [r for r in args.runs.split(",") if r]
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
         parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work or tempfile.mkdtemp(prefix="convergence-"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="convergence-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
