@@ -145,7 +145,8 @@ def run_ours(
     if profile_dir and (work / "out" / "profile" / "kernels.txt").exists():
         Path(profile_dir).mkdir(parents=True, exist_ok=True)
         shutil.copy(work / "out" / "profile" / "kernels.txt", Path(profile_dir) / f"{variant}.txt")
-    rows = [json.loads(line) for line in (work / "out" / TRAIN_LOG).read_text().splitlines()][:steps]
+    rows = [json.loads(line) for line in (work / "out" / TRAIN_LOG).read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r][:steps]  # train rows (evaluation rows have eval_loss)
     summary = json.loads((work / "out" / SUMMARY).read_text())
     timed = rows[warmup:]
     seconds = timed[-1]["time"] - rows[warmup - 1]["time"]
