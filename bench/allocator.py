@@ -267,8 +267,11 @@ def budget_search(model, optimizer, cfg, tokenizer_file: str, sizes: list[int], 
     return tried
 
 
-def one_candidate(name: str, conf: str, tiny: bool, empty_cache: bool, search_s: float) -> dict:
-    """Everything measured for one allocator candidate, in this process (its allocator set at start)."""
+def one_candidate(
+    name: str, conf: str, tiny: bool, empty_cache: bool, search_s: float, result_file: Path
+) -> None:
+    """Everything measured for one allocator candidate, in this process (its allocator set at start), into
+    `result_file` after each part, so that a candidate stopped by its time limit keeps what it measured."""
     import logging
 
     import torch
@@ -292,6 +295,7 @@ def one_candidate(name: str, conf: str, tiny: bool, empty_cache: bool, search_s:
         result.update(ok=rc == 0, oom_split=summary.get("oom_split"), **run_throughput(rows))
         result.update(memory_numbers(torch))
         result["checkpoint_written"] = any((work / "out").glob("checkpoint-*"))
+        result_file.write_text(json.dumps(result))
 
         # The same model and optimizer again, for the empty_cache cost and the budget search.
         gc.collect()
@@ -312,12 +316,13 @@ def one_candidate(name: str, conf: str, tiny: bool, empty_cache: bool, search_s:
             group = [to_device(next(batches), device) for _ in range(planned.gradient_accumulation_steps)]
             result["empty_cache"] = empty_cache_cost(model, optimizer, group, planned, pairs=2 if tiny else 4)
             del group
+            result_file.write_text(json.dumps(result))
         sizes = [1024, 2048, 4096] if tiny else SEARCH_SIZES
         result["search"] = budget_search(model, optimizer, planned, tokenizer_file, sizes, search_s)
         fitted = [t["max_tokens"] for t in result["search"] if t["ok"]]
         result["largest_budget"] = max(fitted) if fitted else None
         result["search_hit_oom"] = any(not t["ok"] for t in result["search"])
-    return result
+        result_file.write_text(json.dumps(result))
 
 
 # ------------------------------------------------------------------------------------------ the comparison
@@ -342,18 +347,12 @@ def run_candidate(name: str, conf: str, args, timeout: float, empty_cache: bool)
                 rc = 124
         text = Path(result_file.name).read_text()
     seconds = time.perf_counter() - t0
-    if rc != 0 or not text:
+    result = json.loads(text) if text else {"candidate": name, "conf": conf, "ok": False}
+    if rc != 0:  # what it measured before it stopped, and why it stopped
         lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-        reason = f"timed out after {timeout:.0f} s" if rc == 124 else f"exit {rc}"
-        return {
-            "candidate": name,
-            "conf": conf,
-            "ok": False,
-            "error": reason,
-            "log_tail": lines[-12:],
-            "process_s": seconds,
-        }
-    return json.loads(text) | {"process_s": seconds}
+        result["error"] = f"timed out after {timeout:.0f} s" if rc == 124 else f"exit {rc}"
+        result["log_tail"] = lines[-12:]
+    return result | {"process_s": seconds}
 
 
 def gib(v) -> str:
@@ -373,6 +372,8 @@ def print_tables(results: list[dict], tiny: bool) -> None:
         budget = "-" if r.get("largest_budget") is None else f"{r['largest_budget'] // 1024}k"
         if r.get("largest_budget") is not None and not r.get("search_hit_oom"):
             budget = f">= {budget} (no OOM up to the largest tried)"
+        if "search" not in r:
+            budget = f"not measured ({r.get('error', 'no search')})"
         backoff = f" ({r['oom_split']}x split: OOM back-off)" if (r.get("oom_split") or 1) > 1 else ""
         cells = [
             r["candidate"],
@@ -426,17 +427,17 @@ def main() -> int:
         "--empty-cache-candidate", default="expandable", help="measure empty_cache_steps here"
     )
     parser.add_argument("--search-s", type=float, default=35.0, help="time bound of each budget search")
-    parser.add_argument("--candidate-s", type=float, default=130.0, help="time limit of each candidate")
+    parser.add_argument("--candidate-s", type=float, default=170.0, help="time limit of each candidate")
     parser.add_argument("--budget-s", type=float, default=450.0, help="no candidate runs past this (s)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one candidate
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.one:
-        result = one_candidate(
-            args.one, CANDIDATES[args.one], args.tiny, args.empty_cache_candidate == args.one, args.search_s
+        empty_cache = args.empty_cache_candidate == args.one
+        one_candidate(
+            args.one, CANDIDATES[args.one], args.tiny, empty_cache, args.search_s, Path(args.result)
         )
-        Path(args.result).write_text(json.dumps(result))
         return 0
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
