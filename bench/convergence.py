@@ -575,7 +575,8 @@ def plot(curves: dict[str, list[dict]], out: Path, title: str) -> Path:
     for ax in (by_tokens, by_time):
         ax.set_ylabel("eval loss (held-out recipes, per token)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = out / "convergence.png"
@@ -659,7 +660,7 @@ def set_up(args, work: Path) -> Setup:
     return Setup(prep, cfg, tokenizer_file, rows_file, plan, batch, grad_accum, reference_steps)
 
 
-def run_reference(setup: Setup, args, work: Path) -> dict:
+def run_reference(setup: Setup, args, work: Path, timeout: float) -> dict:
     """The Hugging Face run, in its own process."""
     spec = {
         "model_dir": str(setup.prep["model_dir"]),
@@ -677,9 +678,7 @@ def run_reference(setup: Setup, args, work: Path) -> dict:
     (work / "reference_spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--out", args.out]
     cmd += ["--reference", str(work / "reference_spec.json")]
-    rc, seconds = run_child(
-        cmd, work / "reference.log", timeout=args.max_reference_s + (900 if args.tiny else 180)
-    )
+    rc, seconds = run_child(cmd, work / "reference.log", timeout=timeout)
     if rc != 0:
         print(f"reference: failed (exit {rc}):\n{tail(work / 'reference.log')}", flush=True)
         return {"ok": False, "log": tail(work / "reference.log", 40)}
@@ -689,9 +688,9 @@ def run_reference(setup: Setup, args, work: Path) -> dict:
     return run | {"ok": True, "process_s": seconds, "spec": spec}
 
 
-def run_ours(name: str, setup: Setup, args, work: Path, target_tokens: float) -> dict:
+def run_ours(name: str, setup: Setup, args, work: Path, target_tokens: float, timeout: float) -> dict:
     """`python -m trainer train` on `target_tokens` plus the margin, evaluating about --evals times by
-    `target_tokens`; its train log's steps and evaluations."""
+    `target_tokens`; its train log's steps and evaluations (those it logged, when stopped by `timeout`)."""
     import yaml
 
     at_target = setup.plan.steps_for(target_tokens)
@@ -705,12 +704,17 @@ def run_ours(name: str, setup: Setup, args, work: Path, target_tokens: float) ->
     config_file = work / f"{name}.yaml"
     config_file.write_text(yaml.safe_dump(values))
     cmd = [sys.executable, "-m", "trainer", "train", "--config", str(config_file)]
-    rc, seconds = run_child(cmd, work / f"{name}.log", timeout=900 if args.tiny else 300)
+    rc, seconds = run_child(cmd, work / f"{name}.log", timeout=timeout)
     log_file = Path(values["output_dir"]) / "train_log.jsonl"
-    if rc != 0 or not log_file.exists():
+    train_log, eval_log = read_train_log(log_file) if log_file.exists() else ([], [])
+    if rc not in (0, 124) or not train_log:
         print(f"{name}: failed (exit {rc}):\n{tail(work / f'{name}.log')}", flush=True)
         return {"ok": False, "log": tail(work / f"{name}.log", 40)}
-    train_log, eval_log = read_train_log(log_file)
+    if rc == 124:
+        print(
+            f"{name}: stopped after {timeout:.0f} s (--budget-s); what it logged until then counts",
+            flush=True,
+        )
     run = ours_curve(train_log, eval_log)
     print(f"{name}: {len(run['steps'])} steps, {len(run['evals'])} evaluations, {seconds:.0f} s", flush=True)
     if not eval_log:
@@ -720,6 +724,13 @@ def run_ours(name: str, setup: Setup, args, work: Path, target_tokens: float) ->
             flush=True,
         )
     return run | {"ok": True, "process_s": seconds, "config": values}
+
+
+def left(started: float, args) -> float:
+    """Seconds of --budget-s left (at least 30: a run gets a chance to start); the CPU check has no budget."""
+    if args.tiny:
+        return 3600.0
+    return max(30.0, args.budget_s - (time.perf_counter() - started))
 
 
 def report(results: dict, out: Path, title: str) -> Path:
@@ -788,6 +799,7 @@ def main() -> int:
     parser.add_argument("--adamw-lr", type=float, default=5e-4, help="AdamW's lr, the reference's and ours")
     parser.add_argument("--gpu-memory-gib", type=float, default=32.0)
     parser.add_argument("--runs", default="reference,ours,ours_adamw", help=f"of {', '.join(RUNS)}")
+    parser.add_argument("--budget-s", type=float, default=480, help="stop any run still going after this (s)")
     parser.add_argument("--work", help="keep the data, models and logs here (default: a temporary dir)")
     parser.add_argument("--reference", help=argparse.SUPPRESS)  # internal: the HF run's spec file
     args = parser.parse_args()
@@ -818,11 +830,14 @@ def main() -> int:
     results: dict = {"args": vars(args), "prep": {k: str(v) for k, v in setup.prep.items()}, "runs": {}}
     target_tokens = args.target_tokens
     if "reference" in runs:
-        results["runs"]["reference"] = run_reference(setup, args, work)
+        timeout = min(args.max_reference_s + 180, left(started, args))
+        results["runs"]["reference"] = run_reference(setup, args, work, timeout)
         if results["runs"]["reference"]["ok"]:  # ours train on what the reference reached
             target_tokens = results["runs"]["reference"]["evals"][-1]["target_tokens"]
     for name in [r for r in runs if r != "reference"]:
-        results["runs"][name] = run_ours(name, setup, args, work, target_tokens)
+        results["runs"][name] = run_ours(
+            name, setup, args, work, target_tokens, min(300, left(started, args))
+        )
 
     title = (
         f"T5-base from scratch on {args.records:,} generated recipes, "
