@@ -49,7 +49,7 @@ def _cfg(tiny_model_dir, sample_csv, out, **kw) -> TrainConfig:
 
 def _losses(out) -> dict[int, float]:
     rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}  # training rows (evaluations: "eval_loss")
 
 
 def test_dry_run_checks_data_and_loads_no_model(tiny_model_dir, sample_csv, tmp_path, caplog):

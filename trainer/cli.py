@@ -1,4 +1,5 @@
-"""The `trainer` command line: what the user sees is decided here, not in library code."""
+"""The `trainer` command line. What the user sees is decided here: the messages for expected errors (one
+line, exit code 2), the log format, and the command's own output."""
 
 from __future__ import annotations
 
@@ -6,16 +7,33 @@ import argparse
 import logging
 import sys
 
+DESCRIPTION = """\
+Fine-tune FLAN-T5 on recipe files (RecipeNLG CSV, Food.com CSV, JSONL) on one GPU or several.
+
+Start with `trainer train --config configs/quickstart.yaml` (CPU, a few minutes) or check a real config
+first with `trainer train --config CONFIG --dry-run` and `trainer plan --config CONFIG`."""
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # with the date: runs last days
+
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
-    # "extend": every --set counts (`--set a=1 --set b=2`), not only the last one.
+    # One value per --set, so that positional arguments after it stay positional; every --set counts.
     parser.add_argument(
-        "--set", nargs="+", default=[], metavar="KEY=VALUE", action="extend", help="override config keys"
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key (repeat for more): --set max_steps=100 --set 'train_files=[a.csv]'",
     )
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainer", description=__doc__)
+    from trainer.config import DATA_FORMATS
+
+    parser = argparse.ArgumentParser(
+        prog="trainer", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -36,9 +54,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", required=True)
     sample.add_argument("--n", type=int, default=1000)
     sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument(
-        "--format", choices=["recipenlg-csv", "foodcom-csv", "jsonl"], default="recipenlg-csv"
-    )
+    sample.add_argument("--format", choices=DATA_FORMATS, default=DATA_FORMATS[0])
     inspect = data.add_parser("inspect", help="count records, skips, token lengths and padding")
     inspect.add_argument("paths", nargs="+")
     inspect.add_argument("--config", help="YAML config whose tokenizer, task and batching to use")
@@ -60,9 +76,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
+        level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT
     )
     from trainer._loader import RecipeDataError, RecipeFileError
     from trainer.config import ConfigError
@@ -96,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
         return train(cfg, dry_run=args.dry_run)
     if args.command == "plan":
         from trainer.config import TrainConfig
-        from trainer.memory_plan import print_plan
+        from trainer.plan_report import print_plan
 
         return print_plan(TrainConfig.load(args.config, args.set), args.gpu_memory)
     if args.command == "healthcheck":

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
+from trainer.memory import GIB
+
 log = logging.getLogger(__name__)
 
-GIB = 1024**3
 LOAD_PEAK_FACTOR = 1.05  # peak GPU memory while loading, relative to the weights' bytes
 LAST_LOAD: dict = {}  # what the last load measured (weights and peak bytes), for the run summary
 
@@ -45,11 +46,19 @@ def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: 
     return AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)
 
 
-def load_model(cfg, device: torch.device, *, path: str | Path | None = None, random_init: bool | None = None):
+def load_model(
+    cfg,
+    device: torch.device,
+    *,
+    path: str | Path | None = None,
+    random_init: bool | None = None,
+    decoder_blocks_without_checkpointing: int = 0,
+):
     """Load cfg.model_name_or_path (or `path`, e.g. a checkpoint) once, in cfg.dtype, onto `device`.
 
     On CUDA, asserts the peak memory during the load is at most 1.05x the weights (no fp32 copy, no second
-    copy on the device). Attention: cfg.attn_implementation. Gradient checkpointing is non-reentrant;
+    copy on the device). Attention: cfg.attn_implementation. Gradient checkpointing is non-reentrant, except
+    for the last `decoder_blocks_without_checkpointing` decoder blocks (the run's plan decides how many);
     use_cache is off (turned on for generation).
     """
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
@@ -102,7 +111,7 @@ def load_model(cfg, device: torch.device, *, path: str | Path | None = None, ran
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        skip_decoder_checkpointing(model, cfg.decoder_blocks_without_checkpointing or 0)
+        skip_decoder_checkpointing(model, decoder_blocks_without_checkpointing)
     if cfg.torch_compile:
         compile_blocks(model)
     return model
