@@ -85,6 +85,11 @@ def test_sigterm_saves_and_resume_continues_the_same_loss_sequence(
     assert train(_cfg(tiny_model_dir, sample_csv, straight)) == 0
     expected = _losses(straight)
     assert sorted(expected) == list(range(1, STEPS + 1))
+    # The evaluation (eval_steps 1000: once, at the end) is a row of the same log, told apart by its key.
+    rows = [json.loads(line) for line in (straight / TRAIN_LOG).read_text().splitlines()]
+    assert all(("loss" in r) != ("eval_loss" in r) for r in rows)
+    (evaluation,) = [r for r in rows if "eval_loss" in r]
+    assert evaluation["step"] == STEPS and evaluation["eval_loss"] > 0 and "time" in evaluation
     assert (straight / "final" / "model.safetensors").is_file()
     assert (straight / "final" / "tokenizer.json").is_file()
     assert json.loads((straight / SUMMARY).read_text())["steps"] == STEPS

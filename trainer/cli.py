@@ -56,7 +56,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--format", choices=DATA_FORMATS, default=DATA_FORMATS[0])
     inspect = data.add_parser("inspect", help="count records, skips, token lengths and padding")
-    inspect.add_argument("paths", nargs="+")
+    inspect.add_argument("paths", nargs="+", help="recipe files (CSV, JSONL; .gz/.zst allowed)")
     inspect.add_argument("--config", help="YAML config whose tokenizer, task and batching to use")
     _add_overrides(inspect)
 

@@ -14,6 +14,9 @@ them: gradients persist across accumulated micro-batches and optimizer states ac
   still alive; likewise for an encoder block (all decoder checkpoints are freed by then);
 - the optimizer step: optimizer temporaries (optimi's foreach step reuses the gradients as scratch: none).
 Allocator slack (blocks the caching allocator holds but cannot reuse) is one fraction of the rest.
+
+`plan_run` turns a config into the run's RunPlan: the token budget and the number of decoder blocks left
+un-checkpointed, where the config leaves them to the plan. `trainer plan` prints a plan (trainer.plan_report).
 """
 
 from __future__ import annotations

@@ -43,7 +43,19 @@ def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: 
     kwargs = {_dtype_kwarg(): dtype, "attn_implementation": attn}
     if device.type != "cpu":
         kwargs["device_map"] = {"": device}  # weights go straight to the GPU, no CPU copy of the model
-    return AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)
+    hf_log = logging.getLogger("transformers.modeling_utils")
+    hf_log.addFilter(_untied_head_warning)
+    try:
+        return AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)
+    finally:
+        hf_log.removeFilter(_untied_head_warning)
+
+
+def _untied_head_warning(record: logging.LogRecord) -> bool:
+    """transformers 5 forces T5's tie_word_embeddings on, then warns that FLAN-T5's own LM head is not tied to
+    the embedding and that the config should say tie_word_embeddings=False, which it does: nothing for the
+    user to do, so the warning is dropped."""
+    return "NOT tie them" not in record.getMessage()
 
 
 def load_model(
@@ -101,13 +113,11 @@ def load_model(
     if cfg.attn_implementation == "triton":
         _use_triton_attention(model, device, dtype)
     attn_used = getattr(model.config, "_attn_implementation", None) or cfg.attn_implementation
-    log.info("attention implementation: %s", attn_used)
-    swapped = use_fused_t5_ops(model)
-    log.info(
-        "fused ops: %d T5 layer norms -> RMSNorm, %d gelu_new -> GELU(tanh), "
-        "%d gated-GELU feed-forwards and %d residual dropouts -> Triton kernels",
-        *swapped,
-    )
+    norms, gelus, gated, residual = use_fused_t5_ops(model)
+    fused = f"{norms} layer norms and {gelus} GELUs in one kernel each"
+    if gated or residual:
+        fused += f", {gated} gated-GELU feed-forwards and {residual} residual dropouts as Triton kernels"
+    log.info("attention: %s; fused ops: %s", attn_used, fused)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -126,10 +136,10 @@ def _use_triton_attention(model: torch.nn.Module, device: torch.device, dtype: t
     except ImportError as e:  # Triton ships with torch's Linux CUDA wheels, not everywhere
         log.info("attention: triton kernels not used (%s); eager attention instead", e)
         return
+    if device.type != "cuda":  # the documented default off a GPU: eager attention, nothing to say
+        return
     why = None
-    if device.type != "cuda":
-        why = f"they need a CUDA GPU, this run is on {device.type}"
-    elif not attention.supported(model.config.d_kv, dtype):
+    if not attention.supported(model.config.d_kv, dtype):
         why = f"head size {model.config.d_kv} in {dtype} is not supported"
     elif _transformers_major() < 5:
         why = f"transformers {transformers.__version__} has no attention interface (needs >= 5)"

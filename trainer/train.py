@@ -133,6 +133,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     memory.set_alloc_conf(cfg.cuda_alloc_conf)
     rank, world_size, local_rank = distributed.env()
     distributed.quiet_other_ranks()
+    quiet_library_output()
     if cfg.make_demo_data:
         ensure_demo_data(cfg)
     check_paths(cfg)
@@ -142,7 +143,6 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     if dry_run:
         log.info("dry run: the config, the data and the tokenizer are fine; the model is not loaded")
         return 0
-    quiet_library_output()
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     device = setup_device(cfg, local_rank)
@@ -613,7 +613,11 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(run.device) / memory.GIB
     run.meter.write_summary(state.step, summary)
     for g in (last_eval.generations if last_eval is not None else [])[:1]:
-        log.info("a recipe for held-out ingredients %r:\n%s", g["ingredients"], g["generated"])
+        log.info(
+            "a recipe generated for held-out ingredients:\n  input: %s\n  generated: %s",
+            g["ingredients"],
+            g["generated"],
+        )
     loss = f"{state.last_loss:.4f}" if state.last_loss is not None else "n/a"
     duration = run.meter.elapsed_s
     log.info(
