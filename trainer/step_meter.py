@@ -178,19 +178,19 @@ class StepMeter:
         """Seconds since this process started training."""
         return self._clock() - self.started
 
-    def write_summary(self, step: int, values: dict[str, Any]) -> None:
-        """`run_summary.json`: steps, duration, tokens/s of this process's training, and `values`. A rerun
-        that trained nothing (it only wrote a missing final/) keeps the summary of the run."""
+    def write_summary(self, step: int, duration_s: float, values: dict[str, Any]) -> None:
+        """`run_summary.json`: steps, `duration_s` (of this process's training), its tokens/s, and `values`. A
+        rerun that trained nothing (it only wrote a missing final/) keeps the summary of the run."""
         path = self.output_dir / SUMMARY if self.output_dir is not None else None
         if path is None or (self.run.tokens == 0 and path.exists()):
             return
-        duration = self.elapsed_s
         summary = {
             "steps": step,
-            "duration_s": duration,
-            "tokens_per_s": self.run.tokens / max(duration, 1e-9),
+            "duration_s": duration_s,
+            "tokens_per_s": self.run.tokens / max(duration_s, 1e-9),
+            **values,
         }
-        path.write_text(json.dumps({**summary, **values}, indent=2) + "\n", encoding="utf-8")
+        path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
 
     def _append(self, row: dict[str, Any]) -> None:
         if self.output_dir is not None:

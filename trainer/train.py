@@ -583,6 +583,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
     """Stopped by a signal: a checkpoint of the last completed step, and exit code 128 + the signal.
     Else the final checkpoint and final/ (when save_final), the run summary, and exit code 0."""
     cfg, output_dir = run.cfg, run.output_dir
+    duration = run.meter.elapsed_s  # the training, without the final saves
     if run.stop:
         path = output_dir / f"checkpoint-{state.step}"
         if state.saved_step != state.step:
@@ -611,7 +612,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
     if run.device.type == "cuda":
         summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(run.device) / memory.GIB
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(run.device) / memory.GIB
-    run.meter.write_summary(state.step, summary)
+    run.meter.write_summary(state.step, duration, summary)
     for g in (last_eval.generations if last_eval is not None else [])[:1]:
         log.info(
             "a recipe generated for held-out ingredients:\n  input: %s\n  generated: %s",
@@ -619,7 +620,6 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
             g["generated"],
         )
     loss = f"{state.last_loss:.4f}" if state.last_loss is not None else "n/a"
-    duration = run.meter.elapsed_s
     log.info(
         "finished: %d steps in %.0f s, final loss %s; the model is in %s", state.step, duration, loss, final
     )
