@@ -9,7 +9,7 @@ import sys
 
 import yaml
 
-from trainer.cli import _build_parser
+from trainer.cli import _build_parser, _one_override_per_set
 from trainer.cli import main as cli_main
 
 
@@ -22,8 +22,10 @@ def test_set_takes_one_value_so_the_paths_after_it_stay_paths(sample_csv, tiny_m
     assert code == 0
     out = capsys.readouterr().out
     assert "source tokens (max 64)" in out  # both overrides count
-    args = _build_parser().parse_args(["data", "inspect", "--set", "a=1", "--set", "b=2", "x.csv", "y.csv"])
-    assert args.paths == ["x.csv", "y.csv"] and args.set == ["a=1", "b=2"]
+    # Several KEY=VALUE words after one --set still count, each of them; the first other word is a path.
+    argv = ["data", "inspect", "--set=c=3", "a=1", "--set", "b=[x, y]", "d=", "x.csv", "y.csv"]
+    args = _build_parser().parse_args(_one_override_per_set(argv))
+    assert args.paths == ["x.csv", "y.csv"] and args.set == ["c=3", "a=1", "b=[x, y]", "d="]
 
 
 def test_help_speaks_to_users():

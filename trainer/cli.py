@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 DESCRIPTION = """\
@@ -17,6 +18,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # with the date: runs last days
 
 
+_OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")  # a KEY=VALUE word
+
+
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
     # One value per --set, so that positional arguments after it stay positional; every --set counts.
     parser.add_argument(
@@ -24,8 +28,29 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override one config key (repeat for more): --set max_steps=100 --set 'train_files=[a.csv]'",
+        help="override a config key: --set max_steps=100 --set 'train_files=[a.csv]' (or several KEY=VALUE "
+        "words after one --set)",
     )
+
+
+def _one_override_per_set(argv: list[str]) -> list[str]:
+    """`--set a=1 b=2` as `--set a=1 --set b=2`: every KEY=VALUE word after a --set counts, and the first
+    other word (say, a file for `data inspect`) stays a positional argument."""
+    out: list[str] = []
+    expect_value = in_overrides = False
+    for word in argv:
+        if expect_value:  # the value of --set itself, whatever it looks like
+            expect_value, in_overrides = False, True
+        elif word == "--set":
+            expect_value = True
+        elif word.startswith("--set="):
+            in_overrides = True
+        elif in_overrides and _OVERRIDE.match(word):
+            out.append("--set")
+        else:
+            in_overrides = False
+        out.append(word)
+    return out
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -74,7 +99,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = _build_parser().parse_args(_one_override_per_set(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT
     )
