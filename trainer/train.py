@@ -620,8 +620,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
             g["generated"],
         )
     loss = f"{state.last_loss:.4f}" if state.last_loss is not None else "n/a"
-    log.info(
-        "finished: %d steps in %.0f s, final loss %s; the model is in %s", state.step, duration, loss, final
-    )
+    model = f"the model is in {final}" if cfg.save_final else "no model saved (save_final: false)"
+    log.info("finished: %d steps in %.0f s, final loss %s; %s", state.step, duration, loss, model)
     run.reporter.finished(final_loss=state.last_loss, duration_s=duration, model_dir=str(final))
     return 0
