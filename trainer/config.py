@@ -18,6 +18,9 @@ from typing import Any, Literal
 
 import yaml
 
+DataFormat = Literal["recipenlg-csv", "foodcom-csv", "jsonl"]
+DATA_FORMATS: tuple[str, ...] = typing.get_args(DataFormat)  # the recipe file formats the loader reads
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; raised before anything heavy loads."""
@@ -40,7 +43,7 @@ class TrainConfig:
 
     # --- data ---
     train_files: list[str] = field(default_factory=list)  # paths or globs; csv, jsonl, optionally .gz/.zst
-    data_format: Literal["recipenlg-csv", "foodcom-csv", "jsonl"] | None = None  # None: by file extension
+    data_format: DataFormat | None = None  # None: by file extension
     task: Literal["ingredients-to-recipe", "title-to-recipe"] = "ingredients-to-recipe"
     source_template: str | None = None
     target_template: str | None = None

@@ -217,10 +217,6 @@ class _Message:
     priority: Priority = field(compare=False)
 
 
-class _GiveUp(Exception):
-    pass
-
-
 class DiscordNotifier:
     """Posts webhook messages from a daemon thread through a bounded queue. Thread-safe; never raises."""
 
@@ -303,10 +299,6 @@ class DiscordNotifier:
         """Kinds of the messages waiting in the queue, oldest first (not counting one being sent)."""
         with self._cond:
             return [m.kind for m in self._queue]
-
-    def pending(self) -> int:
-        with self._cond:
-            return len(self._queue) + (1 if self._busy else 0)
 
     def flush(self, timeout: float) -> bool:
         """Wait until the queue is empty (or `timeout`); True if everything queued has been handled."""

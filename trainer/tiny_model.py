@@ -113,10 +113,10 @@ TINY_SHAPE = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layer
 
 def flan_t5_config(shape: str = "xl", vocab_size: int = 32128):
     """A FLAN-T5 architecture (gated-GELU, untied head, relative attention, T5's special ids) without weights:
-    `shape` "xl" is google/flan-t5-xl's (trainer.memory_plan.KNOWN_CONFIGS), "tiny" this module's stand-in."""
+    `shape` "xl" is google/flan-t5-xl's (trainer.model_shape.KNOWN_CONFIGS), "tiny" this module's stand-in."""
     from transformers import T5Config
 
-    from trainer.memory_plan import KNOWN_CONFIGS
+    from trainer.model_shape import KNOWN_CONFIGS
 
     sizes = TINY_SHAPE if shape == "tiny" else KNOWN_CONFIGS[f"google/flan-t5-{shape}"]
     flan = {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "dropout_rate": 0.1}
