@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from discord_server import discord_server  # noqa: F401
 
@@ -264,3 +266,168 @@ def test_a_second_trainer_on_the_same_output_dir_exits_2_naming_the_first(
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("trainer: output_dir") and f"pid {proc.pid}" in last, last
     assert sorted(p.name for p in out.iterdir()) == [".trainer.lock"]  # nothing of the second run in it
+
+
+# -- 2. a full disk ---------------------------------------------------------------------------------------
+
+
+def test_out_of_space_is_recognised_in_each_form_a_save_raises(small_fs, tmp_path):
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.disk import out_of_space, out_of_space_message
+
+    big = torch.zeros(1 << 20)  # 4 MiB, more than the filesystem holds
+    (tmp_path / "big.bin").write_bytes(bytes(4 << 20))
+    raised = []
+    for write in (
+        lambda: shutil.copy(tmp_path / "big.bin", small_fs / "copy.bin"),  # OSError ENOSPC
+        lambda: safetensors.torch.save_file({"w": big}, small_fs / "w.safetensors"),  # SafetensorError
+        lambda: dcp.save({"w": big}, checkpoint_id=small_fs / "dcp"),  # CheckpointException (BaseException)
+    ):
+        try:
+            write()
+        except BaseException as e:
+            raised.append(e)
+        for p in small_fs.iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    assert [type(e).__name__ for e in raised] == ["OSError", "SafetensorError", "CheckpointException"]
+    for e in raised:
+        assert out_of_space(e) is not None, repr(e)
+        line = out_of_space_message(e, small_fs, needed_bytes=5 << 20)
+        assert line.startswith("disk full: no space left on device writing ") and "\n" not in line, line
+        assert re.search(r"\(\d+(\.\d)? [KM]iB free, about 5\.0 MiB needed\)", line), line
+    assert str(small_fs / "copy.bin") in out_of_space_message(raised[0])  # the destination, not the source
+    assert out_of_space_message(FileNotFoundError(errno.ENOENT, "gone", "x")) is None
+    assert out_of_space_message(RuntimeError("unexpected pos 704 vs 598"), tmp_path) is None  # disk not full
+
+
+def _tiny_training_state(model_dir: Path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from trainer.config import TrainConfig
+    from trainer.optim import build_optimizer, build_scheduler
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    cfg = TrainConfig(optimizer="adamw", dtype="float32", max_steps=3)
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    model(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[5, 6]])).loss.backward()
+    optimizer.step()  # the optimizer's states exist, as in a checkpoint after training
+    return model, optimizer, build_scheduler(optimizer, cfg, 3)
+
+
+def test_a_full_disk_during_a_checkpoint_removes_it_and_keeps_the_earlier_one(tmp_path, tiny_model_dir):
+    from trainer import checkpoint as ckpt
+    from trainer.disk import DiskFullError, directory_bytes, format_bytes, removed_on_failure
+
+    model, optimizer, scheduler = _tiny_training_state(tiny_model_dir)
+    fs = tmp_path / "fs"
+    _mount_small_fs(fs, "12m")  # one checkpoint of the tiny model (7.6 MiB) fits, not two
+    try:
+        out = fs / "out"
+        state = dict(model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={})
+        first = ckpt.save_checkpoint(out, 1, **state)
+        size = directory_bytes(first)
+        tmp = out / f"checkpoint-2.tmp-{os.getpid()}"  # where save_checkpoint writes, then renames
+        with pytest.raises(DiskFullError) as full, removed_on_failure(tmp, needed_bytes=size):
+            ckpt.save_checkpoint(out, 2, **state)
+        message = str(full.value)
+        assert message.startswith(f"disk full: no space left on device writing {tmp}") and "\n" not in message
+        assert re.search(rf"\(\d\.\d MiB free, about {format_bytes(size)} needed\)", message), message
+        assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1"]
+        assert ckpt.checkpoint_problem(first) is None
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+def test_the_estimate_of_a_checkpoint_is_close_to_a_real_one(tmp_path, tiny_model_dir):
+    from trainer import checkpoint as ckpt
+    from trainer.disk import directory_bytes, estimate_checkpoint_bytes, state_bytes
+
+    model, optimizer, scheduler = _tiny_training_state(tiny_model_dir)
+    saved = ckpt.save_checkpoint(
+        tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={}
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    estimate = estimate_checkpoint_bytes(n_params, "float32", "adamw")
+    # DCP adds a few KiB per stored tensor: 17% of this tiny model's checkpoint, nothing at FLAN-T5-XL size.
+    assert 0.8 <= estimate / directory_bytes(saved) <= 1.0, (estimate, directory_bytes(saved))
+    assert 0.99 <= estimate / state_bytes(model, optimizer) <= 1.0  # AdamW's step counters: a few bytes
+
+
+def test_a_disk_too_small_for_the_checkpoints_is_a_warning_at_start(small_fs):
+    from trainer.disk import free_space_warning
+
+    one = 1200 << 10  # 3 MiB free: room for 2 checkpoints of 1.2 MiB, not 3
+    warning = free_space_warning(small_fs, one, save_total_limit=2, planned_saves=10)
+    assert "keeps up to 3 checkpoints of about 1.2 MiB each (save_total_limit 2, 0 already there)" in warning
+    assert "3.0 MiB free" in warning and "about 3.5 MiB more are needed" in warning, warning
+    assert free_space_warning(small_fs, one, save_total_limit=1, planned_saves=10) is None  # 1 kept + 1
+    assert free_space_warning(small_fs, one, save_total_limit=5, planned_saves=2) is None  # 2 saves in all
+    assert free_space_warning(small_fs, one, save_total_limit=0, planned_saves=3) is not None  # keeps all 3
+    (small_fs / "checkpoint-7").mkdir()
+    (small_fs / "checkpoint-7" / "trainer_state.json").write_text("{}")  # one is there already: 2 more
+    assert free_space_warning(small_fs, one, save_total_limit=2, planned_saves=10) is None
+
+
+@pytest.fixture(scope="module")
+def full_disk_run(tmp_path_factory, tiny_model_dir, sample_csv):
+    """A real training run whose output_dir is on a 4 MiB filesystem: the first checkpoint (7.6 MiB) fails
+    inside torch.distributed.checkpoint, whose CheckpointException is a BaseException."""
+    tmp_path = tmp_path_factory.mktemp("full-disk")
+    fs = tmp_path / "fs"
+    _mount_small_fs(fs, "4m")
+    try:
+        config, out = _config(
+            tmp_path, "run", tiny_model_dir, sample_csv, output_dir=str(fs / "out"), save_steps=2
+        )
+        done = _trainer("train", "--config", str(config))
+        yield done, out
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+def test_a_full_disk_ends_the_run_with_one_line_not_a_traceback(full_disk_run):
+    done, out = full_disk_run
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("trainer: disk full: no space left on device"), last
+
+
+@pytest.mark.xfail(strict=True, reason=LOOP)
+def test_a_full_disk_leaves_no_partial_checkpoint_and_was_announced(full_disk_run):
+    done, out = full_disk_run
+    assert list(out.glob("checkpoint-*")) == []  # the partial checkpoint-2.tmp-* is removed
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"trainer: disk full: no space left on device writing {out}/checkpoint-2"), last
+    assert re.search(r"\(\d+(\.\d)? [KM]iB free, about \d+(\.\d)? MiB needed\)", last), last
+    assert "free, but the run keeps up to" in done.stderr  # the start-up warning
+
+
+_BASE_EXCEPTION_SCRIPT = """
+import os, sys, traceback
+import trainer.cli
+from torch.distributed.checkpoint.api import CheckpointException
+
+
+def fail(args):  # as DCP raises it: one exception per failed rank
+    failure = RuntimeError("upload to " + os.environ["HF_TOKEN"] + " failed")
+    raise CheckpointException("save failed", {0: (failure, traceback.StackSummary())})
+
+
+trainer.cli._run = fail
+sys.exit(trainer.cli.main(["train", "--config", "unused.yaml"]))
+"""
+
+
+def test_a_base_exception_is_logged_through_the_masking_logger(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(_BASE_EXCEPTION_SCRIPT)
+    secret = "hf_fakeTokenForTheCrashPath0123456789"
+    done = subprocess.run(
+        [sys.executable, str(script)], env=_env(HF_TOKEN=secret), capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert "CRITICAL trainer: failed" in done.stderr and "CheckpointException" in done.stderr, done.stderr
+    assert secret not in done.stderr and "upload to *** failed" in done.stderr
