@@ -25,6 +25,8 @@ import torch
 import yaml
 from discord_server import discord_server  # noqa: F401
 
+from trainer.config import ConfigError
+
 LOOP = "the training loop does not call it yet"
 
 # A small run of the tiny model: a few seconds of training on a quiet machine.
@@ -431,3 +433,138 @@ def test_a_base_exception_is_logged_through_the_masking_logger(tmp_path):
     assert done.returncode == 1
     assert "CRITICAL trainer: failed" in done.stderr and "CheckpointException" in done.stderr, done.stderr
     assert secret not in done.stderr and "upload to *** failed" in done.stderr
+
+
+# -- 4. a broken model directory --------------------------------------------------------------------------
+
+
+def _damaged(tmp_path: Path, tiny_model_dir: Path, damage) -> Path:
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, path)
+    damage(path)
+    return path
+
+
+def _cut(path: Path, keep) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: keep(len(data))])
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (
+            lambda p: _cut(p / "model.safetensors", lambda n: n - 1),
+            r"model\.safetensors is truncated: tensor",
+        ),
+        (lambda p: _cut(p / "model.safetensors", lambda n: 100), r"model\.safetensors is truncated or not"),
+        (lambda p: _cut(p / "model.safetensors", lambda n: 0), r"model\.safetensors is truncated \(0 bytes"),
+        (lambda p: (p / "model.safetensors").unlink(), r"no weights \(none of model\.safetensors"),
+        (lambda p: _cut(p / "config.json", lambda n: n // 2), r"config\.json is not valid JSON \(line"),
+        (lambda p: (p / "config.json").unlink(), r"config\.json is missing"),
+        (lambda p: (p / "tokenizer.json").unlink(), r"tokenizer\.json is missing"),
+        (lambda p: _cut(p / "tokenizer.json", lambda n: n // 2), r"tokenizer\.json is not valid JSON"),
+    ],
+    ids=["cut-1-byte", "cut-to-100", "empty", "no-weights", "config-cut", "no-config", "no-tok", "tok-cut"],
+)
+def test_a_damaged_model_directory_is_one_line_naming_the_file(tmp_path, tiny_model_dir, damage, message):
+    from trainer.model_files import check_model_dir
+
+    path = _damaged(tmp_path, tiny_model_dir, damage)
+    with pytest.raises(ConfigError, match=message) as bad:
+        check_model_dir(str(path))
+    assert "\n" not in str(bad.value) and str(path) in str(bad.value)
+
+
+def test_a_whole_model_directory_passes_with_its_parameter_count(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from trainer.model_files import check_model_dir
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir)
+    found = check_model_dir(str(tiny_model_dir))
+    assert found.n_params == sum(p.numel() for p in model.parameters())
+    (tmp := tmp_path / "no-weights").mkdir()
+    shutil.copy(tiny_model_dir / "config.json", tmp / "config.json")
+    shutil.copy(tiny_model_dir / "tokenizer.json", tmp / "tokenizer.json")
+    assert check_model_dir(str(tmp), weights=False).n_params is None  # random_init needs no weights
+    with pytest.raises(ConfigError, match="no such directory"):
+        check_model_dir(str(tiny_model_dir.parent / "missing" / "model"))
+
+
+def test_sharded_and_pytorch_bin_weights_are_checked(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from trainer.model_files import check_model_dir
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="500KB")
+    shutil.copy(tiny_model_dir / "tokenizer.json", sharded)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1 and check_model_dir(str(sharded)).n_params == n_params
+    _cut(shards[-1], lambda n: n - 10)
+    with pytest.raises(ConfigError, match=rf"{shards[-1].name} is truncated"):
+        check_model_dir(str(sharded))
+    shards[0].unlink()
+    with pytest.raises(ConfigError, match=rf"{shards[0].name} is missing \(a shard listed in model"):
+        check_model_dir(str(sharded))
+
+    pickled = tmp_path / "bin"  # the older format: torch.save of the state dict
+    pickled.mkdir()
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(tiny_model_dir / name, pickled)
+    assert check_model_dir(str(pickled)).n_params is None
+    _cut(pickled / "pytorch_model.bin", lambda n: n - 100)
+    with pytest.raises(ConfigError, match=r"pytorch_model\.bin is truncated"):
+        check_model_dir(str(pickled))
+
+
+_CACHED_CHECK = """
+import sys
+from trainer.config import ConfigError
+from trainer.model_files import check_model_dir
+
+for name in sys.argv[1:]:
+    try:
+        print(name, "->", check_model_dir(name))
+    except ConfigError as e:
+        print(name, "->", e)
+"""
+
+
+def test_a_hub_id_is_checked_as_far_as_it_is_cached(tmp_path, tiny_model_dir):
+    # The Hugging Face cache layout: models--org--name/{refs/main, snapshots/<revision>/<files>}.
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--acme--recipes" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model_dir, snapshot)
+    (cache / "models--acme--recipes" / "refs").mkdir()
+    (cache / "models--acme--recipes" / "refs" / "main").write_text("0123abcd")
+    _cut(snapshot / "model.safetensors", lambda n: n // 2)
+    script = tmp_path / "check.py"
+    script.write_text(_CACHED_CHECK)
+    done = subprocess.run(
+        [sys.executable, str(script), "acme/recipes", "acme/not-downloaded"],
+        env=_env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"acme/recipes -> model: {snapshot}/model.safetensors is truncated" in done.stdout, done.stdout
+    assert "acme/not-downloaded -> None" in done.stdout  # training downloads it
+
+
+@pytest.mark.xfail(strict=True, reason=LOOP)
+def test_a_truncated_model_fails_the_dry_run_in_one_line(tmp_path, tiny_model_dir, sample_csv):
+    model = _damaged(tmp_path, tiny_model_dir, lambda p: _cut(p / "model.safetensors", lambda n: n // 2))
+    config, _ = _config(tmp_path, "dry", model, sample_csv)
+    done = _trainer("train", "--config", str(config), "--dry-run")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"trainer: config error: model: {model}/model.safetensors")
+    )
