@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import struct
@@ -309,6 +310,14 @@ RUN_SECRETS = {
 RUN_STEPS = 6
 # Reporter.close() gives queued Discord messages this long at exit (its default; the loop calls close()).
 CLOSE_TIMEOUT_S = 10.0
+# What closing the notifier says it waited may exceed its deadline by the time a loaded machine takes to
+# schedule the thread again.
+CLOSE_SLACK_S = 1.0
+CLOSE_LINE = (
+    r"(?P<left>\d+) message\(s\) not sent within the (?P<timeout>[\d.]+)s close timeout "
+    r"\(waited (?P<waited>[\d.]+) s\)"
+)
+CLOSED_LINE = r"Discord: nothing left to send; closing waited (?P<waited>[\d.]+) s"
 
 
 @pytest.fixture(scope="module")
@@ -368,10 +377,12 @@ def _run_env(tmp_path: Path, webhook_url: str, **faults: int | str) -> dict[str,
     return env
 
 
-def _train(script: Path, config: Path, env: dict[str, str], timeout: float = 300):
+def _train(
+    script: Path, config: Path, env: dict[str, str], flags: tuple[str, ...] = (), timeout: float = 300
+):
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(script), "train", "--config", str(config)],
+        [sys.executable, str(script), *flags, "train", "--config", str(config)],
         env=env,
         capture_output=True,
         text=True,
@@ -532,27 +543,33 @@ def test_a_slow_or_dead_server_adds_at_most_the_close_timeout(
     discord_server,  # noqa: F811
     dead_webhook_url,  # noqa: F811
 ):
-    """The same real run against a healthy server, a slow one (4 s per answer) and a dead one: steps never
-    wait on the network, and the exit waits at most the close timeout for what is still queued."""
+    """The same real run against a healthy server, one that never answers in time and a dead one: the run
+    ends with messages still queued (had the steps waited on the network, none would be), and closing waits
+    at most the close timeout for them. What is bounded is the wait the notifier measures in close(), which
+    its deadline controls, not the run's wall clock, which a busy machine stretches at will."""
 
-    def run(name: str, url: str) -> tuple[float, float]:
-        config, out = _run_config(tmp_path, tiny_model_dir, sample_csv, name, report_to="none")
-        done, wall_s = _train(fault_script, config, _run_env(tmp_path, url))
+    def run(name: str, url: str, *flags: str) -> str:
+        config, _ = _run_config(tmp_path, tiny_model_dir, sample_csv, name, report_to="none")
+        done, _ = _train(fault_script, config, _run_env(tmp_path, url), flags)
         assert done.returncode == 0, done.stderr
-        if name != "healthy":
-            assert "not sent within the 10.0s close timeout" in done.stderr, (name, done.stderr)
-        return wall_s, json.loads((out / "run_summary.json").read_text())["duration_s"]
+        return done.stderr
 
-    healthy_s, healthy_loop_s = run("healthy", discord_server.url)
-    n_messages = len(discord_server.payloads)
-    assert n_messages >= RUN_STEPS + 4  # started, progress per step, evaluations, checkpoints, finished
-    discord_server.script.delay = 4.0
-    # Had each message held up the loop, the slow server alone would add n_messages * 4 s (> 40 s).
-    slack_s = 15.0  # the same few-second run, twice on shared CPUs, differs by this much at worst
-    for name, url in (("slow", discord_server.url), ("dead", dead_webhook_url)):
-        wall_s, loop_s = run(name, url)
-        assert wall_s <= healthy_s + CLOSE_TIMEOUT_S + slack_s, (name, healthy_s, wall_s)
-        assert loop_s <= 2 * healthy_loop_s + 5.0, (name, healthy_loop_s, loop_s)
+    run("healthy", discord_server.url)
+    assert len(discord_server.payloads) >= RUN_STEPS + 4  # started, progress per step, evals, checkpoints
+    # Every try times out (after the client's 5 s), so each message takes over 30 s before it is given up:
+    # far more, for the run's dozen messages, than the run lasts.
+    discord_server.script.delay = 120.0
+    console = run("slow", discord_server.url)
+    not_sent = re.search(CLOSE_LINE, console)
+    assert not_sent, console
+    assert int(not_sent["left"]) >= 1 and float(not_sent["timeout"]) == CLOSE_TIMEOUT_S
+    assert float(not_sent["waited"]) <= CLOSE_TIMEOUT_S + CLOSE_SLACK_S, not_sent[0]
+    # A dead server refuses at once; whether anything is left at the end depends on how long the run took,
+    # so the close's own line is read at debug level when everything went (or was given up) in time.
+    console = run("dead", dead_webhook_url, "--verbose")
+    closed = re.search(CLOSE_LINE, console) or re.search(CLOSED_LINE, console)
+    assert closed, console
+    assert float(closed["waited"]) <= CLOSE_TIMEOUT_S + CLOSE_SLACK_S, closed[0]
 
 
 def _progress_etas(discord_server) -> dict[int, float]:  # noqa: F811

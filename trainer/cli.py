@@ -105,12 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     from trainer._loader import RecipeDataError, RecipeFileError
     from trainer.config import ConfigError
+    from trainer.disk import out_of_space_message
     from trainer.redact import install_log_redaction, redact
+    from trainer.run_lock import OutputDirLocked
 
     # Secrets (W&B key, Discord webhook, HF token) are masked in every log line from here on.
     install_log_redaction()
     try:
         return _run(args)
+    except OutputDirLocked as e:  # another trainer writes into this output_dir: the message names it
+        print(f"trainer: {redact(str(e))}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"trainer: config error: {redact(str(e))}", file=sys.stderr)
         return 2
@@ -120,7 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("trainer: interrupted", file=sys.stderr)
         return 130
-    except Exception:
+    except SystemExit:
+        raise
+    except BaseException as e:  # not only Exception: torch's CheckpointException derives from BaseException
+        full_disk = out_of_space_message(e)  # a full disk in any form: one line, the traceback under -v
+        if full_disk is not None:
+            logging.getLogger("trainer").debug("out of disk space", exc_info=True)
+            print(f"trainer: {redact(full_disk)}", file=sys.stderr)
+            return 1
         # Through the logger, not Python's default hook, so the traceback is redacted like every log line.
         logging.getLogger("trainer").critical("failed", exc_info=True)
         return 1
