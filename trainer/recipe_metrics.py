@@ -23,6 +23,7 @@ drained" -> {black, bean}).
 
 from __future__ import annotations
 
+import logging
 import re
 import unicodedata
 from collections.abc import Sequence
@@ -155,6 +156,8 @@ def generation_metrics(
         import sacrebleu
         from rouge_score import rouge_scorer
 
+        # rouge-score logs "Using default tokenizer." at every call.
+        logging.getLogger("absl").setLevel(logging.WARNING)
         scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
         scores = [scorer.score(r, g) for g, r in pairs]
         for name in ("rouge1", "rouge2", "rougeL"):

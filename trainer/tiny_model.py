@@ -172,9 +172,10 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
             torch.randn(config.vocab_size, config.d_model) * config.d_model**-0.5
         )
     # A model this small loops under greedy decoding ("2 cups 2 cups ..."); its generation config says not to
-    # repeat a trigram, as a model card would. The real FLAN-T5 brings its own generation config.
+    # repeat a trigram, as a model card would. No max_new_tokens: `trainer generate` then writes up to the
+    # training run's max_target_length, a whole recipe. The real FLAN-T5 brings its own generation config.
     model.generation_config = GenerationConfig(
-        decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, max_new_tokens=128, no_repeat_ngram_size=3
+        decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, no_repeat_ngram_size=3
     )
     model.save_pretrained(out, safe_serialization=True)
     # Write config.json as flan-t5-xl's reads ("tie_word_embeddings": false, no output scaling key), so
