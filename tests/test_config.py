@@ -37,7 +37,7 @@ def test_overrides_are_typed():
         ("optimizer=sgd", "optimizer must be one of"),
         ("gradient_accumulation_steps=0", "gradient_accumulation_steps must be >= 1"),
         ("max_steps", "not of the form key=value"),
-        ("per_device_train_batch_size=0", "per_device_train_batch_size must be >= 1 or null, got 0"),
+        ("max_tokens=0", "max_tokens must be >= 1 or null, got 0"),  # the quickstart batches by token budget
         ("max_source_length=0", "max_source_length must be >= 1, got 0"),
         ("warmup_steps=-5", "warmup_steps must be >= 0"),
         ("learning_rate=-1", "learning_rate must be a positive number"),

@@ -100,6 +100,12 @@ def _build_parser() -> argparse.ArgumentParser:
     where.add_argument("--config", help="YAML config of the run: checks <output_dir>/heartbeat")
     _add_overrides(health)
     health.add_argument("--max-age", type=float, default=900.0, help="allowed seconds since the last beat")
+
+    from trainer.evaluate import add_evaluate_parser
+    from trainer.generate import add_generate_parser
+
+    add_generate_parser(sub)
+    add_evaluate_parser(sub)
     return parser
 
 
@@ -144,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if hasattr(args, "run"):  # subcommands that bring their own entry point (generate, evaluate)
+        return args.run(args)
     if args.command == "train":
         from trainer.config import TrainConfig
         from trainer.train import train

@@ -9,6 +9,7 @@ use pyo3::types::PyDict;
 use recipe_core::plan::{PlanConfig, Split};
 use recipe_core::{Loader, LoaderConfig, LoaderError, State};
 
+mod render;
 mod sample;
 
 create_exception!(
@@ -193,5 +194,6 @@ fn _loader(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RecipeDataError", m.py().get_type::<RecipeDataError>())?;
     m.add("RecipeFileError", m.py().get_type::<RecipeFileError>())?;
     sample::register(m)?;
+    render::register(m)?;
     Ok(())
 }

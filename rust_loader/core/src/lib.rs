@@ -5,6 +5,7 @@ pub mod formats;
 pub mod hash;
 pub mod index;
 pub mod plan;
+pub mod records;
 pub mod render;
 pub mod sample;
 pub mod stream;
