@@ -75,14 +75,15 @@ def blocking(original, where):
 
 import trainer.checkpoint
 import trainer.data
-import trainer.train
 from transformers import AutoModelForSeq2SeqLM
 
 trainer.data.stream_for = blocking(trainer.data.stream_for, "data")
 trainer.checkpoint.save_pretrained = blocking(trainer.checkpoint.save_pretrained, "save")
+AutoModelForSeq2SeqLM.from_pretrained = blocking(AutoModelForSeq2SeqLM.from_pretrained, "model")
+import trainer.train  # after the patches above: it imports stream_for by name
+
 trainer.train.optimizer_step = blocking(trainer.train.optimizer_step, "step")
 trainer.train.evaluate = blocking(trainer.train.evaluate, "evaluate")
-AutoModelForSeq2SeqLM.from_pretrained = blocking(AutoModelForSeq2SeqLM.from_pretrained, "model")
 from trainer.cli import main
 
 sys.exit(main(sys.argv[1:]))
