@@ -118,8 +118,20 @@ def test_rotation_keeps_the_last_n_and_the_best(tmp_path):
     model, opt, sched = _setup()
     for step in (1, 2, 3, 4, 5):
         _save(tmp_path, step, model, opt, sched)
-    (tmp_path / "checkpoint-6.tmp-99999").mkdir()  # left by a crashed earlier run
     ckpt.rotate_checkpoints(tmp_path, 2, best=tmp_path / "checkpoint-2")
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
     assert json.loads((tmp_path / "checkpoint-5" / ckpt.MARKER).read_text())["step"] == 5
+
+
+def test_what_a_killed_save_left_is_removed_and_nothing_else(tmp_path):
+    model, opt, sched = _setup()
+    _save(tmp_path, 1, model, opt, sched)
+    for name in ("checkpoint-2.tmp-99999", "checkpoint-3.tmp-123", "final.tmp"):  # a run killed mid-save
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "final").mkdir()
+    removed = ckpt.remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in removed) == ["checkpoint-2.tmp-99999", "checkpoint-3.tmp-123", "final.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "final"]
+    assert ckpt.remove_stale_temporaries(tmp_path) == []

@@ -51,6 +51,44 @@ def test_bad_overrides_are_clear_errors(override, message):
         TrainConfig.load(CONFIGS / "quickstart.yaml", [override])
 
 
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (36000, 36000.0),
+        ("36000", 36000.0),
+        ("12h", 43200.0),
+        ("90m", 5400.0),
+        ("1d12h", 129600.0),
+        ("2h30m", 9000.0),
+        ("1h 30m 10s", 5410.0),
+        (1.5, 1.5),
+    ],
+)
+def test_max_time_takes_seconds_or_a_duration(value, seconds):
+    assert TrainConfig(max_time=value).max_time_s == seconds
+    assert TrainConfig().max_time_s is None  # no time budget unless one is set
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("max_time=12x", "max_time: '12x' is not a duration; give seconds (36000) or e.g. 10h"),
+        ("max_time=m30", "max_time: 'm30' is not a duration"),
+        ("max_time=0", "max_time must be more than 0 (null: no time budget), got 0"),
+    ],
+)
+def test_a_bad_max_time_is_one_clear_error(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        TrainConfig.load(CONFIGS / "quickstart.yaml", [override])
+
+
+def test_the_cache_is_cleared_every_100_steps_unless_a_config_says_never():
+    assert TrainConfig().empty_cache_steps == 100
+    for name in ("quickstart.yaml", "flan-t5-xl-rtx5090.yaml"):  # the presets keep the default
+        assert TrainConfig.load(CONFIGS / name).empty_cache_steps == 100
+    assert TrainConfig.load(CONFIGS / "quickstart.yaml", ["empty_cache_steps=0"]).empty_cache_steps == 0
+
+
 def test_bad_yaml_names_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("learning_rate: [1\n")

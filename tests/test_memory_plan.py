@@ -4,6 +4,7 @@ step, and the activation terms against the live tensor bytes of a real checkpoin
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from trainer.memory_plan import (
     largest_token_budget,
     optimizer_state_bytes,
     plan_memory,
+    plan_run,
 )
 from trainer.model import skip_decoder_checkpointing, use_fused_t5_ops
 from trainer.model_shape import KNOWN_CONFIGS, ModelShape, load_shape
@@ -331,3 +333,56 @@ def test_trainer_plan_rejects_a_bad_card_size_or_model(tmp_path, capsys):
         == 2
     )
     assert "no config for" in capsys.readouterr().err
+
+
+def _data_config(tmp_path, tiny_model_dir, sample_csv) -> str:
+    path = tmp_path / "data.yaml"
+    path.write_text(
+        f"model_name_or_path: {tiny_model_dir}\ntrain_files: [{sample_csv}]\nreport_to: none\n"
+        "max_source_length: 64\nmax_target_length: 96\nper_device_train_batch_size: 8\n"
+        "eval_fraction: 0.05\nnum_train_epochs: 2\n"
+    )
+    return str(path)
+
+
+def test_trainer_plan_predicts_the_time_on_named_gpus_and_what_hours_cover(
+    tmp_path, capsys, tiny_model_dir, sample_csv
+):
+    from trainer.data import resolve_tokenizer_file, stream_for
+
+    config = _data_config(tmp_path, tiny_model_dir, sample_csv)
+    assert cli_main(["plan", "--config", config, "--hours", "10"]) == 0
+    out = capsys.readouterr().out
+    cfg = TrainConfig.load(config)
+    train_split = stream_for(plan_run(cfg).applied_to(cfg), resolve_tokenizer_file(tiny_model_dir), "train")
+    records = len(train_split.lengths()[0])
+    assert f"one epoch: {records:,} records, {len(train_split):,} optimizer steps" in out, out
+    assert "(2.00 epochs)" in out  # num_train_epochs
+    for name in ("RTX 5090", "RTX 4090", "A100 80GB SXM", "H100 SXM", "H200 SXM"):
+        (line,) = [line for line in out.splitlines() if line.startswith(f"  {name} (")]
+        assert re.search(
+            r"TFLOP/s.*: [\d,]+ real tokens/s; one epoch .+; this run .+; 10 h cover [\d,]+ records", line
+        )
+    assert "fp32 accumulation" in out  # GeForce cards state the rate training gets
+
+
+def test_the_hours_of_an_epoch_cover_one_epoch(tmp_path, tiny_model_dir, sample_csv):
+    from trainer.gpu_specs import GPUS, predicted_epoch_seconds
+    from trainer.plan_report import MEASURED_MFU, epoch_data, time_report
+
+    cfg = TrainConfig.load(_data_config(tmp_path, tiny_model_dir, sample_csv))
+    plan, shape = plan_run(cfg), load_shape(str(tiny_model_dir))
+    epoch = epoch_data(cfg, plan)
+    seconds = predicted_epoch_seconds(
+        GPUS["h100"], MEASURED_MFU.mfu, shape, epoch.source_tokens, epoch.target_tokens
+    )
+    hours = seconds / 3600
+    (line,) = [
+        line for line in time_report(cfg, plan, shape, 0, epoch, hours) if line.startswith("  H100 SXM")
+    ]
+    assert f"cover {epoch.records:,} records (1 epochs, {epoch.steps:,.0f} optimizer steps)" in line, line
+
+
+def test_trainer_plan_rejects_hours_that_are_not_a_positive_number(tmp_path, capsys):
+    assert cli_main(["plan", "--config", write_config(tmp_path, ""), "--hours", "0"]) == 2
+    assert "--hours must be a positive number, got 0" in capsys.readouterr().err

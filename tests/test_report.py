@@ -491,10 +491,12 @@ def test_a_crash_while_loading_the_model_is_reported(
     fault_script,
     discord_server,  # noqa: F811
 ):
+    # Whole files (a truncated one is a config error before the start, test_faults.py), but a config.json
+    # whose d_ff does not match the weights: loading them fails.
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model_dir, broken)
-    weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])
+    model_config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(dict(model_config, d_ff=model_config["d_ff"] * 2)))
     config, out = _run_config(tmp_path, broken, sample_csv, "load", report_to="none")
     done, _ = _train(fault_script, config, _run_env(tmp_path, discord_server.url))
     console = done.stdout + done.stderr
@@ -633,8 +635,9 @@ def test_a_restart_before_the_first_checkpoint_continues_the_same_wandb_run(
     from trainer.checkpoint import find_resume_checkpoint
 
     config, out = _run_config(tmp_path, tiny_model_dir, sample_csv, "kept", save_steps=100, eval_steps=100)
-    # The first start fails at its second step, before any checkpoint (as a container killed there would).
-    done, _ = _train(fault_script, config, _run_env(tmp_path, discord_server.url, crash_at=2))
+    # The first start fails in its first step, before any checkpoint (as a container killed there would; an
+    # error after a completed step would save that step first).
+    done, _ = _train(fault_script, config, _run_env(tmp_path, discord_server.url, crash_at=1))
     assert done.returncode == 1, done.stderr
     assert find_resume_checkpoint("auto", out) is None
     run_id = (out / "wandb_run_id").read_text().strip()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from trainer.memory import GpuMemory
-from trainer.step_meter import TRAIN_LOG, StepCounts, StepMeter, format_duration
+from trainer.step_meter import TRAIN_LOG, StepCounts, StepMeter, continue_train_log, format_duration
 
 
 class Clock:
@@ -54,6 +54,7 @@ def test_eta_is_right_after_a_checkpoint_and_after_a_resume(tmp_path):
     assert_eta_within_2x(etas, end, [21, 25, 41, 61, 70])
 
     # The same run resumed from checkpoint-40 by a new process: it counts its own steps from 40.
+    continue_train_log(tmp_path / TRAIN_LOG, 40)
     clock = Clock()
     resumed = StepMeter(80, 40, tmp_path, clock=clock)
     etas, end = simulate(resumed, clock, 40, 80, step_s=1.0, save_every=20, save_s=10.0)
@@ -108,8 +109,42 @@ def test_train_log_rows_say_what_they_are_and_a_resume_drops_the_repeated_ones(t
         "padded_tokens",
     }
     # Resuming from checkpoint-1: the rows of steps 2 and 3, evaluation included, are logged again.
-    StepMeter(4, 1, tmp_path, clock=Clock())
+    assert continue_train_log(tmp_path / TRAIN_LOG, 1) is None
     assert (tmp_path / TRAIN_LOG).read_text().splitlines() == lines[:1]
+
+
+def test_a_run_that_starts_over_keeps_the_earlier_rows_beside_its_log(tmp_path):
+    log = tmp_path / TRAIN_LOG
+    assert continue_train_log(log, None) is None  # a first run: nothing to keep
+    log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n')
+    before = log.read_text()
+    kept = continue_train_log(log, None)  # no checkpoint to resume: training starts over
+    assert kept == tmp_path / f"{TRAIN_LOG}.1" and kept.read_text() == before and not log.exists()
+    log.write_text('{"step": 1, "loss": 2.1}\n')
+    assert continue_train_log(log, None) == tmp_path / f"{TRAIN_LOG}.2"  # the first kept file stays
+    assert kept.read_text() == before
+
+
+def test_a_resumed_log_loses_the_line_a_killed_run_cut_and_nothing_else(tmp_path):
+    log = tmp_path / TRAIN_LOG
+    log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "lo')
+    continue_train_log(log, 2)
+    assert log.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n'
+
+
+def test_the_time_budget_counts_earlier_processes_and_caps_the_eta():
+    clock = Clock()
+    # A run resumed after 50 s of training, with a budget of 60 s: 10 s are left.
+    meter = StepMeter(100, 10, None, clock=clock, seconds_before=50.0, max_time_s=60.0)
+    assert meter.time_left_s() == 10.0 and not meter.out_of_time()
+    assert meter.eta_s(10) == 10.0  # no step yet: the budget left is the most the run can take
+    clock.now += 2.0
+    meter.step_done(11, loss=1.0, lr=1e-4, counts=StepCounts(4, 100, 200, 400))
+    assert meter.train_seconds == 52.0
+    assert meter.eta_s(11) == 8.0  # 89 steps of 2 s would take longer than the 8 s left
+    clock.now += 8.0
+    assert meter.out_of_time() and meter.time_left_s() == 0.0
+    assert StepMeter(100, 0, None, clock=clock).time_left_s() is None  # no budget: never out of time
 
 
 def test_format_duration():

@@ -161,10 +161,42 @@ def test_rerun_of_a_finished_or_killed_run(tiny_model_dir, sample_csv, tmp_path,
     assert rows((out / TRAIN_LOG).read_text()) == rows(logged)
 
 
-def test_unknown_model_path_fails_before_training(sample_csv, tmp_path):
-    from trainer.data import RecipeFileError
+def test_max_time_stops_saves_evaluates_and_finishes_and_its_clock_survives_a_restart(
+    tiny_model_dir, sample_csv, tmp_path, caplog
+):
+    caplog.set_level("INFO")
+    out = tmp_path / "out"
+    budget = _cfg(tiny_model_dir, sample_csv, out, max_steps=100_000, max_time="3s")
+    assert train(budget) == 0
+    summary = json.loads((out / SUMMARY).read_text())
+    assert summary["stopped_by"] == "max_time" and summary["steps"] < 100_000
+    assert summary["train_seconds"] >= 3.0
+    steps = summary["steps"]
+    ckpt = find_resume_checkpoint("auto", out)  # the step it stopped at is saved, final/ written
+    state = load_trainer_state(ckpt)
+    assert state["step"] == steps and state["train_seconds"] >= 3.0
+    assert (out / "final" / "model.safetensors").is_file()
+    rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_loss" in r][-1] == steps  # evaluated where it stopped
+    assert "time budget reached (max_time 3s)" in caplog.text
 
-    with pytest.raises(RecipeFileError):
+    # The same command again: the budget is spent, nothing to do.
+    caplog.clear()
+    assert train(budget) == 0
+    assert "its time budget (max_time 3s) spent: this run is already finished" in caplog.text
+    assert json.loads((out / SUMMARY).read_text()) == summary
+
+    # A larger budget continues the run; the time used before the restart still counts.
+    assert train(_cfg(tiny_model_dir, sample_csv, out, max_steps=steps + 2, max_time="1h")) == 0
+    after = json.loads((out / SUMMARY).read_text())
+    assert after["steps"] == steps + 2 and "stopped_by" not in after
+    assert after["train_seconds"] > summary["train_seconds"]
+
+
+def test_unknown_model_path_fails_before_training(sample_csv, tmp_path):
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no-such-model: no such directory"):
         train(_cfg(tmp_path / "no-such-model", sample_csv, tmp_path / "out"), dry_run=True)
 
 

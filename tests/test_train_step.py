@@ -183,6 +183,13 @@ def test_empty_cache_schedule_runs_only_every_n_steps():
     assert not any(memory.EmptyCacheSchedule(0).after_step(s) for s in range(1, 5))
 
 
+def test_the_cache_is_also_cleared_after_each_evaluation_unless_never():
+    sched = memory.EmptyCacheSchedule(100)
+    assert sched.after_evaluation() and sched.after_evaluation() and sched.calls == 2
+    never = memory.EmptyCacheSchedule(0)
+    assert not never.after_evaluation() and never.calls == 0
+
+
 def test_oom_probe_halves_the_budget_before_training():
     model = _model()
     hook = _OomOnce(rows=3)  # micro-batches of more than 3 rows do not fit

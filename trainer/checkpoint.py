@@ -2,7 +2,9 @@
 
 A checkpoint is written into `checkpoint-<step>.tmp-<pid of rank 0>` and renamed into place only once
 complete, and its last file is the completion marker `trainer_state.json`; a directory without it (a run
-killed mid-write) is never picked for resume. Contents:
+killed mid-write) is never picked for resume. A write that fails (a full disk: one line, trainer.disk) or is
+interrupted (a second Ctrl-C) removes its temporary directory; one a killed run left behind is removed by the
+next run once it holds output_dir's lock (`remove_stale_temporaries`). Contents:
 
 - `dcp/`: model weights and optimizer states through `torch.distributed.checkpoint` (DCP), keyed by parameter
   name. Each rank writes its own part (with FSDP, its shards) and DCP re-splits on load, so a checkpoint saved
@@ -43,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from trainer import distributed
+from trainer import disk, distributed
 from trainer.config import ConfigError
 from trainer.redact import redact_obj
 
@@ -95,25 +97,29 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
     tmp = distributed.broadcast_object(tmp)  # rank 0's directory, made before any rank writes into it
-    save_pretrained(model, tmp)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    with _one_process_is_intended():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / "dcp")
-    torch.save(rng if rng is not None else rng_state(), tmp / _rng_file(rank))
-    distributed.barrier()  # every rank's files are in place
-    if rank == 0:
-        if tokenizer_file is not None:
-            shutil.copy(tokenizer_file, tmp / "tokenizer.json")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        state = dict(trainer_state, step=step)
-        with open(tmp / MARKER, "w", encoding="utf-8") as f:  # written last: the completion marker
-            json.dump(state, f, indent=2, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        log.info("saved checkpoint %s", final)
+    # A failure or an interrupt (a second Ctrl-C) removes the partial directory; a full disk is one line
+    # naming the space free and needed. Earlier checkpoints are untouched.
+    needed = disk.checkpoint_bytes(output_dir) or disk.state_bytes(model, optimizer)
+    with disk.removed_on_failure(tmp, needed_bytes=needed, remove=rank == 0):
+        save_pretrained(model, tmp)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        with _one_process_is_intended():
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / "dcp")
+        torch.save(rng if rng is not None else rng_state(), tmp / _rng_file(rank))
+        distributed.barrier()  # every rank's files are in place
+        if rank == 0:
+            if tokenizer_file is not None:
+                shutil.copy(tokenizer_file, tmp / "tokenizer.json")
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            state = dict(trainer_state, step=step)
+            with open(tmp / MARKER, "w", encoding="utf-8") as f:  # written last: the completion marker
+                json.dump(state, f, indent=2, default=str)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            log.info("saved checkpoint %s", final)
     distributed.barrier()  # no rank reads or rotates checkpoints before the rename
     return final
 
@@ -237,16 +243,23 @@ def load_training_state(path: str | Path, model, optimizer, scheduler) -> None:
     set_rng_state(torch.load(rng_file if rng_file.exists() else path / "rng.pt", weights_only=False))
 
 
-def rotate_checkpoints(output_dir: str | Path, save_total_limit: int, best: Path | None = None) -> list[Path]:
-    """Delete all but the newest `save_total_limit` complete checkpoints, keeping `best`; also removes stale
-    temporary directories of earlier crashed saves. Returns what was removed."""
+def remove_stale_temporaries(output_dir: str | Path) -> list[Path]:
+    """Delete what saves of earlier runs left half-written (`checkpoint-<step>.tmp-<pid>`, `final.tmp`: a
+    run killed while saving). Call it only while holding output_dir's lock (trainer.run_lock): then no other
+    trainer is writing them. Returns what was removed."""
     output_dir = Path(output_dir)
-    removed = []
-    for p in output_dir.glob("checkpoint-*.tmp-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid != str(os.getpid()):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+    stale = [*output_dir.glob("checkpoint-*.tmp-*"), output_dir / "final.tmp"]
+    removed = [p for p in stale if p.is_dir()]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def rotate_checkpoints(output_dir: str | Path, save_total_limit: int, best: Path | None = None) -> list[Path]:
+    """Delete all but the newest `save_total_limit` complete checkpoints, keeping `best`. Returns what was
+    removed."""
+    output_dir = Path(output_dir)
+    removed: list[Path] = []
     if save_total_limit <= 0:
         return removed
     found = [p for _, p in list_checkpoints(output_dir)]
@@ -304,7 +317,15 @@ def resume_position(
 
 
 # Keys whose change on resume changes nothing about what was already trained, or is expected.
-_RESUME_FREE_KEYS = {"max_steps", "num_train_epochs", "resume", "output_dir", "progress_bar", "run_name"}
+_RESUME_FREE_KEYS = {
+    "max_steps",
+    "num_train_epochs",
+    "max_time",
+    "resume",
+    "output_dir",
+    "progress_bar",
+    "run_name",
+}
 
 
 def warn_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
@@ -335,13 +356,15 @@ def save_final_model(model, model_name_or_path: str, tokenizer_file: str, final:
     if is_main and tmp.exists():
         shutil.rmtree(tmp)
     distributed.barrier()
-    save_pretrained(model, tmp)  # rank 0 writes the whole model (FSDP: gathered)
-    if is_main:
-        _copy_tokenizer(model_name_or_path, tokenizer_file, tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        log.info("saved the final model and its tokenizer in %s", final)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # this rank's, under FSDP
+    with disk.removed_on_failure(tmp, needed_bytes=weights, remove=is_main):
+        save_pretrained(model, tmp)  # rank 0 writes the whole model (FSDP: gathered)
+        if is_main:
+            _copy_tokenizer(model_name_or_path, tokenizer_file, tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            log.info("saved the final model and its tokenizer in %s", final)
 
 
 def _copy_tokenizer(model_name_or_path: str, tokenizer_file: str, out: Path) -> None:

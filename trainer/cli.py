@@ -67,10 +67,15 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_overrides(train)
     train.add_argument("--dry-run", action="store_true", help="check the config and data paths, then exit")
 
-    plan = sub.add_parser("plan", help="predict peak GPU memory for a config")
+    plan = sub.add_parser(
+        "plan", help="predict peak GPU memory for a config, and the training time on named GPUs"
+    )
     plan.add_argument("--config", required=True)
     _add_overrides(plan)
     plan.add_argument("--gpu-memory", default="32GiB", help="card size, e.g. 32GiB or 24GB")
+    plan.add_argument(
+        "--hours", type=float, help="also say how much of the data this many hours of training cover per GPU"
+    )
 
     data = sub.add_parser("data", help="sample data and inspect recipe files").add_subparsers(
         dest="data_command", required=True
@@ -157,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
         from trainer.config import TrainConfig
         from trainer.plan_report import print_plan
 
-        return print_plan(TrainConfig.load(args.config, args.set), args.gpu_memory)
+        return print_plan(TrainConfig.load(args.config, args.set), args.gpu_memory, args.hours)
     if args.command == "healthcheck":
         from trainer.healthcheck import check_heartbeat, heartbeat_path
 

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -76,11 +77,15 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     max_steps: int = -1  # > 0 overrides num_train_epochs
     num_train_epochs: float = 1.0
+    # A time budget for the training: seconds, or a duration such as "10h", "90m", "1d12h", "2h30m". Counted
+    # over restarts (checkpoints keep the time used); when spent the run ends as a finished one would.
+    max_time: float | str | None = None
     seed: int = 42
 
     # --- memory ---
     cuda_alloc_conf: str = "expandable_segments:True"  # used unless PYTORCH_CUDA_ALLOC_CONF is already set
-    empty_cache_steps: int = 0  # torch.cuda.empty_cache() every N optimizer steps; 0 = never
+    # torch.cuda.empty_cache() every N optimizer steps and after each evaluation; 0: never.
+    empty_cache_steps: int = 100
     gpu_memory_limit_gib: float | None = None  # cap this process (emulates a smaller card)
     oom_probe: bool = False  # try the largest batch the loader can produce before training
     max_oom_halvings: int = 4
@@ -151,6 +156,8 @@ class TrainConfig:
                 f"set max_steps > 0 or num_train_epochs > 0 (got max_steps {self.max_steps}, "
                 f"num_train_epochs {self.num_train_epochs})"
             )
+        if self.max_time is not None:
+            parse_duration(self.max_time, "max_time")  # a clear error now, not when the loop reads it
         # `~` in a path means the home directory, as in a shell.
         self.output_dir = os.path.expanduser(self.output_dir)
         self.train_files = [os.path.expanduser(f) for f in self.train_files]
@@ -158,6 +165,11 @@ class TrainConfig:
             self.model_name_or_path = os.path.expanduser(self.model_name_or_path)
         if self.resume not in ("auto", "never"):
             self.resume = os.path.expanduser(self.resume)
+
+    @property
+    def max_time_s(self) -> float | None:
+        """max_time in seconds, or None for no time budget."""
+        return None if self.max_time is None else parse_duration(self.max_time, "max_time")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -207,6 +219,36 @@ class TrainConfig:
                 raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
             checked[key] = _check_type(key, value, hints[key], where)
         return cls(**checked)
+
+
+_DURATION = re.compile(
+    r"^(?:(?P<d>\d+(?:\.\d+)?)d)?(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m)?(?:(?P<s>\d+(?:\.\d+)?)s)?$"
+)
+_UNIT_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(value: float | str, key: str) -> float:
+    """Seconds of a duration: a number of seconds (36000, "36000"), or days, hours, minutes and seconds in
+    that order ("10h", "90m", "1d12h", "2h30m", "1h 30m 10s"). ConfigError naming `key` for anything else,
+    or for a duration that is not positive."""
+    seconds = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        try:
+            seconds = float(text)
+        except ValueError:
+            m = _DURATION.match(text)
+            if m and text:
+                seconds = sum(float(v) * _UNIT_SECONDS[unit] for unit, v in m.groupdict().items() if v)
+    if seconds is None or not math.isfinite(seconds):
+        raise ConfigError(
+            f"{key}: {value!r} is not a duration; give seconds (36000) or e.g. 10h, 90m, 1d12h, 2h30m"
+        )
+    if seconds <= 0:
+        raise ConfigError(f"{key} must be more than 0 (null: no time budget), got {value!r}")
+    return seconds
 
 
 class _DuplicateKey(yaml.YAMLError):

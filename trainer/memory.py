@@ -114,10 +114,14 @@ def split_batch(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
 
 
 class EmptyCacheSchedule:
-    """torch.cuda.empty_cache() every `every` optimizer steps (0: never); only called between steps.
+    """torch.cuda.empty_cache() every `every` optimizer steps and after each evaluation; `every` 0: never.
 
-    With expandable segments the allocator rarely fragments, and each call costs a device sync plus
-    re-allocation on the next step, so the default is never.
+    Evaluation and generation allocate other shapes than training steps do: their cached blocks, returned to
+    the driver after them, would otherwise stay reserved beside the training's. Each clearing costs a device
+    sync and the re-growth of the cache in the next step: after every step it cost 3.5% of the step time
+    (bench/NOTES.md); every N steps it costs that over N (`python3 bench/allocator.py` measures one clearing).
+    Called only between steps. On a CPU nothing is cleared, but the decisions are the same and counted in
+    `calls`.
     """
 
     def __init__(self, every: int):
@@ -125,8 +129,16 @@ class EmptyCacheSchedule:
         self.calls = 0
 
     def after_step(self, step: int) -> bool:
+        """Clear after optimizer step `step` if it is one of every `every`-th; returns whether it did."""
         if self.every <= 0 or step % self.every:
             return False
+        return self._clear()
+
+    def after_evaluation(self) -> bool:
+        """Clear after an evaluation (unless `every` is 0); returns whether it did."""
+        return self.every > 0 and self._clear()
+
+    def _clear(self) -> bool:
         import torch
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():

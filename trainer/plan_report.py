@@ -1,13 +1,31 @@
-"""`trainer plan`: the memory plan for a config on a given card, printed by component (the CLI's output)."""
+"""`trainer plan`: the memory plan for a config on a given card, printed by component, and the time the
+training takes on named GPUs (the CLI's output).
+
+The time is predicted from one measured MFU (model FLOPs utilisation, `MEASURED_MFU`) and each card's dense
+bf16 tensor rate (trainer.gpu_specs): real tokens/s = MFU x rate / FLOPs per real token, with the FLOPs per
+token of the model and the mean record lengths of the data (the loader's token lengths when `train_files`
+can be read; otherwise typical recipes, and the output says so).
+"""
 
 from __future__ import annotations
 
+import math
 import re
 import sys
+from dataclasses import dataclass
 
+from trainer.gpu_specs import (
+    GPUS,
+    flops_per_real_token,
+    predicted_epoch_seconds,
+    predicted_tokens_per_s,
+)
 from trainer.memory import GIB
 from trainer.memory_plan import (
     SAFETY_MARGIN,
+    TYPICAL_SOURCE,
+    TYPICAL_TARGET,
+    RunPlan,
     _plan_kwargs,
     budget_peak,
     largest_batch_size,
@@ -15,7 +33,38 @@ from trainer.memory_plan import (
     plan_memory,
     plan_run,
 )
-from trainer.model_shape import load_shape
+from trainer.model_shape import ModelShape, load_shape
+from trainer.step_meter import format_duration
+
+
+@dataclass(frozen=True)
+class MfuMeasurement:
+    mfu: float  # a fraction of the card's dense bf16 rate
+    how: str  # the command that measured it, where and when
+
+
+# The MFU behind every time prediction: the rtx5090 preset (FLAN-T5-XL, 32k-token micro-batches x 2,
+# Adafactor + Kahan bf16) on an H100 capped at 32 GiB, 34,901 real tokens/s = 29.8% of 989 TFLOP/s.
+# Update both fields together after a new measurement.
+MEASURED_MFU = MfuMeasurement(
+    mfu=0.298,
+    how="`python3 bench/train_throughput.py --variants ours_32k` on an H100 at 32 GiB, 2026-11-23",
+)
+ASSUMED_RECORDS = 1_000_000  # the epoch the prediction describes when the data cannot be read
+
+
+@dataclass(frozen=True)
+class EpochData:
+    """One epoch of the training split: records, real token totals, optimizer steps, and where the numbers
+    come from (`source`, in words)."""
+
+    records: int
+    source_tokens: int
+    target_tokens: int
+    steps: float  # optimizer steps per epoch
+    total_steps: int  # the run's optimizer steps (max_steps, or num_train_epochs of epochs)
+    source: str
+
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)(B?)\s*$", re.IGNORECASE)
 
@@ -34,11 +83,15 @@ def parse_size(text: str) -> int:
     return size
 
 
-def print_plan(cfg, gpu_memory: str) -> int:
-    """Print the predicted peak by component for `cfg` on a card of `gpu_memory` (e.g. "32GiB").
+def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
+    """Print the predicted peak by component for `cfg` on a card of `gpu_memory` (e.g. "32GiB"), then the
+    predicted time for an epoch and for the run on each named GPU (and what `hours` hours cover, if given).
 
     Returns the exit code: 0 if the configured micro-batch fits, 1 if not (with a suggestion), 2 if the card
     size or the model's config cannot be read."""
+    if hours is not None and not (math.isfinite(hours) and hours > 0):
+        print(f"trainer plan: --hours must be a positive number, got {hours}", file=sys.stderr)
+        return 2
     try:
         gpu_bytes = parse_size(gpu_memory)
         shape = load_shape(cfg.model_name_or_path)
@@ -87,6 +140,10 @@ def print_plan(cfg, gpu_memory: str) -> int:
         f"(typical lengths only: {typical})"
     )
     print(f"largest per_device_train_batch_size at {src_cap}+{tgt_cap} tokens: {rows}")
+    print()
+    for line in time_report(cfg, plan, shape, peak.peak, epoch_data(cfg, plan), hours):
+        print(line)
+    print()
     if peak.peak > gpu_bytes * SAFETY_MARGIN:
         if best > 0:
             advice = f"set max_tokens: {best} (or per_device_train_batch_size: {rows})"
@@ -98,3 +155,91 @@ def print_plan(cfg, gpu_memory: str) -> int:
         print(f"does not fit: the predicted peak exceeds {SAFETY_MARGIN:.0%} of the card; {advice}")
         return 1
     return 0
+
+
+def epoch_data(cfg, plan: RunPlan) -> EpochData:
+    """The training split of `cfg`'s data, read through the loader (its per-record token lengths, after
+    truncation, and its batches); typical recipes of ASSUMED_RECORDS when the data or tokenizer cannot be
+    read."""
+    from trainer.data import RecipeDataError, RecipeFileError, resolve_tokenizer_file, stream_for
+
+    accum = cfg.gradient_accumulation_steps
+    try:
+        if not cfg.train_files:
+            raise RecipeFileError("train_files is empty")
+        print(f"reading the token lengths of {', '.join(cfg.train_files)} ...", file=sys.stderr, flush=True)
+        stream = stream_for(plan.applied_to(cfg), resolve_tokenizer_file(cfg.model_name_or_path), "train")
+        sources, targets = stream.lengths()
+    except (RecipeDataError, RecipeFileError) as e:
+        src, tgt = min(cfg.max_source_length, TYPICAL_SOURCE), min(cfg.max_target_length, TYPICAL_TARGET)
+        rows = cfg.per_device_train_batch_size or max(1, (plan.max_tokens or 0) // (src + tgt))
+        steps = ASSUMED_RECORDS / (rows * accum)
+        total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(steps * cfg.num_train_epochs)
+        return EpochData(
+            ASSUMED_RECORDS,
+            ASSUMED_RECORDS * src,
+            ASSUMED_RECORDS * tgt,
+            steps,
+            total,
+            f"no data read ({e}): assuming {ASSUMED_RECORDS:,} records of {src} + {tgt} tokens (typical "
+            f"recipes) in about {rows} rows per micro-batch; times scale with the number of records",
+        )
+    records = len(sources)
+    steps = len(stream) / accum
+    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(len(stream) * cfg.num_train_epochs / accum)
+    return EpochData(
+        records,
+        int(sources.sum()),
+        int(targets.sum()),
+        steps,
+        total,
+        f"{records:,} training records, {int(sources.sum()):,} source + {int(targets.sum()):,} target tokens "
+        f"(the loader's token lengths of {', '.join(cfg.train_files)})",
+    )
+
+
+def time_report(
+    cfg, plan: RunPlan, shape: ModelShape, peak_bytes: float, epoch: EpochData, hours: float | None
+) -> list[str]:
+    """Lines: real tokens/s, one epoch, the run and (with `hours`) what those hours cover, on each named GPU
+    at MEASURED_MFU; a card with less memory than the micro-batch's predicted peak says so instead."""
+    records = max(epoch.records, 1)
+    mean_src, mean_tgt = epoch.source_tokens / records, epoch.target_tokens / records
+    per_token = flops_per_real_token(shape, mean_src, mean_tgt)
+    mfu = MEASURED_MFU.mfu
+    run_epochs = epoch.total_steps / max(epoch.steps, 1e-9)
+    lines = [
+        f"time on one GPU, at {mfu:.1%} MFU (measured with {MEASURED_MFU.how}; assumed the same on every "
+        "card, closer between cards of one design than across designs):",
+        f"  data: {epoch.source}",
+        f"  one epoch: {epoch.records:,} records, {epoch.steps:,.0f} optimizer steps of {plan.micro_batch()} "
+        f"x {cfg.gradient_accumulation_steps}; mean record {mean_src:.0f} + {mean_tgt:.0f} tokens, "
+        f"{per_token / 1e9:.3g} GFLOP per real token",
+        f"  this run: {epoch.total_steps:,} optimizer steps ({run_epochs:.2f} epochs)",
+    ]
+    for spec in GPUS.values():
+        rate = f"{spec.bf16_tflops:g} TFLOP/s dense bf16"
+        if spec.spec_sheet_tflops != spec.bf16_tflops:  # GeForce: training's fp32 accumulation runs at half
+            rate += f" with fp32 accumulation, {spec.spec_sheet_tflops:g} with fp16 on the spec sheet"
+        card_bytes = spec.memory_gb * GIB  # GeForce and data-centre cards hold binary gigabytes
+        if peak_bytes > card_bytes * SAFETY_MARGIN:
+            lines.append(
+                f"  {spec.name} ({rate}, {spec.memory_gb:g} GB): does not fit: this micro-batch's predicted "
+                f"peak {peak_bytes / GIB:.1f} GiB is over {SAFETY_MARGIN:.0%} of the card (set max_tokens "
+                "lower, see `trainer plan --gpu-memory`)"
+            )
+            continue
+        tokens_per_s = predicted_tokens_per_s(spec, mfu, per_token)
+        epoch_s = predicted_epoch_seconds(spec, mfu, shape, epoch.source_tokens, epoch.target_tokens)
+        line = (
+            f"  {spec.name} ({rate}): {tokens_per_s:,.0f} real tokens/s; "
+            f"one epoch {format_duration(epoch_s)}; this run {format_duration(epoch_s * run_epochs)}"
+        )
+        if hours is not None:
+            share = hours * 3600 / epoch_s if epoch_s > 0 else math.inf
+            line += (
+                f"; {hours:g} h cover {share * epoch.records:,.0f} records ({share:.3g} epochs, "
+                f"{share * epoch.steps:,.0f} optimizer steps)"
+            )
+        lines.append(line)
+    return lines

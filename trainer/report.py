@@ -25,6 +25,7 @@ import functools
 import logging
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -35,6 +36,7 @@ from trainer.config import TrainConfig
 from trainer.notify import DiscordNotifier, Priority, make_embed, webhook_url_from_env
 from trainer.redact import install_log_redaction, redact
 from trainer.step_meter import LoggedStep, format_duration
+from trainer.stopping import StopBeforeTraining
 
 logger = logging.getLogger(__name__)
 
@@ -353,15 +355,46 @@ class Reporter:
             self._wandb.set_summary({"stopped_by": signal_name, "stopped_at_step": step})
 
     @_never_raise
-    def finished(self, *, final_loss: float | None, duration_s: float, model_dir: str) -> None:
+    def stopped_before_training(self, *, signal_name: str) -> None:
+        """A signal while the model loaded or the data was indexed: the run ended with nothing to save."""
+        self._exit_code = 128 + int(getattr(signal, signal_name, signal.SIGTERM))
+        self._notify(
+            "signal",
+            f"Training stopped by {signal_name} before training started: {self._name}",
+            "Nothing was trained or saved; the same command starts the run again.",
+            priority=Priority.CRITICAL,
+        )
+        if self._wandb is not None:
+            self._wandb.mark_preempting()
+            self._wandb.set_summary({"stopped_by": signal_name, "stopped_at_step": None})
+
+    @_never_raise
+    def finished(
+        self,
+        *,
+        final_loss: float | None,
+        duration_s: float,
+        model_dir: str,
+        stopped_by: str | None = None,
+        steps: str | None = None,
+    ) -> None:
+        """The run ended as planned; `stopped_by` "max_time": at its time budget, before its last step
+        (`steps`: how far it got, in words)."""
         fields = [
             ("Final loss", _num(final_loss), True),
             ("Duration", format_duration(duration_s), True),
             ("Model", model_dir, False),
         ]
-        self._notify("finished", f"Training finished: {self._name}", "", fields, priority=Priority.CRITICAL)
+        title = f"Training finished: {self._name}"
+        if stopped_by == "max_time":
+            title = f"Training finished, time budget reached: {self._name}"
+            fields.insert(0, ("Steps", steps or "n/a", True))
+        self._notify("finished", title, "", fields, priority=Priority.CRITICAL)
         if self._wandb is not None:
-            self._wandb.set_summary({"final_loss": final_loss, "duration_s": duration_s})
+            summary = {"final_loss": final_loss, "duration_s": duration_s}
+            if stopped_by:
+                summary["stopped_by"] = stopped_by
+            self._wandb.set_summary(summary)
 
     @_never_raise
     def close(self, timeout: float = 10.0) -> None:
@@ -389,6 +422,8 @@ class Reporter:
         """Report how the block ended, if by an exception (a second Ctrl-C, or a crash), then close."""
         if isinstance(exc, KeyboardInterrupt):
             self.interrupted()
+        elif isinstance(exc, StopBeforeTraining):
+            self.stopped_before_training(signal_name=exc.signal_name)
         elif exc is not None:
             self.crashed(exc)
         self.close()

@@ -47,6 +47,7 @@ class RunState:
     rng: dict[str, Any] | None = None  # RNG states at the last step boundary (saved in rng.pt, not JSON)
     wandb_run_id: str | None = None
     last_loss: float | None = None  # the last finite training loss
+    train_seconds: float = 0.0  # the run's training time (steps, evaluations, checkpoints) over all restarts
 
     @classmethod
     def from_trainer_state(cls, saved: dict[str, Any]) -> RunState:
@@ -63,6 +64,7 @@ class RunState:
             world_size=int(saved.get("world_size", 1)),
             wandb_run_id=saved.get("wandb_run_id"),
             last_loss=saved.get("last_loss"),
+            train_seconds=float(saved.get("train_seconds", 0.0)),
         )
 
     def trainer_state(self, config: dict[str, Any], micro_batch: str) -> dict[str, Any]:
@@ -79,6 +81,7 @@ class RunState:
             "best": self.best,
             "nan_skipped": self.nan_skipped,
             "last_loss": self.last_loss,
+            "train_seconds": self.train_seconds,
         }
 
     def is_best(self, eval_loss: float) -> bool:

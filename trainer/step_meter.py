@@ -5,8 +5,12 @@ the progress a person watching the console sees.
 "samples", "source_tokens", "target_tokens", "padded_tokens"}` (token counts of the whole job, real tokens
 apart from the padded total), and one row per evaluation, `{"step", "eval_loss", "time"}` (further evaluation
 metrics are further keys), as in HF's `log_history`: a row with "loss" is a training step, one with
-"eval_loss" an evaluation. Each row is one write of a complete line, so a killed run leaves whole rows.
+"eval_loss" an evaluation. Each row is one write of a complete line (trainer.jsonl), so a killed run leaves
+whole rows; `continue_train_log` makes a restarted run's log continue where its checkpoint is.
 `<output_dir>/run_summary.json` is written at the end: steps, wall time, throughput, memory.
+
+The meter also measures the run's training time, summed over restarts (`train_seconds`, saved in checkpoints
+through RunState), against the `max_time` budget.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from trainer.jsonl import append_jsonl_row, repair_jsonl
 from trainer.memory import GpuMemory
 
 log = logging.getLogger(__name__)
@@ -115,8 +120,10 @@ class StepMeter:
     step, `evaluated` after each evaluation, `write_summary` at the end.
 
     The ETA is (time since this process started training) / (steps it has done) x (steps left): right after a
-    resume and after checkpoints alike. `output_dir` None (ranks other than 0): no files. `clock` is the
-    monotonic clock the rates and the ETA use."""
+    resume and after checkpoints alike; with a time budget (`max_time_s`), at most the budget left. The
+    training time of the run is `seconds_before` (what earlier processes of the run trained, from the
+    checkpoint) plus this process's. `output_dir` None (ranks other than 0): no files. `clock` is the
+    monotonic clock the rates, the ETA and the training time use."""
 
     def __init__(
         self,
@@ -124,15 +131,17 @@ class StepMeter:
         start_step: int,
         output_dir: str | Path | None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        seconds_before: float = 0.0,
+        max_time_s: float | None = None,
     ):
         self.total_steps, self.start_step = total_steps, start_step
         self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.seconds_before, self.max_time_s = seconds_before, max_time_s
         self._clock = clock
         self.started = self._window_started = clock()
         self.window = StepCounts()  # since the last logged step
         self.run = StepCounts()  # since this process started training
-        if self.output_dir is not None:
-            drop_rows_after(self.output_dir / TRAIN_LOG, start_step)
 
     def step_done(self, step: int, loss: float, lr: float, counts: StepCounts) -> None:
         self.window.add(counts)
@@ -147,10 +156,28 @@ class StepMeter:
         return step % logging_steps == 0 or step == self.total_steps
 
     def eta_s(self, step: int) -> float | None:
+        """Seconds to the end of the run: to the last step, or to the end of the time budget if sooner."""
+        left = self.time_left_s()
         done = step - self.start_step
         if done <= 0:
+            return left
+        to_last_step = (self._clock() - self.started) / done * max(self.total_steps - step, 0)
+        return to_last_step if left is None else min(to_last_step, left)
+
+    @property
+    def train_seconds(self) -> float:
+        """The run's training time so far: earlier processes' (from the checkpoint) and this one's."""
+        return self.seconds_before + self.elapsed_s
+
+    def time_left_s(self) -> float | None:
+        """Seconds of the max_time budget left (0 when spent), or None without a budget."""
+        if self.max_time_s is None:
             return None
-        return (self._clock() - self.started) / done * max(self.total_steps - step, 0)
+        return max(self.max_time_s - self.train_seconds, 0.0)
+
+    def out_of_time(self) -> bool:
+        """Whether the max_time budget is spent."""
+        return self.time_left_s() == 0.0
 
     def log_window(
         self, step: int, *, loss: float, lr: float, grad_norm: float, memory: GpuMemory | None
@@ -194,40 +221,42 @@ class StepMeter:
 
     def _append(self, row: dict[str, Any]) -> None:
         if self.output_dir is not None:
-            append_row(self.output_dir / TRAIN_LOG, row)
+            append_jsonl_row(self.output_dir / TRAIN_LOG, row)
 
 
-def append_row(path: Path, row: dict[str, Any]) -> None:
-    """Append `row` to a JSONL file as one write of a complete line (O_APPEND, unbuffered)."""
-    data = (json.dumps(row) + "\n").encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
-def drop_rows_after(train_log: Path, step: int) -> None:
-    """Keep the train log's rows up to `step`: a run killed after its last checkpoint logged steps (and
-    evaluations) that the resumed run repeats."""
+def continue_train_log(train_log: Path, resumed_step: int | None) -> Path | None:
+    """Make the train log continue the run. Resuming from a checkpoint at `resumed_step`: drop a line a
+    killed run cut off mid-write, then the rows logged after that step (the resumed run logs those steps
+    again). Starting over (`resumed_step` None) where an earlier attempt logged rows: move its log aside to
+    `train_log.jsonl.<n>` (the first free n) and return that path; nothing is deleted."""
+    if resumed_step is None:
+        if not train_log.exists() or train_log.stat().st_size == 0:
+            return None
+        n = 1
+        while (kept := train_log.with_name(f"{train_log.name}.{n}")).exists():
+            n += 1
+        train_log.rename(kept)
+        return kept
+    repair_jsonl(train_log)
     if not train_log.exists():
-        return
+        return None
     lines = train_log.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if _row_step(line) <= step]
-    if len(kept) != len(lines):
+    kept_lines = [line for line in lines if _row_step(line) <= resumed_step]
+    if len(kept_lines) != len(lines):
         log.info(
             "train log: dropping %d rows after step %d (the resumed run logs them again)",
-            len(lines) - len(kept),
-            step,
+            len(lines) - len(kept_lines),
+            resumed_step,
         )
-        train_log.write_text("".join(kept), encoding="utf-8")
+        tmp = train_log.with_name(f"{train_log.name}.tmp")  # replaced whole: a kill here loses no row
+        tmp.write_text("".join(kept_lines), encoding="utf-8")
+        os.replace(tmp, train_log)
+    return None
 
 
 def _row_step(line: str) -> int:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return 0  # a partial last line of a killed run is dropped only if it parses to a later step
+    step = json.loads(line).get("step")  # every line is a JSON object after repair_jsonl
+    return step if isinstance(step, int) else 0
 
 
 class ConsoleProgress:

@@ -22,7 +22,7 @@ import os
 import random
 import signal
 import sys
-import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,50 +31,53 @@ import torch
 from torch.profiler import record_function
 
 from trainer import checkpoint as ckpt
-from trainer import distributed, memory
-from trainer.config import DATA_FORMATS, ConfigError, TrainConfig
-from trainer.data import skipped_summary, stream_for, to_device
+from trainer import disk, distributed, memory
+from trainer.config import ConfigError, TrainConfig
+from trainer.data import RecipeDataError, RecipeFileError, skipped_summary, stream_for, to_device
 from trainer.evaluation import EvalResult, evaluate
 from trainer.healthcheck import Heartbeat
+from trainer.jsonl import fsync_file
 from trainer.memory_plan import RunPlan, plan_run
+from trainer.model_files import ModelFiles, check_model_dir
 from trainer.profiling import StepProfiler
 from trainer.report import Reporter
+from trainer.run_lock import describe_holder, lock_holder, lock_output_dir
 from trainer.run_state import RunState, count_start, read_wandb_run_id, write_wandb_run_id
+from trainer.sample import ensure_demo_data
 
 # SUMMARY, TRAIN_LOG and token_loss_sum are re-exported: scripts import them from here.
 from trainer.step import accumulate_with_oom_backoff, probe_memory, token_loss_sum  # noqa: F401
-from trainer.step_meter import SUMMARY, TRAIN_LOG, ConsoleProgress, StepCounts, StepMeter  # noqa: F401
+from trainer.step_meter import (  # noqa: F401
+    SUMMARY,
+    TRAIN_LOG,
+    ConsoleProgress,
+    StepCounts,
+    StepMeter,
+    continue_train_log,
+    format_duration,
+)
+from trainer.stopping import StopBeforeTraining, StopRequested
 
 log = logging.getLogger(__name__)
 
+# What the loader raises for a bad record or a file that went away or changed under a running job.
+DATA_ERRORS = (RecipeDataError, RecipeFileError)
 
-class StopRequested:
-    """SIGTERM/SIGINT set a flag; the loop checks it at micro-batch boundaries, saves, and exits. The handlers
-    are installed for the `with` block (a signal while a checkpoint or final/ is written lets it finish)."""
+
+class ModelIntact:
+    """Whether the model and optimizer are still as the last completed step left them, so that a checkpoint
+    of that step can be written before the run ends on an error. They are not while the optimizer updates the
+    weights (an error there may leave them half-updated), and a save that failed is not tried again."""
 
     def __init__(self) -> None:
-        self.signal_name: str | None = None
-        self._previous: dict[int, Any] = {}
+        self.now = True
 
-    def __enter__(self) -> StopRequested:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal_name is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops without waiting for the checkpoint
-        self.signal_name = signal.Signals(signum).name
-        log.warning("%s received: saving a checkpoint at the next micro-batch boundary", self.signal_name)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def __bool__(self) -> bool:
-        return self.signal_name is not None
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """Around an optimizer update or a checkpoint write: an error inside leaves `now` False."""
+        self.now = False
+        yield
+        self.now = True
 
 
 @dataclass
@@ -111,14 +114,19 @@ class Run:
     profiler: StepProfiler
     progress: ConsoleProgress
     meter: StepMeter
+    intact: ModelIntact
 
 
 def train(cfg: TrainConfig, dry_run: bool = False) -> int:
     """Train as `cfg` says; returns the process exit code (0, or 128 + the signal that stopped the run).
-    dry_run: check the config, the data and the plan, without loading the model. Under torchrun every process
-    calls this; the process group lives for the call."""
+    dry_run: check the config, the model files, the data and the plan, without loading the model or writing
+    anything. Under torchrun every process calls this; the process group lives for the call."""
     try:
-        code = _train(cfg, dry_run)
+        try:
+            code = _train(cfg, dry_run)
+        except StopBeforeTraining as stopped:  # no barrier: the other ranks may be anywhere in their setup
+            log.warning("stopped by %s before training started; nothing to save", stopped.signal_name)
+            return stopped.exit_code
         # Ranks tear the process group down together: one rank destroying it while another is still finishing
         # (rank 0 writes the summary and the final model) aborted a CPU run at exit ("terminate called").
         distributed.barrier()
@@ -129,42 +137,56 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
 
 def _train(cfg: TrainConfig, dry_run: bool) -> int:
     # 1. Setup. Allocator settings before anything can initialise CUDA; then everything that can fail on a
-    # bad config, path or data file, before the model is loaded.
+    # bad config, model directory, output_dir or data file, before the model is loaded.
     memory.set_alloc_conf(cfg.cuda_alloc_conf)
     rank, world_size, local_rank = distributed.env()
     distributed.quiet_other_ranks()
     quiet_library_output()
-    if cfg.make_demo_data:
-        ensure_demo_data(cfg)
-    check_paths(cfg)
-    resume_from = ckpt.find_resume_checkpoint(cfg.resume, cfg.output_dir)
-    plan = plan_run(cfg)
-    data = open_data(cfg, plan, rank, world_size)
-    if dry_run:
-        log.info("dry run: the config, the data and the tokenizer are fine; the model is not loaded")
-        return 0
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    device = setup_device(cfg, local_rank)
-    state = RunState(world_size=world_size)
-    if resume_from:
-        saved = ckpt.load_trainer_state(resume_from)
-        ckpt.warn_config_changes(saved.get("config", {}), ckpt.saved_config(plan.applied_to(cfg)))
-        state = RunState.from_trainer_state(saved)
-        if state.step >= data.total_steps and ((output_dir / "final").is_dir() or not cfg.save_final):
-            log.info(
-                "%s is at step %d of %d: this run is already finished (raise max_steps to train on, or set "
-                "another output_dir or resume: never to start over)",
-                resume_from,
-                state.step,
-                data.total_steps,
-            )
-            return 0
-
-    # One way out: leaving this block (finished, stopped by a signal, or by an error) closes the console
-    # progress, the profiler, the signal handlers, the heartbeat and, last, the reporter (which reports an
-    # error).
+    # One way out: leaving this block (finished, stopped by a signal, or by an error) closes, in this order,
+    # the console progress, the profiler, the heartbeat, the reporter (which reports an error or a stop),
+    # the signal handlers and, last, the output_dir lock.
     with contextlib.ExitStack() as exits:
+        # Until the loop starts, SIGTERM or Ctrl-C stop the setup at once (StopBeforeTraining).
+        stop = exits.enter_context(StopRequested())
+        check_paths(cfg)
+        if cfg.make_demo_data:
+            ensure_demo_data(
+                cfg.train_files,
+                cfg.model_name_or_path,
+                n=cfg.demo_records,
+                fmt=cfg.data_format,
+                dry_run=dry_run,
+            )
+        model_files = check_model_dir(cfg.model_name_or_path, weights=not cfg.random_init)
+        output_dir = Path(cfg.output_dir)
+        if dry_run:
+            holder = lock_holder(output_dir)
+            if holder is not None:
+                log.warning("dry run: %s", describe_holder(output_dir, holder))
+        else:
+            device = setup_device(cfg, local_rank)  # the process group too: the lock is taken collectively
+            exits.callback(lock_output_dir(output_dir).release)  # a second trainer here stops now, exit 2
+            if rank == 0:
+                for path in ckpt.remove_stale_temporaries(output_dir):
+                    log.info("removed %s, left half-written by an earlier run stopped while saving", path)
+        resume_from = ckpt.find_resume_checkpoint(cfg.resume, output_dir)
+        plan = plan_run(cfg)
+        data = open_data(cfg, plan, rank, world_size)
+        if dry_run:
+            log.info("dry run: the config, the model files and the data are fine; the model is not loaded")
+            return 0
+        state = RunState(world_size=world_size)
+        if resume_from:
+            saved = ckpt.load_trainer_state(resume_from)
+            ckpt.warn_config_changes(saved.get("config", {}), ckpt.saved_config(plan.applied_to(cfg)))
+            state = RunState.from_trainer_state(saved)
+            if already_finished(cfg, data, state, resume_from):
+                return 0
+        if rank == 0:
+            start_train_log(cfg, output_dir, resume_from, state)
+            warn_if_the_disk_is_small(cfg, output_dir, model_files, data.total_steps)
+        log_time_budget(cfg, state)
+
         reporter = exits.enter_context(start_reporting(cfg, data, state, output_dir, is_main=rank == 0))
         heartbeat = exits.enter_context(Heartbeat(output_dir, state.step, enabled=rank == 0))
         model, train_module, optimizer, scheduler = build_model(cfg, plan, data, device, state, resume_from)
@@ -181,16 +203,24 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
             scheduler=scheduler,
             reporter=reporter,
             heartbeat=heartbeat,
-            stop=exits.enter_context(StopRequested()),
+            stop=stop,
             profiler=exits.enter_context(
                 StepProfiler(cfg.profile_start_step, cfg.profile_steps, output_dir, enabled=rank == 0)
             ),
             progress=exits.enter_context(
                 ConsoleProgress(data.total_steps, state.step, enabled=rank == 0, bar=cfg.progress_bar)
             ),
-            meter=StepMeter(data.total_steps, state.step, output_dir if rank == 0 else None),
+            meter=StepMeter(
+                data.total_steps,
+                state.step,
+                output_dir if rank == 0 else None,
+                seconds_before=state.train_seconds,
+                max_time_s=cfg.max_time_s,
+            ),
+            intact=ModelIntact(),
         )
-        # 2. The loop.
+        # 2. The loop. From here a signal asks for a checkpoint at the next micro-batch boundary.
+        stop.training_started()
         last_eval = loop(run, state)
         run.progress.close()
         # 3. Finish: a checkpoint and final/, or, stopped by a signal, a checkpoint to resume from.
@@ -198,23 +228,6 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
 
 
 # -- 1. setup ---------------------------------------------------------------------------------------------
-
-
-def ensure_demo_data(cfg: TrainConfig) -> None:
-    """make_demo_data: create missing sample recipe files and the tiny model (quickstart, first use)."""
-    from trainer.sample import write_sample
-
-    for f in cfg.train_files:
-        if any(ch in f for ch in "*?[") or Path(f).exists():
-            continue
-        log.info("make_demo_data: writing %d generated sample recipes to %s", cfg.demo_records, f)
-        write_sample(f, cfg.demo_records, seed=0, fmt=cfg.data_format or DATA_FORMATS[0])
-    model_dir = Path(cfg.model_name_or_path)
-    if not (model_dir / "config.json").exists():
-        from trainer.tiny_model import build_tiny_model
-
-        log.info("make_demo_data: building a tiny random FLAN-T5 and its tokenizer in %s", model_dir)
-        build_tiny_model(model_dir, seed=0)
 
 
 def check_paths(cfg: TrainConfig) -> None:
@@ -291,6 +304,75 @@ def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Da
     )
 
 
+def already_finished(cfg: TrainConfig, data: Data, state: RunState, resume_from: Path) -> bool:
+    """Whether the run resumed from `resume_from` has nothing left to do: it is at its last step, or its time
+    budget is spent, and final/ is written (or not wanted). Says so in the log."""
+    if not ((Path(cfg.output_dir) / "final").is_dir() or not cfg.save_final):
+        return False  # final/ is missing: the rerun writes it
+    budget = cfg.max_time_s
+    if state.step >= data.total_steps:
+        why = f"is at step {state.step} of {data.total_steps}"
+        how = "raise max_steps to train on"
+    elif budget is not None and state.train_seconds >= budget:
+        why = (
+            f"is at step {state.step} of {data.total_steps}, its time budget (max_time {cfg.max_time}) spent"
+        )
+        how = "raise max_time to train on"
+    else:
+        return False
+    log.info(
+        "%s %s: this run is already finished (%s, or set another output_dir or resume: never to start over)",
+        resume_from,
+        why,
+        how,
+    )
+    return True
+
+
+def start_train_log(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, state: RunState) -> None:
+    """The train log continues at the resumed step; a run that starts over keeps the rows an earlier attempt
+    logged in a file beside it."""
+    kept = continue_train_log(output_dir / TRAIN_LOG, state.step if resume_from else None)
+    if kept is not None:
+        why = "resume: never" if cfg.resume == "never" else f"no checkpoint in {output_dir}"
+        log.warning("%s: training starts over from step 0; the rows logged before are kept in %s", why, kept)
+
+
+def warn_if_the_disk_is_small(
+    cfg: TrainConfig, output_dir: Path, model_files: ModelFiles | None, total_steps: int
+) -> None:
+    """Warn at start when output_dir's disk cannot hold the checkpoints the run keeps: the newest
+    checkpoint's size, else an estimate from the parameter count."""
+    one = disk.checkpoint_bytes(output_dir)
+    if one is None:
+        n_params = model_files.n_params if model_files is not None else None
+        if n_params is None:  # pytorch_model.bin weights, random_init, or a Hub model not downloaded yet
+            from trainer.model_shape import load_shape
+
+            try:
+                n_params = load_shape(cfg.model_name_or_path).num_params()
+            except (ValueError, OSError):
+                return
+        one = disk.estimate_checkpoint_bytes(n_params, cfg.dtype, cfg.optimizer, cfg.bf16_update)
+    planned_saves = math.ceil(total_steps / cfg.save_steps)
+    warning = disk.free_space_warning(output_dir, one, cfg.save_total_limit, planned_saves)
+    if warning:
+        log.warning("%s", warning)
+
+
+def log_time_budget(cfg: TrainConfig, state: RunState) -> None:
+    budget = cfg.max_time_s
+    if budget is None:
+        return
+    log.info(
+        "max_time %s: %s of training used so far, %s left; when it is spent the run stops at the next step "
+        "boundary, saves, evaluates and writes final/",
+        cfg.max_time,
+        format_duration(state.train_seconds),
+        format_duration(max(budget - state.train_seconds, 0.0)),
+    )
+
+
 def quiet_library_output() -> None:
     """Library output through the trainer's own logging; no library progress bars outside a terminal."""
     from transformers.utils import logging as hf_logging
@@ -319,7 +401,9 @@ def setup_device(cfg: TrainConfig, local_rank: int) -> torch.device:
             )
         if cfg.empty_cache_steps:
             log.info(
-                "empty_cache_steps: torch.cuda.empty_cache() every %d optimizer steps", cfg.empty_cache_steps
+                "empty_cache_steps: torch.cuda.empty_cache() every %d optimizer steps and after each "
+                "evaluation",
+                cfg.empty_cache_steps,
             )
     return device
 
@@ -417,20 +501,53 @@ def loader_batches(stream, resume_state: dict | None = None):
 
 
 def loop(run: Run, state: RunState) -> EvalResult | None:
-    """Optimizer steps until the planned total, or until a stop signal; returns the last evaluation."""
+    """Optimizer steps until the planned total, a stop signal, or the end of the time budget; returns the last
+    evaluation. An error that leaves the model as the last completed step left it (a data file that went
+    away, a failed evaluation, running out of memory even after the halvings) ends the run with a checkpoint
+    of that step first."""
+    try:
+        return train_steps(run, state)
+    except Exception as error:
+        save_after_error(run, state, error)
+        raise
+
+
+def train_steps(run: Run, state: RunState) -> EvalResult | None:
     cfg, data = run.cfg, run.data
     empty_cache = memory.EmptyCacheSchedule(cfg.empty_cache_steps)
     batches = loader_batches(data.train_stream, state.loader)
-    last_eval = None
+    last_eval, evaluated_at = None, None
     while state.step < data.total_steps:
         run.profiler.before_step(state.step)
         with record_function("data"):
-            group_np = [next(batches) for _ in range(cfg.gradient_accumulation_steps)]
+            group_np, data_error = next_group(batches, cfg.gradient_accumulation_steps)
+        # Collective, once per step: all ranks stop, save after a data error on one of them, or end at the
+        # time budget at the same step, never inside a step.
+        stop, failed, out_of_time = (
+            n > 0
+            for n in distributed.all_sum([bool(run.stop), data_error is not None, run.meter.out_of_time()])
+        )
+        if failed:
+            save_after_error(run, state, data_error, collective=True)
+            raise data_error or RecipeDataError(
+                f"another rank stopped on a data error at step {state.step}; its message names the file"
+            )
+        if stop:
+            run.stop.signal_name = run.stop.signal_name or "SIGTERM"  # the signal reached another rank first
+            break
+        if out_of_time:
+            if cfg.save_final and state.saved_step != state.step:
+                save(run, state)  # first: an evaluation that fails leaves the step saved
+            if data.eval_stream is not None and evaluated_at != state.step:
+                last_eval = evaluate_and_track(run, state)
+                empty_cache.after_evaluation()
+            break
+        with record_function("data"):
             loader_after = data.train_stream.state_dict()
             group = [to_device(b, run.device) for b in group_np]
             counts = step_counts(group_np)  # this rank's
         with record_function("forward_backward"):
-            # Several ranks stop together at a step boundary (below), never inside a step.
+            # Several ranks stop together at a step boundary (above), never inside a step.
             stop = run.stop if distributed.world_size() == 1 else None
             result = accumulate_with_oom_backoff(
                 run.train_module,
@@ -447,7 +564,7 @@ def loop(run: Run, state: RunState) -> EvalResult | None:
         if result is None:  # stop requested mid-step: the partial gradients are dropped
             run.model.zero_grad(set_to_none=True)
             break
-        with record_function("optimizer"):
+        with record_function("optimizer"), run.intact.changing():
             loss, grad_norm = optimizer_step(run, *result)
         state.loader = loader_after
         state.step += 1
@@ -469,16 +586,47 @@ def loop(run: Run, state: RunState) -> EvalResult | None:
             )
             run.progress.show(logged)
             run.reporter.log_step(logged)
-        if data.eval_stream is not None and (
-            state.step % cfg.eval_steps == 0 or state.step == data.total_steps
-        ):
-            last_eval = evaluate_and_track(run, state)
-        if state.step % cfg.save_steps == 0 and state.saved_step != state.step:
+        # A checkpoint first, then the evaluation: an evaluation that fails leaves the step saved.
+        last_step = state.step == data.total_steps
+        at_eval = data.eval_stream is not None and (state.step % cfg.eval_steps == 0 or last_step)
+        at_save = state.step % cfg.save_steps == 0 or (last_step and at_eval and cfg.save_final)
+        if at_save and state.saved_step != state.step:
             save(run, state)
-        if distributed.any_rank(bool(run.stop)):  # collective: all ranks leave the loop at the same step
-            run.stop.signal_name = run.stop.signal_name or "SIGTERM"  # the signal reached another rank first
-            break
+        if at_eval:
+            last_eval, evaluated_at = evaluate_and_track(run, state), state.step
+            empty_cache.after_evaluation()
     return last_eval
+
+
+def next_group(batches: Iterator[dict], n: int) -> tuple[list[dict] | None, Exception | None]:
+    """The next `n` loader batches (one optimizer step's), or the data error the loader raised instead."""
+    try:
+        return [next(batches) for _ in range(n)], None
+    except DATA_ERRORS as e:
+        return None, e
+
+
+def save_after_error(run: Run, state: RunState, error: BaseException, collective: bool = False) -> None:
+    """Before the run ends on `error`: a checkpoint of the last completed step, unless it is saved already,
+    nothing was trained, or the model may not be intact (the error came from the optimizer update, or was a
+    failed save). Several ranks save only after an error they all know of (`collective`: a data error, agreed
+    at the step boundary); any other error on one rank leaves the others inside a collective. Never raises
+    for a failed save: `error` is what the run ends with."""
+    if state.saved_step == state.step or state.step == 0 or not run.intact.now:
+        return
+    if distributed.world_size() > 1 and not collective:
+        return
+    log.warning(
+        "step %d: %s: %s; saving the last completed step first", state.step, type(error).__name__, error
+    )
+    try:
+        path = save(run, state)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # torch.distributed.checkpoint's errors are BaseExceptions
+        log.error("could not save step %d: %s: %s", state.step, type(e).__name__, e)
+        return
+    log.warning("saved %s; the same command resumes from it once the error is fixed", path)
 
 
 def step_counts(group: list[dict]) -> StepCounts:
@@ -553,18 +701,22 @@ def save(run: Run, state: RunState) -> Path:
     """Write checkpoint-<step> of `state` (collective), then remove the checkpoints past save_total_limit
     (never the best)."""
     cfg = run.cfg
-    path = ckpt.save_checkpoint(
-        run.output_dir,
-        state.step,
-        model=run.model,
-        optimizer=run.optimizer,
-        scheduler=run.scheduler,
-        tokenizer_file=run.data.tokenizer_file,
-        rng=state.rng,
-        trainer_state=state.trainer_state(
-            ckpt.saved_config(run.plan.applied_to(cfg)), run.plan.micro_batch(state.oom.split)
-        ),
-    )
+    state.train_seconds = run.meter.train_seconds
+    if run.is_main:
+        fsync_file(run.output_dir / TRAIN_LOG)  # on the disk up to the checkpoint, whatever happens next
+    with run.intact.changing():  # a save that failed is not tried again after the error
+        path = ckpt.save_checkpoint(
+            run.output_dir,
+            state.step,
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            tokenizer_file=run.data.tokenizer_file,
+            rng=state.rng,
+            trainer_state=state.trainer_state(
+                ckpt.saved_config(run.plan.applied_to(cfg)), run.plan.micro_batch(state.oom.split)
+            ),
+        )
     state.saved_step = state.step
     if run.is_main:
         best = Path(state.best["path"]) if state.best else None
@@ -584,6 +736,8 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
     Else the final checkpoint and final/ (when save_final), the run summary, and exit code 0."""
     cfg, output_dir = run.cfg, run.output_dir
     duration = run.meter.elapsed_s  # the training, without the final saves
+    # The loop ended before the last step without a signal: the time budget is spent.
+    out_of_time = not run.stop and state.step < run.data.total_steps
     if run.stop:
         path = output_dir / f"checkpoint-{state.step}"
         if state.saved_step != state.step:
@@ -608,7 +762,10 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         "oom_split": state.oom.split,
         "load_weight_gib": LAST_LOAD.get("weight_bytes", 0) / memory.GIB,
         "load_peak_gib": LAST_LOAD["peak_bytes"] / memory.GIB if LAST_LOAD.get("peak_bytes") else None,
+        "train_seconds": run.meter.train_seconds,  # over all restarts, as max_time counts it
     }
+    if out_of_time:
+        summary["stopped_by"] = "max_time"
     if run.device.type == "cuda":
         summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(run.device) / memory.GIB
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(run.device) / memory.GIB
@@ -621,6 +778,15 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         )
     loss = f"{state.last_loss:.4f}" if state.last_loss is not None else "n/a"
     model = f"the model is in {final}" if cfg.save_final else "no model saved (save_final: false)"
-    log.info("finished: %d steps in %.0f s, final loss %s; %s", state.step, duration, loss, model)
-    run.reporter.finished(final_loss=state.last_loss, duration_s=duration, model_dir=str(final))
+    steps = f"{state.step} steps"
+    if out_of_time:
+        steps = f"time budget reached (max_time {cfg.max_time}): {state.step} of {run.data.total_steps} steps"
+    log.info("finished: %s in %.0f s, final loss %s; %s", steps, duration, loss, model)
+    run.reporter.finished(
+        final_loss=state.last_loss,
+        duration_s=duration,
+        model_dir=str(final),
+        stopped_by="max_time" if out_of_time else None,
+        steps=f"{state.step:,} of {run.data.total_steps:,}",
+    )
     return 0
