@@ -2,39 +2,69 @@
 use std::path::PathBuf;
 
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
-use pyo3::create_exception;
-use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
-use recipe_core::plan::{PlanConfig, Split};
-use recipe_core::{Loader, LoaderConfig, LoaderError, State};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use recipe_core::{Loader, LoaderConfig, LoaderError, LoaderOptions, State};
+use serde_json::Value;
 
+mod errors;
 mod sample;
 
-create_exception!(
-    _loader,
-    RecipeDataError,
-    PyValueError,
-    "A bad record (strict mode), bad template or settings."
-);
-create_exception!(
-    _loader,
-    RecipeFileError,
-    PyOSError,
-    "A missing, empty, unreadable or corrupt file."
-);
+use errors::to_py;
 
-fn to_py(e: LoaderError) -> PyErr {
-    match e {
-        LoaderError::File { .. } => RecipeFileError::new_err(e.to_string()),
-        LoaderError::Data { .. } | LoaderError::Config(_) => {
-            RecipeDataError::new_err(e.to_string())
-        }
-        LoaderError::Internal(_) => PyRuntimeError::new_err(e.to_string()),
+/// A keyword argument as the JSON-like value `LoaderOptions::set` reads; path-like objects become strings.
+fn to_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
+    if v.is_none() {
+        return Ok(Value::Null);
     }
+    if let Ok(b) = v.cast::<PyBool>() {
+        return Ok(Value::Bool(b.is_true()));
+    }
+    if v.cast::<PyInt>().is_ok() {
+        if let Ok(i) = v.extract::<i64>() {
+            return Ok(Value::from(i));
+        }
+        if let Ok(u) = v.extract::<u64>() {
+            return Ok(Value::from(u));
+        }
+        return Ok(Value::String(v.str()?.to_string())); // out of range: the option's check says so
+    }
+    if let Ok(f) = v.cast::<PyFloat>() {
+        return Ok(serde_json::Number::from_f64(f.value()).map_or(Value::Null, Value::Number));
+    }
+    if let Ok(s) = v.cast::<PyString>() {
+        return Ok(Value::String(s.to_string()));
+    }
+    if v.hasattr("__fspath__")? {
+        let os = v.py().import("os")?;
+        return Ok(Value::String(
+            os.call_method1("fspath", (v,))?.str()?.to_string(),
+        ));
+    }
+    if v.cast::<PyList>().is_ok() || v.cast::<PyTuple>().is_ok() {
+        let items: PyResult<Vec<Value>> = v.try_iter()?.map(|x| to_value(&x?)).collect();
+        return Ok(Value::Array(items?));
+    }
+    Ok(Value::String(v.repr()?.to_string()))
 }
 
-/// Streams padded batches of recipe data; see `trainer.data.RecipeStream` for the documented API.
+/// Logs what the loader gathered as warnings through Python's `logging` (logger `trainer.data`), so they get
+/// the application's handlers and secret masking.
+fn log_warnings(py: Python<'_>, warnings: Vec<String>) -> PyResult<()> {
+    if warnings.is_empty() {
+        return Ok(());
+    }
+    let log = py
+        .import("logging")?
+        .call_method1("getLogger", ("trainer.data",))?;
+    for w in warnings {
+        log.call_method1("warning", ("%s", w))?;
+    }
+    Ok(())
+}
+
+/// Streams padded batches of recipe data; see `trainer.data.RecipeStream` for the documented API and
+/// `LOADER_OPTIONS` for the keyword options.
 #[pyclass(module = "trainer._loader")]
 struct RecipeLoader {
     inner: Loader,
@@ -43,69 +73,25 @@ struct RecipeLoader {
 #[pymethods]
 impl RecipeLoader {
     #[new]
-    #[pyo3(signature = (paths, tokenizer, *, task = "ingredients-to-recipe", source_template = None,
-        target_template = None, max_source_length = 512, max_target_length = 512, batch_size = None,
-        max_tokens = None, pad_to_multiple_of = None, shuffle = false, seed = 0, epoch = 0, rank = 0,
-        world_size = 1, split = "all", eval_fraction = 0.0, strict = false, dedup = false, data_format = None,
-        num_threads = None, prefetch = 8, cache_dir = None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (paths, tokenizer, **options))]
     fn new(
         py: Python<'_>,
         paths: Vec<String>,
         tokenizer: PathBuf,
-        task: &str,
-        source_template: Option<String>,
-        target_template: Option<String>,
-        max_source_length: usize,
-        max_target_length: usize,
-        batch_size: Option<usize>,
-        max_tokens: Option<usize>,
-        pad_to_multiple_of: Option<usize>,
-        shuffle: bool,
-        seed: u64,
-        epoch: u64,
-        rank: usize,
-        world_size: usize,
-        split: &str,
-        eval_fraction: f64,
-        strict: bool,
-        dedup: bool,
-        data_format: Option<String>,
-        num_threads: Option<usize>,
-        prefetch: usize,
-        cache_dir: Option<PathBuf>,
+        options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let split = Split::parse(split).ok_or_else(|| {
-            RecipeDataError::new_err(format!("split must be all, train or eval, got {split:?}"))
-        })?;
+        let mut pairs = Vec::new();
+        for (k, v) in options.into_iter().flat_map(|d| d.iter()) {
+            pairs.push((k.extract::<String>()?, to_value(&v)?));
+        }
+        let options = LoaderOptions::from_pairs(pairs).map_err(to_py)?;
         let cfg = LoaderConfig {
             paths,
             tokenizer,
-            task: task.to_string(),
-            source_template,
-            target_template,
-            max_source_length,
-            max_target_length,
-            plan: PlanConfig {
-                batch_size,
-                max_tokens,
-                pad_to_multiple_of: pad_to_multiple_of.unwrap_or(1),
-                shuffle,
-                seed,
-                rank,
-                world_size,
-                split,
-                eval_fraction,
-                dedup,
-            },
-            epoch,
-            strict,
-            data_format,
-            num_threads,
-            prefetch,
-            cache_dir,
+            options,
         };
-        let inner = py.detach(|| Loader::new(cfg)).map_err(to_py)?;
+        let mut inner = py.detach(|| Loader::new(cfg)).map_err(to_py)?;
+        log_warnings(py, inner.take_warnings())?;
         Ok(RecipeLoader { inner })
     }
 
@@ -137,8 +123,11 @@ impl RecipeLoader {
         py.detach(|| inner.len())
     }
 
-    fn set_epoch(&mut self, epoch: u64) {
+    fn set_epoch(&mut self, epoch: i64) -> PyResult<()> {
+        let epoch = u64::try_from(epoch)
+            .map_err(|_| errors::config_error(format!("epoch must be >= 0, got {epoch}")))?;
         self.inner.set_epoch(epoch);
+        Ok(())
     }
 
     #[getter]
@@ -174,7 +163,7 @@ impl RecipeLoader {
     fn stats_json(&mut self, py: Python<'_>) -> PyResult<String> {
         let inner = &mut self.inner;
         let s = py.detach(|| inner.stats());
-        serde_json::to_string(&s).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+        serde_json::to_string(&s).map_err(|e| to_py(LoaderError::Internal(e.to_string())))
     }
 
     /// Token lengths `(source, target)` of the selected records, as 1-D arrays.
@@ -187,11 +176,19 @@ impl RecipeLoader {
     }
 }
 
+/// `LOADER_OPTIONS`: the keyword options of `RecipeLoader`, as a list of dicts (`name`, `type`: the Python
+/// annotation, `default`, `doc`), from the one declaration in `recipe_core::options`.
+fn options_table(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let json = serde_json::to_string(&LoaderOptions::table())
+        .map_err(|e| to_py(LoaderError::Internal(e.to_string())))?;
+    py.import("json")?.call_method1("loads", (json,))
+}
+
 #[pymodule]
 fn _loader(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RecipeLoader>()?;
-    m.add("RecipeDataError", m.py().get_type::<RecipeDataError>())?;
-    m.add("RecipeFileError", m.py().get_type::<RecipeFileError>())?;
+    m.add("LOADER_OPTIONS", options_table(m.py())?)?;
+    errors::register(m)?;
     sample::register(m)?;
     Ok(())
 }

@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::compress::Compression;
 use crate::error::{LoaderError, Result};
 use crate::formats::{self, Columns, Format, Parsed, Skip, MAX_RECORD_BYTES};
 use crate::hash::{hash_parts, mix};
@@ -81,9 +82,8 @@ impl FileIndex {
     /// Reads and parses record `i` (an index into this file's valid records).
     pub fn read(&self, file: &File, i: usize) -> Result<Parsed> {
         let mut buf = vec![0u8; self.lens[i] as usize];
-        file.read_exact_at(&mut buf, self.offsets[i]).map_err(|e| {
-            LoaderError::file(self.data_path.display(), format!("cannot read record: {e}"))
-        })?;
+        file.read_exact_at(&mut buf, self.offsets[i])
+            .map_err(|e| LoaderError::io(self.data_path.display(), "cannot read record", &e))?;
         let parsed = match self.format {
             Format::Jsonl => formats::parse_jsonl(&buf),
             f => {
@@ -155,9 +155,10 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
             let mut found = Vec::new();
             for entry in entries {
                 let path = entry.map_err(|e| {
-                    LoaderError::file(
+                    LoaderError::io(
                         e.path().display(),
-                        format!("cannot read while expanding {p}: {}", e.error()),
+                        &format!("cannot read while expanding {p}"),
+                        e.error(),
                     )
                 })?;
                 let hidden = path
@@ -177,7 +178,7 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
             // Device and inode: the same file through a symlink, a hard link or another spelling of the path.
             let id = std::fs::metadata(&path)
                 .map(|m| (m.dev(), m.ino()))
-                .map_err(|e| LoaderError::file(path.display(), e))?;
+                .map_err(|e| LoaderError::io(path.display(), "", &e))?;
             if let Some(first) = seen.insert(id, p.clone()) {
                 return Err(LoaderError::file(
                     path.display(),
@@ -204,29 +205,8 @@ pub fn cache_root(cache_dir: Option<&Path>) -> PathBuf {
     home.join(".cache").join("recipe-trainer")
 }
 
-#[derive(Clone, Copy, PartialEq)]
-enum Compression {
-    None,
-    Gzip,
-    Zstd,
-}
-
-fn split_compression(path: &Path) -> (Compression, String) {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let lower = name.to_ascii_lowercase();
-    for (suffix, comp) in [(".gz", Compression::Gzip), (".zst", Compression::Zstd)] {
-        if lower.ends_with(suffix) {
-            return (comp, name[..name.len() - suffix.len()].to_string());
-        }
-    }
-    (Compression::None, name)
-}
-
 fn file_identity(path: &Path) -> Result<(String, u64, u128)> {
-    let meta = std::fs::metadata(path).map_err(|e| LoaderError::file(path.display(), e))?;
+    let meta = std::fs::metadata(path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
     let canon = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     let mtime = meta
         .modified()
@@ -262,18 +242,10 @@ fn decompress(path: &Path, comp: Compression, stem: &str, root: &Path) -> Result
     if dest.is_file() {
         return Ok(dest);
     }
-    std::fs::create_dir_all(root).map_err(|e| {
-        LoaderError::file(
-            root.display(),
-            format!("cannot create cache directory: {e}"),
-        )
-    })?;
-    let src = File::open(path).map_err(|e| LoaderError::file(path.display(), e))?;
-    let kind = if comp == Compression::Gzip {
-        "gzip"
-    } else {
-        "zstd"
-    };
+    std::fs::create_dir_all(root)
+        .map_err(|e| LoaderError::io(root.display(), "cannot create cache directory", &e))?;
+    let src = File::open(path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
+    let kind = comp.name();
     let mut failed_on_input = false;
     let res = write_atomic(&dest, |out| {
         let mut reader: Box<dyn Read> = match comp {
@@ -296,13 +268,15 @@ fn decompress(path: &Path, comp: Compression, stem: &str, root: &Path) -> Result
     });
     match res {
         Ok(()) => Ok(dest),
-        Err(e) if failed_on_input => Err(LoaderError::file(
+        Err(e) if failed_on_input => Err(LoaderError::io(
             path.display(),
-            format!("corrupt or truncated {kind} file: {e}"),
+            &format!("corrupt or truncated {kind} file"),
+            &e,
         )),
-        Err(e) => Err(LoaderError::file(
+        Err(e) => Err(LoaderError::io(
             dest.display(),
-            format!("cannot write decompressed copy: {e}"),
+            "cannot write decompressed copy",
+            &e,
         )),
     }
 }
@@ -316,7 +290,7 @@ fn csv_reader<R: Read>(r: R) -> csv::Reader<R> {
 }
 
 fn read_header(data_path: &Path, shown: &Path) -> Result<Vec<String>> {
-    let f = File::open(data_path).map_err(|e| LoaderError::file(shown.display(), e))?;
+    let f = File::open(data_path).map_err(|e| LoaderError::io(shown.display(), "", &e))?;
     let mut rdr = csv_reader(f);
     let h = rdr.headers().map_err(|e| {
         LoaderError::data(
@@ -370,21 +344,22 @@ struct Entry {
     hash: u64,
 }
 
-/// Builds the index of one file, or loads it from the cache.
-pub fn index_file(path: &Path, s: &IndexSettings) -> Result<FileIndex> {
-    let meta = std::fs::metadata(path).map_err(|e| LoaderError::file(path.display(), e))?;
+/// Builds the index of one file, or loads it from the cache. What the user should know but that does not stop
+/// the loader (a cache that could not be written) is pushed to `warnings`; the Python layer logs it.
+pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) -> Result<FileIndex> {
+    let meta = std::fs::metadata(path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
     if meta.len() == 0 {
         return Err(LoaderError::file(path.display(), "empty file"));
     }
     let root = cache_root(s.cache_dir.as_deref());
-    let (comp, stem) = split_compression(path);
+    let (comp, stem) = Compression::split(path);
     let data_path = if comp == Compression::None {
         path.to_path_buf()
     } else {
         decompress(path, comp, &stem, &root)?
     };
     let first_byte =
-        first_content_byte(&data_path).map_err(|e| LoaderError::file(path.display(), e))?;
+        first_content_byte(&data_path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
     let Some(first_byte) = first_byte else {
         return Err(LoaderError::file(path.display(), "empty file"));
     };
@@ -492,17 +467,14 @@ pub fn index_file(path: &Path, s: &IndexSettings) -> Result<FileIndex> {
             return Err(LoaderError::file(path.display(), "empty file: no records"));
         }
         if !candidates.iter().any(|c| save_cache(c, &idx).is_ok()) {
-            log_warn(&format!(
-                "could not write the index cache for {}",
-                path.display()
+            warnings.push(format!(
+                "could not write the index cache of {} (beside it or in {}): the next run indexes it again",
+                path.display(),
+                root.display()
             ));
         }
     }
     Ok(idx)
-}
-
-fn log_warn(msg: &str) {
-    eprintln!("recipe_core warning: {msg}");
 }
 
 fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
@@ -516,8 +488,8 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
     idx.skipped.clear();
     idx.examples.clear();
     let shown = idx.path.display().to_string();
-    let f = File::open(&idx.data_path).map_err(|e| LoaderError::file(&shown, e))?;
-    let io_err = |e: std::io::Error| LoaderError::file(&shown, format!("read error: {e}"));
+    let f = File::open(&idx.data_path).map_err(|e| LoaderError::io(&shown, "", &e))?;
+    let io_err = |e: std::io::Error| LoaderError::io(&shown, "read error", &e);
     match idx.format {
         Format::Jsonl => {
             let mut r = BufReader::with_capacity(1 << 20, f);

@@ -1,9 +1,11 @@
 //! recipe_core: reading recipe dumps, rendering, tokenizing and batching, without Python.
 
+pub mod compress;
 pub mod error;
 pub mod formats;
 pub mod hash;
 pub mod index;
+pub mod options;
 pub mod plan;
 pub mod render;
 pub mod sample;
@@ -11,4 +13,5 @@ pub mod stream;
 pub mod tokenize;
 
 pub use error::LoaderError;
+pub use options::LoaderOptions;
 pub use stream::{Batch, Loader, LoaderConfig, State, Stats};

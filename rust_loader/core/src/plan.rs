@@ -13,9 +13,12 @@
 //! - Sharding: the global batch list is cut to a multiple of `world_size`; rank `r` gets batches `r, r+W, ...`.
 use std::collections::HashMap;
 
+use serde::{Deserialize, Serialize};
+
 use crate::hash::{mix, Rng};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Split {
     All,
     Train,

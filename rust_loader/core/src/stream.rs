@@ -14,9 +14,9 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{LoaderError, Result};
-use crate::formats::Format;
 use crate::hash::{hash_parts, mix};
 use crate::index::{self, Example, FileIndex, IndexSettings};
+use crate::options::LoaderOptions;
 use crate::plan::{self, Plan, PlanConfig};
 use crate::render::Renderer;
 use crate::tokenize::Tok;
@@ -30,18 +30,7 @@ const PLAN_VERSION: &[u8] = b"plan-v2";
 pub struct LoaderConfig {
     pub paths: Vec<String>,
     pub tokenizer: PathBuf,
-    pub task: String,
-    pub source_template: Option<String>,
-    pub target_template: Option<String>,
-    pub max_source_length: usize,
-    pub max_target_length: usize,
-    pub plan: PlanConfig,
-    pub epoch: u64,
-    pub strict: bool,
-    pub data_format: Option<String>,
-    pub num_threads: Option<usize>,
-    pub prefetch: usize,
-    pub cache_dir: Option<PathBuf>,
+    pub options: LoaderOptions,
 }
 
 /// One padded batch, row-major.
@@ -107,7 +96,7 @@ impl Ctx {
             if handles[f].is_none() {
                 handles[f] = Some(
                     File::open(&fi.data_path)
-                        .map_err(|e| LoaderError::file(fi.data_path.display(), e))?,
+                        .map_err(|e| LoaderError::io(fi.data_path.display(), "", &e))?,
                 );
             }
             let parsed = fi.read(handles[f].as_ref().expect("opened"), i)?;
@@ -330,6 +319,7 @@ pub struct Loader {
     threads: usize,
     prefetch: usize,
     fingerprint: String,
+    warnings: Vec<String>,
     yielded: u64,
     yielded_batches: u64,
     real: u64,
@@ -345,65 +335,29 @@ impl Loader {
     }
 
     fn build(c: LoaderConfig) -> Result<Loader> {
-        let p = &c.plan;
-        if p.batch_size.is_some() == p.max_tokens.is_some() {
-            return Err(LoaderError::Config(
-                "give exactly one of batch_size and max_tokens".into(),
-            ));
-        }
-        if p.batch_size == Some(0) || p.max_tokens == Some(0) {
-            return Err(LoaderError::Config(
-                "batch_size/max_tokens must be positive".into(),
-            ));
-        }
-        if p.world_size == 0 || p.rank >= p.world_size {
-            return Err(LoaderError::Config(format!(
-                "rank {} must be < world_size {}",
-                p.rank, p.world_size
-            )));
-        }
-        if !(0.0..1.0).contains(&p.eval_fraction) {
-            return Err(LoaderError::Config(
-                "eval_fraction must be in [0, 1)".into(),
-            ));
-        }
-        for (n, v) in [
-            ("max_source_length", c.max_source_length),
-            ("max_target_length", c.max_target_length),
-        ] {
-            if v == 0 || v > u16::MAX as usize {
-                return Err(LoaderError::Config(format!(
-                    "{n} must be in 1..=65535, got {v}"
-                )));
-            }
-        }
-        let format = match &c.data_format {
-            None => None,
-            Some(f) => Some(Format::parse(f).ok_or_else(|| {
-                LoaderError::Config(format!(
-                    "unknown data_format {f:?} (recipenlg-csv, foodcom-csv, jsonl)"
-                ))
-            })?),
-        };
+        let o = &c.options;
+        o.check()?;
+        let plan_cfg = o.plan_config();
         let renderer = Renderer::new(
-            &c.task,
-            c.source_template.as_deref(),
-            c.target_template.as_deref(),
+            &o.task,
+            o.source_template.as_deref(),
+            o.target_template.as_deref(),
         )?;
         let paths = index::expand_paths(&c.paths)?;
-        let tok = Tok::load(&c.tokenizer, c.max_source_length, c.max_target_length)?;
+        let tok = Tok::load(&c.tokenizer, o.max_source_length, o.max_target_length)?;
         let settings = IndexSettings {
             tok: &tok,
             renderer: &renderer,
-            max_source: c.max_source_length,
-            max_target: c.max_target_length,
-            format,
-            cache_dir: c.cache_dir.clone(),
-            strict: c.strict,
+            max_source: o.max_source_length,
+            max_target: o.max_target_length,
+            format: o.format()?,
+            cache_dir: o.cache_dir.clone(),
+            strict: o.strict,
         };
         let mut files = Vec::new();
+        let mut warnings = Vec::new();
         for path in &paths {
-            files.push(index::index_file(path, &settings)?);
+            files.push(index::index_file(path, &settings, &mut warnings)?);
         }
         let total: usize = files.iter().map(|f| f.len()).sum();
         if total > u32::MAX as usize {
@@ -421,9 +375,9 @@ impl Loader {
             tgt_len.append(&mut f.tgt_len);
             hashes.append(&mut f.hashes);
         }
-        let (selected, duplicates) = plan::select(&hashes, &c.plan);
+        let (selected, duplicates) = plan::select(&hashes, &plan_cfg);
         if selected.is_empty() {
-            return Err(no_usable_records(&paths, &files, total, c.plan.split));
+            return Err(no_usable_records(&paths, &files, total, plan_cfg.split));
         }
         let fingerprint = format!(
             "{:016x}",
@@ -431,12 +385,12 @@ impl Loader {
                 PLAN_VERSION,
                 &content_hash(&src_len, &tgt_len, &hashes).to_le_bytes(),
                 &tok.file_hash.to_le_bytes(),
-                format!("{:?}", c.plan).as_bytes()
+                format!("{plan_cfg:?}").as_bytes()
             ])
         );
         drop(hashes);
         let pad_id = tok.pad_id as i64;
-        let threads = c
+        let threads = o
             .num_threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
         Ok(Loader {
@@ -448,23 +402,30 @@ impl Loader {
                 tok,
                 renderer,
                 pad_id,
-                pad_multiple: c.plan.pad_to_multiple_of,
+                pad_multiple: plan_cfg.pad_to_multiple_of,
             }),
-            cfg: c.plan,
+            cfg: plan_cfg,
             selected,
             duplicates,
-            epoch: c.epoch,
+            epoch: o.epoch,
             pos: 0,
             plan: None,
             pipe: None,
             threads,
-            prefetch: c.prefetch.max(1),
+            prefetch: o.prefetch,
             fingerprint,
+            warnings,
             yielded: 0,
             yielded_batches: 0,
             real: 0,
             total: 0,
         })
+    }
+
+    /// Warnings gathered since the last call (a cache that could not be written, a file re-indexed), for the
+    /// caller to log.
+    pub fn take_warnings(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.warnings)
     }
 
     /// The plan of the current epoch (computed once per epoch).

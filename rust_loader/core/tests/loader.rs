@@ -2,8 +2,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use recipe_core::plan::{PlanConfig, Split};
-use recipe_core::{Loader, LoaderConfig, LoaderError};
+use recipe_core::{Loader, LoaderConfig, LoaderError, LoaderOptions};
 
 fn tokenizer() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer.json")
@@ -13,29 +12,15 @@ fn config(paths: &[&Path], cache: &Path) -> LoaderConfig {
     LoaderConfig {
         paths: paths.iter().map(|p| p.display().to_string()).collect(),
         tokenizer: tokenizer(),
-        task: "ingredients-to-recipe".into(),
-        source_template: None,
-        target_template: None,
-        max_source_length: 64,
-        max_target_length: 128,
-        plan: PlanConfig {
+        options: LoaderOptions {
+            max_source_length: 64,
+            max_target_length: 128,
             batch_size: Some(2),
-            max_tokens: None,
-            pad_to_multiple_of: 1,
-            shuffle: false,
-            seed: 0,
-            rank: 0,
-            world_size: 1,
-            split: Split::All,
-            eval_fraction: 0.0,
-            dedup: false,
+            num_threads: Some(2),
+            prefetch: 4,
+            cache_dir: Some(cache.join("cache")),
+            ..LoaderOptions::default()
         },
-        epoch: 0,
-        strict: false,
-        data_format: None,
-        num_threads: Some(2),
-        prefetch: 4,
-        cache_dir: Some(cache.join("cache")),
     }
 }
 
@@ -95,7 +80,7 @@ fn recipenlg_quoting_bom_crlf_and_skips() {
     );
     // The record after a multi-line field is read back at the right offset.
     let mut c = config(&[&p], dir.path());
-    c.strict = true;
+    c.options.strict = true;
     let e = Loader::new(c).err().unwrap();
     assert!(matches!(e, LoaderError::Data { line: 5, .. }), "{e}");
 }
@@ -204,10 +189,10 @@ fn resume_and_determinism() {
     let dir = tempfile::tempdir().unwrap();
     let p = many(dir.path(), 400);
     let mut c = config(&[&p], dir.path());
-    c.plan.shuffle = true;
-    c.plan.batch_size = None;
-    c.plan.max_tokens = Some(600);
-    c.plan.pad_to_multiple_of = 8;
+    c.options.shuffle = true;
+    c.options.batch_size = None;
+    c.options.max_tokens = Some(600);
+    c.options.pad_to_multiple_of = Some(8);
     let mut full = Loader::new(c.clone()).unwrap();
     let n = full.len();
     let mut batches = vec![];
@@ -239,7 +224,7 @@ fn resume_and_determinism() {
         }
     }
     let mut other = c.clone();
-    other.plan.seed = 1;
+    other.options.seed = 1;
     let mut o = Loader::new(other).unwrap();
     assert!(o.load_state(&full.state()).is_err());
 }
@@ -471,4 +456,25 @@ fn csv_record_over_the_limit_is_skipped_without_holding_it() {
         "{:?}",
         st.examples
     );
+}
+
+#[test]
+fn sample_writer_and_loader_agree_on_compression_suffixes() {
+    use recipe_core::sample::{write_sample_file, SampleFormat};
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("plain.jsonl");
+    write_sample_file(&plain, 30, 2, SampleFormat::Jsonl).unwrap();
+    let mut want = Loader::new(config(&[&plain], dir.path())).unwrap();
+    let want = all_rows(&mut want);
+    for (name, magic) in [
+        ("a.jsonl.zstd", &b"\x28\xb5\x2f\xfd"[..]),
+        ("B.JSONL.GZ", &b"\x1f\x8b"[..]),
+        ("c.jsonl.Zst", &b"\x28\xb5\x2f\xfd"[..]),
+    ] {
+        let p = dir.path().join(name);
+        write_sample_file(&p, 30, 2, SampleFormat::Jsonl).unwrap();
+        assert!(std::fs::read(&p).unwrap().starts_with(magic), "{name}");
+        let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+        assert_eq!(all_rows(&mut l), want, "{name}");
+    }
 }
