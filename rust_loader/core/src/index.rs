@@ -7,9 +7,12 @@
 //!
 //! The index is cached as a small binary file keyed by (path, size, mtime, tokenizer.json hash, templates, max
 //! lengths, format): beside the data file as `.<name>.<key>.rlidx` when that directory is writable, else in the cache
-//! directory (`cache_dir`, else `$XDG_CACHE_HOME/recipe-trainer`, else `~/.cache/recipe-trainer`). A `.gz`/`.zst`
-//! file cannot be read at random offsets, so it is decompressed once, streaming, into the cache directory, and that
-//! copy is indexed and read; it is reused while the compressed file's size and mtime are unchanged.
+//! directory (`cache_dir`, else `$XDG_CACHE_HOME/recipe-trainer`, else `~/.cache/recipe-trainer`). The cache also
+//! holds the file's device, inode and ctime and the xxh3-64 of its bytes (computed during the scan): a cache whose
+//! key matches is used as is when the inode and ctime match too, else only when the file's hash still matches (a
+//! file rewritten with its size and mtime kept is indexed again). A compressed file cannot be read at random
+//! offsets, so it is decompressed once, streaming, into the cache directory, and that copy is indexed and read; it
+//! is reused while the compressed file's size, mtime, inode and ctime are unchanged.
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -22,11 +25,11 @@ use serde::{Deserialize, Serialize};
 use crate::compress::Compression;
 use crate::error::{LoaderError, Result};
 use crate::formats::{self, Columns, Format, Parsed, Skip, MAX_RECORD_BYTES};
-use crate::hash::{hash_parts, mix};
+use crate::hash::{hash_file, hash_parts, mix, HashingReader};
 use crate::render::Renderer;
 use crate::tokenize::Tok;
 
-const MAGIC: &[u8; 8] = b"RLIDX003";
+const MAGIC: &[u8; 8] = b"RLIDX004";
 const CHUNK: usize = 1024;
 /// Bad-record examples kept per file.
 pub const MAX_EXAMPLES: usize = 10;
@@ -69,6 +72,9 @@ pub struct FileIndex {
     pub examples: Vec<Example>,
     /// Whether this index came from the cache.
     pub cached: bool,
+    /// The data file's identity when it was indexed, and the xxh3-64 of its bytes.
+    pub identity: Identity,
+    pub content: u64,
 }
 
 impl FileIndex {
@@ -205,7 +211,55 @@ pub fn cache_root(cache_dir: Option<&Path>) -> PathBuf {
     home.join(".cache").join("recipe-trainer")
 }
 
-fn file_identity(path: &Path) -> Result<(String, u64, u128)> {
+/// What the file system says about a file: the cache key's part (path, size, mtime) and what changes whenever
+/// the file's bytes are written, even when its size and mtime are kept or restored (`cp -p`, `rsync -t`): the
+/// inode (a new file) and the status-change time (ctime: set by the kernel on every write or rename, and no
+/// call sets it back).
+struct Stamp {
+    canon: String,
+    size: u64,
+    mtime: u128,
+    identity: Identity,
+}
+
+/// Device, inode and ctime (seconds, nanoseconds) of a file.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Identity {
+    dev: u64,
+    ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
+}
+
+impl Identity {
+    fn of(meta: &std::fs::Metadata) -> Identity {
+        Identity {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            ctime: meta.ctime(),
+            ctime_nsec: meta.ctime_nsec(),
+        }
+    }
+    fn to_bytes(self) -> [u8; 32] {
+        let mut b = [0u8; 32];
+        b[..8].copy_from_slice(&self.dev.to_le_bytes());
+        b[8..16].copy_from_slice(&self.ino.to_le_bytes());
+        b[16..24].copy_from_slice(&self.ctime.to_le_bytes());
+        b[24..].copy_from_slice(&self.ctime_nsec.to_le_bytes());
+        b
+    }
+    fn from_bytes(b: &[u8; 32]) -> Identity {
+        let u = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        Identity {
+            dev: u(0),
+            ino: u(8),
+            ctime: u(16) as i64,
+            ctime_nsec: u(24) as i64,
+        }
+    }
+}
+
+fn stamp(path: &Path) -> Result<Stamp> {
     let meta = std::fs::metadata(path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
     let canon = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     let mtime = meta
@@ -214,7 +268,12 @@ fn file_identity(path: &Path) -> Result<(String, u64, u128)> {
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map(|d| d.as_nanos())
         .unwrap_or(0);
-    Ok((canon.display().to_string(), meta.len(), mtime))
+    Ok(Stamp {
+        canon: canon.display().to_string(),
+        size: meta.len(),
+        mtime,
+        identity: Identity::of(&meta),
+    })
 }
 
 /// Writes via a temporary file and rename, so a reader never sees half a file.
@@ -235,9 +294,17 @@ fn write_atomic(
     res
 }
 
+/// The decompressed copy of `path`, made once per version of the compressed file: its key has the inode and
+/// ctime too, so a compressed file rewritten with the same size and mtime gets a new copy (and `chmod` one more
+/// decompression).
 fn decompress(path: &Path, comp: Compression, stem: &str, root: &Path) -> Result<PathBuf> {
-    let (canon, size, mtime) = file_identity(path)?;
-    let key = hash_parts(&[canon.as_bytes(), &size.to_le_bytes(), &mtime.to_le_bytes()]);
+    let st = stamp(path)?;
+    let key = hash_parts(&[
+        st.canon.as_bytes(),
+        &st.size.to_le_bytes(),
+        &st.mtime.to_le_bytes(),
+        &st.identity.to_bytes(),
+    ]);
     let dest = root.join(format!("{stem}.{key:016x}.data"));
     if dest.is_file() {
         return Ok(dest);
@@ -405,12 +472,12 @@ pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) ->
             Some(Columns::from_header(f, &h).map_err(|e| LoaderError::data(path.display(), 1, e))?)
         }
     };
-    let (canon, size, mtime) = file_identity(path)?;
+    let st = stamp(path)?;
     let key = hash_parts(&[
         MAGIC,
-        canon.as_bytes(),
-        &size.to_le_bytes(),
-        &mtime.to_le_bytes(),
+        st.canon.as_bytes(),
+        &st.size.to_le_bytes(),
+        &st.mtime.to_le_bytes(),
         &s.tok.file_hash.to_le_bytes(),
         s.renderer.source.text.as_bytes(),
         s.renderer.target.text.as_bytes(),
@@ -449,8 +516,12 @@ pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) ->
         skipped: BTreeMap::new(),
         examples: vec![],
         cached: false,
+        identity: Identity::default(),
+        content: 0,
     };
-    if candidates.iter().any(|c| load_cache(c, &mut idx).is_ok()) {
+    // Taken before the scan: a write during it changes the ctime, so the next run checks the content again.
+    let now = stamp(&idx.data_path)?.identity;
+    if reuse_cache(&candidates, &mut idx, now, warnings)? {
         idx.cached = true;
         if s.strict {
             if let Some(ex) = idx.examples.first() {
@@ -463,6 +534,7 @@ pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) ->
         }
     } else {
         scan(&mut idx, s)?;
+        idx.identity = now;
         if idx.is_empty() && idx.skipped.is_empty() {
             return Err(LoaderError::file(path.display(), "empty file: no records"));
         }
@@ -477,6 +549,37 @@ pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) ->
     Ok(idx)
 }
 
+/// Loads the first valid cache among `candidates` into `idx` if it describes the file as it is now: the same
+/// inode and ctime as when it was indexed (no read needed), or else the same content hash (one read of the file;
+/// the cache is then rewritten with the new identity so the next run needs none). A cache of other content
+/// (the file rewritten with its size and mtime kept) is refused with a warning, and the file indexed again.
+fn reuse_cache(
+    candidates: &[PathBuf],
+    idx: &mut FileIndex,
+    now: Identity,
+    warnings: &mut Vec<String>,
+) -> Result<bool> {
+    let Some(cache) = candidates.iter().find(|c| load_cache(c, idx).is_ok()) else {
+        return Ok(false);
+    };
+    if idx.identity == now {
+        return Ok(true);
+    }
+    let content = hash_file(&idx.data_path)
+        .map_err(|e| LoaderError::io(idx.path.display(), "read error", &e))?;
+    if content == idx.content {
+        idx.identity = now;
+        let _ = save_cache(cache, idx); // if it cannot be written, the next run hashes again
+        return Ok(true);
+    }
+    warnings.push(format!(
+        "{} changed since it was indexed, though its size and modification time are the same: indexing it \
+         again (a resume from a checkpoint of the old content will be refused)",
+        idx.path.display()
+    ));
+    Ok(false)
+}
+
 fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
     // A cache file that failed to load half-way may have filled some fields.
     idx.offsets.clear();
@@ -488,7 +591,10 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
     idx.skipped.clear();
     idx.examples.clear();
     let shown = idx.path.display().to_string();
-    let f = File::open(&idx.data_path).map_err(|e| LoaderError::io(&shown, "", &e))?;
+    let file = File::open(&idx.data_path).map_err(|e| LoaderError::io(&shown, "", &e))?;
+    // The content hash of what is indexed, computed on the way (both readers below read to the end).
+    let mut hashing = HashingReader::new(file);
+    let f = &mut hashing;
     let io_err = |e: std::io::Error| LoaderError::io(&shown, "read error", &e);
     match idx.format {
         Format::Jsonl => {
@@ -564,6 +670,7 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
             }
         }
     }
+    idx.content = hashing.digest();
     Ok(())
 }
 
@@ -768,7 +875,7 @@ struct CacheMeta {
 /// Every value of the cache: a damaged cache whose offsets still fit the data would otherwise read the wrong
 /// records.
 fn cache_checksum(idx: &FileIndex, meta: &[u8]) -> u64 {
-    let mut h = hash_parts(&[meta]);
+    let mut h = hash_parts(&[meta, &idx.identity.to_bytes(), &idx.content.to_le_bytes()]);
     for i in 0..idx.len() {
         h = mix(h ^ idx.offsets[i]);
         h = mix(h ^ (((idx.lens[i] as u64) << 32) | idx.lines[i] as u64));
@@ -811,6 +918,8 @@ fn save_cache(dest: &Path, idx: &FileIndex) -> std::io::Result<()> {
         })?;
         w.write_all(&(meta.len() as u64).to_le_bytes())?;
         w.write_all(&meta)?;
+        w.write_all(&idx.identity.to_bytes())?;
+        w.write_all(&idx.content.to_le_bytes())?;
         w.write_all(&cache_checksum(idx, &meta).to_le_bytes())?;
         w.flush()
     })
@@ -869,6 +978,10 @@ fn load_cache(src: &Path, idx: &mut FileIndex) -> std::io::Result<()> {
     let m = m as usize;
     let mut meta = vec![0u8; m];
     r.read_exact(&mut meta)?;
+    let mut identity = [0u8; 32];
+    r.read_exact(&mut identity)?;
+    idx.identity = Identity::from_bytes(&identity);
+    idx.content = read_u64(&mut r)?;
     if read_u64(&mut r)? != cache_checksum(idx, &meta) {
         return Err(bad());
     }

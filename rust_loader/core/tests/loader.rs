@@ -478,3 +478,78 @@ fn sample_writer_and_loader_agree_on_compression_suffixes() {
         assert_eq!(all_rows(&mut l), want, "{name}");
     }
 }
+
+/// Rewrites `p` with `text` (same length) and puts its modification time back, as `cp -p` or `rsync -t` do.
+fn rewrite_keeping_size_and_mtime(p: &Path, text: &str) {
+    let before = std::fs::metadata(p).unwrap();
+    assert_eq!(before.len(), text.len() as u64);
+    std::thread::sleep(std::time::Duration::from_millis(20)); // a ctime that differs even on coarse clocks
+    std::fs::write(p, text).unwrap();
+    let f = std::fs::File::options().write(true).open(p).unwrap();
+    f.set_modified(before.modified().unwrap()).unwrap();
+    drop(f);
+    let after = std::fs::metadata(p).unwrap();
+    assert_eq!(
+        (after.len(), after.modified().unwrap()),
+        (before.len(), before.modified().unwrap())
+    );
+}
+
+#[test]
+fn content_changed_with_size_and_mtime_kept_is_indexed_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = many(dir.path(), 60);
+    let mut old = Loader::new(config(&[&p], dir.path())).unwrap();
+    old.next_batch().unwrap();
+    let state = old.state();
+    let text = std::fs::read_to_string(&p).unwrap();
+    let edited = text.replace("Dish 1", "Dash 1"); // same length, other text
+    assert_ne!(edited, text);
+    rewrite_keeping_size_and_mtime(&p, &edited);
+
+    let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+    assert_eq!(l.stats().index_cached, [false]);
+    let warnings = l.take_warnings();
+    assert!(
+        warnings.len() == 1 && warnings[0].contains("changed since it was indexed"),
+        "{warnings:?}"
+    );
+    // What it yields is the new text: the same as a first read of a copy.
+    let copy_dir = tempfile::tempdir().unwrap();
+    let copy = write(copy_dir.path(), "copy.jsonl", edited.as_bytes());
+    let mut fresh = Loader::new(config(&[&copy], copy_dir.path())).unwrap();
+    assert_eq!(all_rows(&mut l), all_rows(&mut fresh));
+    // And a resume from the old content is refused.
+    let e = l.load_state(&state).unwrap_err().to_string();
+    assert!(e.contains("cannot resume"), "{e}");
+}
+
+#[test]
+fn metadata_change_without_content_change_reuses_the_index() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let p = many(dir.path(), 40);
+    let mut first = Loader::new(config(&[&p], dir.path())).unwrap();
+    let want = all_rows(&mut first);
+    // chmod changes the ctime but not a byte: the content hash says the cache still fits.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let cache = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "rlidx"))
+        .expect("index cache beside the data");
+    let written = || std::fs::metadata(&cache).unwrap().modified().unwrap();
+    let before = written();
+    let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
+    assert_eq!(l.stats().index_cached, [true]);
+    assert!(l.take_warnings().is_empty());
+    assert_eq!(all_rows(&mut l), want);
+    // The cache now holds the new ctime (rewritten once), so the next open needs no hash (not rewritten).
+    let refreshed = written();
+    assert!(refreshed > before);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let mut again = Loader::new(config(&[&p], dir.path())).unwrap();
+    assert_eq!(again.stats().index_cached, [true]);
+    assert_eq!(written(), refreshed);
+}
