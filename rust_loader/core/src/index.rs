@@ -142,14 +142,13 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
     let mut seen: std::collections::HashMap<(u64, u64), String> = std::collections::HashMap::new();
     for p in patterns {
         let literal = PathBuf::from(p);
-        let found = if literal.exists() || !p.contains(['*', '?', '[']) {
-            if !literal.exists() {
-                return Err(LoaderError::file(p, "no such file"));
+        let meta = std::fs::metadata(&literal);
+        let found = if meta.is_ok() || !p.contains(['*', '?', '[']) {
+            match meta {
+                Ok(m) if m.is_file() => vec![literal],
+                Ok(_) => return Err(LoaderError::file(p, "not a regular file")),
+                Err(e) => return Err(path_error(&literal, "", &e)),
             }
-            if !literal.is_file() {
-                return Err(LoaderError::file(p, "not a regular file"));
-            }
-            vec![literal]
         } else {
             // Hidden files only when the pattern's file name asks for them (`.*.csv`). (glob's own
             // require_literal_leading_dot drops every hidden entry, even for such a pattern.)
@@ -170,12 +169,21 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
                 let hidden = path
                     .file_name()
                     .is_some_and(|n| n.to_string_lossy().starts_with('.'));
-                if path.is_file() && (hidden_wanted || !hidden) {
-                    found.push(path);
+                if !hidden_wanted && hidden {
+                    continue;
+                }
+                match std::fs::metadata(&path) {
+                    Ok(m) if m.is_file() => found.push(path),
+                    Ok(_) => {} // a directory matched by the glob
+                    // A broken symlink or a loop: a file the user meant, not to be skipped silently.
+                    Err(e) => return Err(path_error(&path, "", &e)),
                 }
             }
             if found.is_empty() {
-                return Err(LoaderError::file(p, "glob matches no file"));
+                return Err(LoaderError::file(
+                    shown_path(Path::new(p)),
+                    "glob matches no file",
+                ));
             }
             found.sort();
             found
@@ -195,6 +203,50 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
         }
     }
     Ok(out)
+}
+
+/// `path` as the user gave it, with the directory a relative path was resolved against: `data/x.csv (resolved
+/// against /home/u/proj)`.
+pub fn shown_path(path: &Path) -> String {
+    match std::env::current_dir() {
+        Ok(cwd) if path.is_relative() => {
+            format!("{} (resolved against {})", path.display(), cwd.display())
+        }
+        _ => path.display().to_string(),
+    }
+}
+
+/// The operating system's number for "too many levels of symbolic links".
+#[cfg(any(target_os = "macos", target_os = "ios", target_os = "freebsd"))]
+const ELOOP: i32 = 62;
+#[cfg(not(any(target_os = "macos", target_os = "ios", target_os = "freebsd")))]
+const ELOOP: i32 = 40;
+
+/// The error for a path that cannot be opened: a symlink loop or a broken symlink said as such, a missing
+/// relative path with the directory it was resolved against; the errno kept. `context` (may be empty) says what
+/// was being done.
+pub fn path_error(path: &Path, context: &str, e: &std::io::Error) -> LoaderError {
+    let link = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+    let reason = if e.raw_os_error() == Some(ELOOP) {
+        "symlink loop (too many levels of symbolic links, ELOOP)".to_string()
+    } else if e.kind() == std::io::ErrorKind::NotFound && link {
+        let target =
+            std::fs::read_link(path).map_or_else(|_| "?".into(), |t| t.display().to_string());
+        format!("broken symlink: it points to {target}, which does not exist")
+    } else if e.kind() == std::io::ErrorKind::NotFound {
+        "no such file".to_string()
+    } else {
+        e.to_string()
+    };
+    LoaderError::File {
+        path: shown_path(path),
+        reason: if context.is_empty() {
+            reason
+        } else {
+            format!("{context}: {reason}")
+        },
+        errno: e.raw_os_error(),
+    }
 }
 
 /// The cache directory used when the data's directory is not writable.

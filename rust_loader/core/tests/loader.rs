@@ -553,3 +553,27 @@ fn metadata_change_without_content_change_reuses_the_index() {
     assert_eq!(again.stats().index_cached, [true]);
     assert_eq!(written(), refreshed);
 }
+
+#[test]
+fn symlink_loops_and_broken_links_are_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.csv"), dir.path().join("b.csv"));
+    std::os::unix::fs::symlink(&b, &a).unwrap();
+    std::os::unix::fs::symlink(&a, &b).unwrap();
+    let e = Loader::new(config(&[&a], dir.path())).err().unwrap();
+    assert!(e.to_string().contains("a.csv: symlink loop"), "{e}");
+    assert!(
+        matches!(
+            e,
+            LoaderError::File {
+                errno: Some(40),
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let broken = dir.path().join("broken.csv");
+    std::os::unix::fs::symlink(dir.path().join("gone.csv"), &broken).unwrap();
+    let e = Loader::new(config(&[&broken], dir.path())).err().unwrap();
+    assert!(e.to_string().contains("broken.csv: broken symlink"), "{e}");
+}
