@@ -69,7 +69,8 @@ def _as_list(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -
 
 
 class RecipeStream:
-    """Iterable of padded batches (dicts of int64 numpy arrays: input_ids, attention_mask, labels).
+    """Iterable of padded batches (dicts of int64 numpy arrays: input_ids, attention_mask, labels), or with
+    `packing=True` packed ones (also encoder/decoder_segment_ids and encoder/decoder_positions).
 
     One pass over the stream is one epoch; afterwards the stream moves on to the next epoch (a new order when
     shuffling). The keyword options (`batch_size` or `max_tokens`, `max_source_length`, `shuffle`, `seed`,
@@ -270,6 +271,13 @@ def inspect_report(paths: list[str], cfg: TrainConfig) -> str:
     n_tgt_cut = int((tgt >= cfg.max_target_length).sum())
     share = st["real_token_share"]
     batching = f"max_tokens={cfg.max_tokens}" if cfg.max_tokens else f"batch_size={batch_size}"
+    if st["packed_shape"]:
+        shape = st["packed_shape"]
+        chosen = "set" if cfg.packed_source_length and cfg.packed_target_length else "chosen from the data"
+        batching = (
+            f"packing {shape['rows']} rows x ({shape['source_len']} + {shape['target_len']}) tokens "
+            f"({batching}, row lengths {chosen})"
+        )
     lines = [
         f"files: {len(st['files'])} ({', '.join(st['files'])})",
         f"records: {st['records']} usable, {sum(st['skipped'].values())} skipped",
@@ -283,8 +291,8 @@ def inspect_report(paths: list[str], cfg: TrainConfig) -> str:
         f"source tokens (max {cfg.max_source_length}): {_percentiles(src)}",
         f"target tokens (max {cfg.max_target_length}): {_percentiles(tgt)}",
         f"truncated: source {n_src_cut}, target {n_tgt_cut}",
-        f"batching {batching}: {len(stream)} batches/epoch, padding wastes {100 * (1 - share):.1f}% "
-        f"of tokens (real-token share {100 * share:.1f}%)",
+        f"{'' if st['packed_shape'] else 'batching '}{batching}: {len(stream)} batches/epoch, padding wastes "
+        f"{100 * (1 - share):.1f}% of tokens (real-token share {100 * share:.1f}%)",
     ]
     if st["oversize_batches"]:
         lines.append(f"records over the max_tokens budget (own batch each): {st['oversize_batches']}")

@@ -95,26 +95,27 @@ impl RecipeLoader {
         Ok(RecipeLoader { inner })
     }
 
-    /// The next batch as a dict of 2-D int64 arrays, or None at the end of the epoch (the stream then moves to
-    /// the next epoch).
+    /// The next batch as a dict of 2-D int64 arrays (packed batches add the segment ids and positions), or None
+    /// at the end of the epoch (the stream then moves to the next epoch).
     fn next_batch<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let inner = &mut self.inner;
         let Some(b) = py.detach(|| inner.next_batch()).map_err(to_py)? else {
             return Ok(None);
         };
         let d = PyDict::new(py);
-        let ids: Bound<'py, PyArray1<i64>> = b.input_ids.into_pyarray(py);
-        d.set_item("input_ids", ids.reshape([b.rows, b.source_len])?)?;
-        d.set_item(
-            "attention_mask",
-            b.attention_mask
-                .into_pyarray(py)
-                .reshape([b.rows, b.source_len])?,
-        )?;
-        d.set_item(
-            "labels",
-            b.labels.into_pyarray(py).reshape([b.rows, b.target_len])?,
-        )?;
+        let (rows, sl, tl) = (b.rows, b.source_len, b.target_len);
+        let put = |key: &str, v: Vec<i64>, width: usize| -> PyResult<()> {
+            d.set_item(key, v.into_pyarray(py).reshape([rows, width])?)
+        };
+        put("input_ids", b.input_ids, sl)?;
+        put("attention_mask", b.attention_mask, sl)?;
+        put("labels", b.labels, tl)?;
+        if let Some(s) = b.segments {
+            put("encoder_segment_ids", s.encoder_segment_ids, sl)?;
+            put("decoder_segment_ids", s.decoder_segment_ids, tl)?;
+            put("encoder_positions", s.encoder_positions, sl)?;
+            put("decoder_positions", s.decoder_positions, tl)?;
+        }
         Ok(Some(d))
     }
 

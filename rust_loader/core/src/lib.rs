@@ -6,6 +6,7 @@ pub mod formats;
 pub mod hash;
 pub mod index;
 pub mod options;
+pub mod pack;
 pub mod plan;
 pub mod render;
 pub mod sample;

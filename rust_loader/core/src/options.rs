@@ -11,7 +11,8 @@ use serde_json::Value;
 
 use crate::error::{LoaderError, Result};
 use crate::formats::Format;
-use crate::plan::{PlanConfig, Split};
+use crate::pack;
+use crate::plan::{PackShape, PlanConfig, Split};
 
 /// A type an option can have: read from a JSON-like value, named for Python users.
 pub trait OptionType: DeserializeOwned + Serialize {
@@ -119,7 +120,15 @@ options! {
     max_tokens: Option<usize> = None,
         "Token budget per batch: rows x (longest source + longest target), length-bucketed.";
     pad_to_multiple_of: Option<usize> = None,
-        "Round padded lengths up to a multiple of this.";
+        "Round padded lengths up to a multiple of this (packed row lengths chosen from the data: of this, else of 8).";
+    packing: bool = false,
+        "Pack several records into each row: sources into encoder rows, targets into decoder rows, with segment ids \
+         and positions (docs/loader.md); rows per batch: `batch_size`, or `max_tokens // (packed_source_length + \
+         packed_target_length)`.";
+    packed_source_length: Option<usize> = None,
+        "Encoder row length when packing (>= max_source_length); None: chosen from the data.";
+    packed_target_length: Option<usize> = None,
+        "Decoder row length when packing (>= max_target_length); None: chosen from the data.";
     shuffle: bool = false,
         "Seeded whole-dataset shuffle for (seed, epoch).";
     seed: u64 = 0,
@@ -258,8 +267,92 @@ impl LoaderOptions {
                 return bad(format!("{name} must be in 1..=65535, got {value}"));
             }
         }
+        let packed = [
+            (
+                "packed_source_length",
+                self.packed_source_length,
+                self.max_source_length,
+                "source",
+            ),
+            (
+                "packed_target_length",
+                self.packed_target_length,
+                self.max_target_length,
+                "target",
+            ),
+        ];
+        for (name, value, longest, side) in packed {
+            match value {
+                Some(_) if !self.packing => {
+                    return bad(format!(
+                        "{name} is for packing: set packing=True or leave it None"
+                    ));
+                }
+                Some(v) if v < longest => {
+                    return bad(format!(
+                        "{name} {v} is shorter than max_{side}_length {longest}: a record's {side} must fit \
+                         one row"
+                    ));
+                }
+                _ => {}
+            }
+        }
         self.format()?;
         Ok(())
+    }
+
+    /// The packed batch shape (None without `packing`): the row lengths given, or chosen from the token lengths
+    /// of all records (`src`, `tgt`: the proportion of source to target, see [`pack::suggest_shape`]); rows per
+    /// batch from `batch_size` or `max_tokens`.
+    pub fn pack_shape(&self, src: &[u16], tgt: &[u16]) -> Result<Option<PackShape>> {
+        if !self.packing {
+            return Ok(None);
+        }
+        let m = self.pad_to_multiple_of.unwrap_or(8);
+        let longest = (
+            self.max_source_length.div_ceil(m) * m,
+            self.max_target_length.div_ceil(m) * m,
+        );
+        let share = pack::target_share(src, tgt);
+        let down = |x: f64| (x as usize / m * m).max(m);
+        let (source_len, target_len) = match (self.packed_source_length, self.packed_target_length)
+        {
+            (Some(s), Some(t)) => (s, t),
+            (Some(s), None) => (s, down(s as f64 * share / (1.0 - share)).max(longest.1)),
+            (None, Some(t)) => (down(t as f64 * (1.0 - share) / share).max(longest.0), t),
+            (None, None) => match self.max_tokens {
+                Some(budget) => {
+                    let (max_s, max_t) = (self.max_source_length, self.max_target_length);
+                    let (rows, s, t) = pack::suggest_shape(src, tgt, max_s, max_t, budget, m)
+                        .map_err(LoaderError::Config)?;
+                    return Ok(Some(PackShape {
+                        rows,
+                        source_len: s,
+                        target_len: t,
+                    }));
+                }
+                None => {
+                    let row = pack::shortest_row(src, tgt, longest);
+                    let limits = (self.max_source_length, self.max_target_length);
+                    pack::choose_split(src, tgt, row, limits, m)
+                }
+            },
+        };
+        let rows = match (self.batch_size, self.max_tokens) {
+            (Some(r), _) => r,
+            (None, budget) => budget.unwrap_or(0) / (source_len + target_len),
+        };
+        if rows == 0 {
+            return Err(LoaderError::Config(format!(
+                "max_tokens {} is smaller than one packed row of {source_len} + {target_len} tokens",
+                self.max_tokens.unwrap_or(0)
+            )));
+        }
+        Ok(Some(PackShape {
+            rows,
+            source_len,
+            target_len,
+        }))
     }
 
     /// The data format named by `data_format`, if any.
@@ -274,11 +367,12 @@ impl LoaderOptions {
         }
     }
 
-    /// What the epoch plan depends on.
-    pub fn plan_config(&self) -> PlanConfig {
+    /// What the epoch plan depends on (`pack`: from [`LoaderOptions::pack_shape`]).
+    pub fn plan_config(&self, pack: Option<PackShape>) -> PlanConfig {
         PlanConfig {
             batch_size: self.batch_size,
             max_tokens: self.max_tokens,
+            pack,
             pad_to_multiple_of: self.pad_to_multiple_of.unwrap_or(1),
             shuffle: self.shuffle,
             seed: self.seed,
