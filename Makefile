@@ -17,8 +17,14 @@ $(VENV)/bin/maturin:
 install: $(VENV)/bin/maturin
 	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/maturin develop --release --uv -E dev -q
 
+# Trains the tiny model, then uses it: a recipe for typed ingredients (JSON on stdout), and the evaluation table on
+# the recipes the training held out (--split eval reads the share from the model's recipe_template.json).
 quickstart: install
 	$(VENV)/bin/trainer train --config configs/quickstart.yaml
+	$(VENV)/bin/trainer generate --model outputs/quickstart/final \
+		--ingredients "2 eggs; 1 cup all-purpose flour; 1 cup milk; 2 tablespoons butter, melted; 1 pinch salt"
+	$(VENV)/bin/trainer evaluate --model outputs/quickstart/final --data data/quickstart/recipes.csv \
+		--split eval --output outputs/quickstart/eval_report.json
 
 rust-test:
 	cargo fmt --all --check

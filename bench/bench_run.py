@@ -1,6 +1,16 @@
-"""Trainer settings every benchmark run shares: no evaluation, no checkpoints, no reporting, a fresh start,
-a train-log row per step (the benchmarks time steps from it)."""
+"""What the benchmarks share: the trainer settings of a timing run, and the synthetic recipe-length data that
+the throughput, peer and allocator benchmarks all train on.
 
+Importing this sets nothing in the environment (the allocator benchmark sets PYTORCH_CUDA_ALLOC_CONF itself).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Trainer settings every timing run shares: no evaluation, no checkpoints, no reporting, a fresh start, a
+# train-log row per step (the benchmarks time steps from it).
 QUIET_RUN = dict(
     eval_fraction=0.0,
     logging_steps=1,
@@ -9,3 +19,57 @@ QUIET_RUN = dict(
     report_to="none",
     resume="never",
 )
+
+VOCAB = 32128  # FLAN-T5's
+RECORDS = 4096
+
+
+def make_records(n: int = RECORDS, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Recipe-length token sequences: (source ids, target ids), source ~ lognormal(median 96, sigma 0.35)
+    clipped to [16, 512], target ~ lognormal(median 256, sigma 0.45) clipped to [32, 512], random ids in
+    [3, 32000), each ending with </s> (id 1). The same draws as the original peer script, so the numbers
+    measured before and after it moved here are on identical data."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    src = np.clip(rng.lognormal(np.log(96), 0.35, n), 16, 512).astype(int)
+    tgt = np.clip(rng.lognormal(np.log(256), 0.45, n), 32, 512).astype(int)
+    return [
+        (
+            [int(i) for i in rng.integers(3, 32000, s - 1)] + [1],
+            [int(i) for i in rng.integers(3, 32000, t - 1)] + [1],
+        )
+        for s, t in zip(src, tgt, strict=True)
+    ]
+
+
+def write_data(out: Path, records, shape: str) -> tuple[Path, Path]:
+    """`records` for our trainer: JSONL of pre-rendered `source`/`target` pairs of words `t<id>` and a model
+    dir (config.json of the shape, and a WordLevel tokenizer.json mapping each word back to its id and
+    appending </s>), so that the Rust loader's batching runs on exactly these token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from trainer.tiny_model import flan_t5_config
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {f"t{i}": i for i in range(3, VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    model_dir = out / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(model_dir / "tokenizer.json"))
+    flan_t5_config(shape, vocab_size=VOCAB).save_pretrained(model_dir)
+    data = out / "records.jsonl"
+    with open(data, "w", encoding="utf-8") as f:
+        for s, t in records:
+            words = lambda ids: " ".join(f"t{i}" for i in ids[:-1])  # noqa: E731 (the post-processor adds </s>)
+            f.write(json.dumps({"source": words(s), "target": words(t)}) + "\n")
+    return data, model_dir
+
+
+def mean_lengths(records) -> tuple[float, float]:
+    """Mean source and target length of `records` (</s> included)."""
+    return (
+        sum(len(s) for s, _ in records) / len(records),
+        sum(len(t) for _, t in records) / len(records),
+    )

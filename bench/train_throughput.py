@@ -1,23 +1,27 @@
-"""Training throughput: Hugging Face Seq2SeqTrainer (the peer) against our trainer, same GPU and data.
+"""Training throughput: Hugging Face Seq2SeqTrainer (the peer, bench/hf_peer.py) against our trainer, same
+GPU and data, in one call.
 
-    cp -r ../shared/peer_baseline .peer          # the peer's script (git-ignored copy; carried to the GPU)
-    python3 bench/train_throughput.py            # GPU: both AdamW peer configs, our variants, the loss check
-    python3 bench/train_throughput.py --tiny     # CPU: a tiny shape through the same code (checks the script)
+    python3 bench/train_throughput.py                 # GPU: the tuned peer, the rtx5090 preset, loss check
+    python3 bench/train_throughput.py --peers tuned,adamw_bs16_ga8 --variants ours_32k,ours
+    python3 bench/train_throughput.py --tiny          # CPU: a tiny shape through the same code
 
-Data: the peer's own synthetic recipes-like token sequences (4096 records, source ~ lognormal(median 96,
-sigma 0.35), target ~ lognormal(median 256, sigma 0.45), random ids; the same generator and seed as
-hf_baseline.py, so both sides see identical ids). Ours reads them through the real Rust loader: the records
-are written as JSONL `source`/`target` pairs of words `t<id>` with a WordLevel tokenizer.json that maps each
-word back to its id and appends `</s>`: the loader's token-budget batching runs on exactly the peer's tokens.
+Data: synthetic recipe-length token sequences (bench_run.make_records: 4096 records, source ~
+lognormal(median 96, sigma 0.35), target ~ lognormal(median 256, sigma 0.45), random ids). The peer trains
+on them as token lists; ours reads them through the real Rust loader: the records are written as JSONL
+`source`/`target` pairs of words `t<id>` with a WordLevel tokenizer.json that maps each word back to its id
+and appends `</s>`: the loader's token-budget batching runs on exactly the peer's tokens.
 
 Model: FLAN-T5-XL's shape (d_model 2048, d_ff 5120, 24+24 layers, 32 heads x 64, vocab 32128, gated-GELU),
 random init in bf16, gradient checkpointing, both sides capped at 32 GiB with set_per_process_memory_fraction.
-Effective batch: the peer's 128 samples per optimizer step, matched in real tokens by ours.
+Effective batch: the peer's 128 samples per optimizer step, matched in real tokens by ours. Each peer preset
+and each of our variants runs in its own process (clean memory counters).
 
 Reported per config: real (non-pad) tokens/s, samples/s, MFU and peak allocated memory, and the ratio to the
-best peer. MFU counts 6 x [(encoder + cross-attention K/V params) x source tokens + (rest of the decoder + LM
-head) x target tokens] per sample, real tokens only, checkpoint recompute not counted, against 989 TFLOP/s
-(H100/H200 SXM dense bf16). The loss check runs one batch through the eager HF reference
+first peer named in --peers (default: `tuned`, the best Hugging Face setup known: Adafactor, bs 32, GA 4,
+group_by_length, SDPA). MFU counts 6 x [(encoder + cross-attention K/V params) x source tokens + (rest of the
+decoder + LM head) x target tokens] per sample (trainer.gpu_specs.flops_per_token), real tokens only,
+checkpoint recompute not counted, against the GPU's dense bf16 rate (989 TFLOP/s on an H100 or H200). The
+loss check runs one batch through the eager HF reference
 (`model(..., labels=...).loss`) and through our step's loss (Triton attention, fused ops, chunked
 cross-entropy), same
 weights, dropout off: they must agree within bf16 tolerance.
@@ -35,14 +39,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_run import QUIET_RUN
+from bench_run import QUIET_RUN, VOCAB, make_records, mean_lengths, write_data
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-PEAK_FLOPS = 989e12  # H100/H200 SXM, dense bf16
-VOCAB = 32128
-PEER_CONFIGS = ["hf_adamw_bs8_ga16_cap32", "hf_adamw_bs16_ga8_cap32"]
-PEER_SAMPLES_PER_STEP = 128  # bs 8 x GA 16 and bs 16 x GA 8
+PEER_SCRIPT = Path(__file__).resolve().parent / "hf_peer.py"
+PEER_SAMPLES_PER_STEP = 128  # every hf_peer preset: bs 32 x GA 4, bs 16 x GA 8, bs 8 x GA 16
 # Our variants: trainer config overrides on top of BASE.
 BASE = dict(
     dtype="bfloat16",
@@ -71,53 +73,24 @@ VARIANTS = {
 }
 
 
-def make_records(n: int = 4096, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    """hf_baseline.py's data, draw for draw: (source ids, target ids), each ending with </s> (id 1)."""
-    import numpy as np
+def peak_flops() -> float:
+    """This GPU's dense bf16 rate (trainer.gpu_specs); an H100's 989 TFLOP/s for a GPU it does not know."""
+    import torch
 
-    rng = np.random.default_rng(seed)
-    src = np.clip(rng.lognormal(np.log(96), 0.35, n), 16, 512).astype(int)
-    tgt = np.clip(rng.lognormal(np.log(256), 0.45, n), 32, 512).astype(int)
-    return [
-        (list(rng.integers(3, 32000, s - 1)) + [1], list(rng.integers(3, 32000, t - 1)) + [1])
-        for s, t in zip(src, tgt, strict=True)
-    ]
+    from trainer.gpu_specs import gpu_spec
 
-
-def write_data(out: Path, records, shape: str) -> tuple[Path, Path]:
-    """JSONL of pre-rendered pairs and a model dir (config.json + WordLevel tokenizer.json)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    from trainer.tiny_model import flan_t5_config
-
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {f"t{i}": i for i in range(3, VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    model_dir = out / "model"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(model_dir / "tokenizer.json"))
-    flan_t5_config(shape, vocab_size=VOCAB).save_pretrained(model_dir)
-    data = out / "records.jsonl"
-    with open(data, "w", encoding="utf-8") as f:
-        for s, t in records:
-            words = lambda ids: " ".join(f"t{i}" for i in ids[:-1])  # noqa: E731 (the post-processor adds </s>)
-            f.write(json.dumps({"source": words(s), "target": words(t)}) + "\n")
-    return data, model_dir
+    try:
+        return gpu_spec(torch.cuda.get_device_name()).bf16_flops if torch.cuda.is_available() else 989e12
+    except ValueError:
+        return 989e12
 
 
 def flops_per_token_pair(shape: str) -> tuple[float, float]:
-    """Training FLOPs (6 x params) per real source token and per real target token."""
+    """Training FLOPs per real source token and per real target token of the benchmark's model."""
+    from trainer.gpu_specs import flops_per_token
     from trainer.tiny_model import flan_t5_config
 
-    c = flan_t5_config(shape, vocab_size=VOCAB)
-    d, f, inner = c.d_model, c.d_ff, c.num_heads * c.d_kv
-    enc_block = 4 * d * inner + 3 * d * f
-    cross_kv = 2 * d * inner
-    dec_block_rest = 4 * d * inner + 2 * d * inner + 3 * d * f  # self q,k,v,o + cross q,o + gated FF
-    per_source = c.num_layers * enc_block + c.num_decoder_layers * cross_kv
-    per_target = c.num_decoder_layers * dec_block_rest + VOCAB * d
-    return 6.0 * per_source, 6.0 * per_target
+    return flops_per_token(flan_t5_config(shape, vocab_size=VOCAB))
 
 
 # -------------------------------------------------------------------------------------------- subprocesses
@@ -138,7 +111,7 @@ def run_ours(
     records = make_records(n=512 if tiny else 4096)
     data, model_dir = write_data(work, records, shape)
     values = dict(BASE) | VARIANTS[variant]
-    mean_tokens = sum(len(s) + len(t) for s, t in records) / len(records)
+    mean_tokens = sum(mean_lengths(records))
     # The peer's effective batch in real tokens; our batches are >= 95% real tokens.
     accumulation = max(1, round(PEER_SAMPLES_PER_STEP * mean_tokens / (values["max_tokens"] * 0.96)))
     if tiny:  # checks the code path only
@@ -172,7 +145,8 @@ def run_ours(
     if profile_dir and (work / "out" / "profile" / "kernels.txt").exists():
         Path(profile_dir).mkdir(parents=True, exist_ok=True)
         shutil.copy(work / "out" / "profile" / "kernels.txt", Path(profile_dir) / f"{variant}.txt")
-    rows = [json.loads(line) for line in (work / "out" / TRAIN_LOG).read_text().splitlines()][:steps]
+    rows = [json.loads(line) for line in (work / "out" / TRAIN_LOG).read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r][:steps]  # train rows (evaluation rows have eval_loss)
     summary = json.loads((work / "out" / SUMMARY).read_text())
     timed = rows[warmup:]
     seconds = timed[-1]["time"] - rows[warmup - 1]["time"]
@@ -186,7 +160,7 @@ def run_ours(
         ok=rc == 0,
         real_tok_s=(src + tgt) / seconds,
         samples_s=samples / seconds,
-        mfu=(per_src * src + per_tgt * tgt) / seconds / PEAK_FLOPS,
+        mfu=(per_src * src + per_tgt * tgt) / seconds / peak_flops(),
         pad_frac=1 - (src + tgt) / padded,
         peak_alloc_gib=summary.get("peak_allocated_gib"),
         peak_reserved_gib=summary.get("peak_reserved_gib"),
@@ -236,19 +210,21 @@ def loss_check(tiny: bool) -> dict:
     return dict(config="loss check", reference=reference, ours=ours, rel_diff=rel, ok=rel < 1e-2)
 
 
-def run_peer(peer_dir: Path, config: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(peer_dir / "hf_baseline.py"), config],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        cwd=peer_dir,
-    )
+def run_peer(preset: str, tiny: bool, timeout: float) -> dict:
+    """bench/hf_peer.py --preset `preset` in its own process; its RESULT line."""
+    cmd = [sys.executable, str(PEER_SCRIPT), "--preset", preset]
+    if tiny:
+        cmd += ["--tiny", "--steps", "3", "--warmup", "1"]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    except subprocess.TimeoutExpired:
+        return {"config": f"hf_{preset}", "ok": False, "error": f"timed out after {timeout:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
-    return {"config": config, "ok": False, "error": (proc.stdout + proc.stderr)[-1500:]}
+    return {"config": f"hf_{preset}", "ok": False, "error": (proc.stdout + proc.stderr)[-1500:]}
 
 
 def in_subprocess(args: list[str], timeout: float) -> dict:
@@ -272,12 +248,19 @@ def main() -> int:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shape (CPU check of the script)")
-    parser.add_argument("--variants", default="ours,ours_compile", help=f"of {', '.join(VARIANTS)}")
-    parser.add_argument("--peers", default=",".join(PEER_CONFIGS), help="peer configs ('' for none)")
-    parser.add_argument("--peer-dir", default=".peer", help="copy of shared/peer_baseline")
+    parser.add_argument(
+        "--variants",
+        default="ours_32k",
+        help=f"ours: of {', '.join(VARIANTS)} (ours_32k: the rtx5090 preset)",
+    )
+    parser.add_argument(
+        "--peers",
+        default="tuned",
+        help="bench/hf_peer.py presets, the first one the reference of the ratios ('' for none)",
+    )
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the timing")
-    parser.add_argument("--json", help="write all results here")
+    parser.add_argument("--out", help="directory for the full results (train_throughput.json)")
     parser.add_argument("--profile-dir", help="profile two steps of each of our variants, kernel tables here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant or "loss-check"
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -300,9 +283,10 @@ def main() -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"device: {device}; torch {torch.__version__}", flush=True)
     results = []
-    for peer in [p for p in args.peers.split(",") if p] if torch.cuda.is_available() else []:
+    peers = [p for p in args.peers.split(",") if p]
+    for peer in peers:
         t0 = time.time()
-        results.append(run_peer(Path(args.peer_dir).resolve(), peer) | {"side": "peer"})
+        results.append(run_peer(peer, args.tiny, timeout=300) | {"side": "peer"})
         print(f"{peer}: {time.time() - t0:.0f} s {json.dumps(results[-1])}", flush=True)
     extra = ["--tiny"] if args.tiny else []
     steps = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -316,27 +300,27 @@ def main() -> int:
     print(f"loss check: {json.dumps(check)}", flush=True)
 
     per_src, per_tgt = flops_per_token_pair("tiny" if args.tiny else "xl")
-    records = make_records()
-    mean_src = sum(len(s) for s, _ in records) / len(records)
-    mean_tgt = sum(len(t) for _, t in records) / len(records)
+    mean_src, mean_tgt = mean_lengths(make_records())
     flops_per_real_token = (per_src * mean_src + per_tgt * mean_tgt) / (mean_src + mean_tgt)
-    peers = [r for r in results if r["side"] == "peer" and r.get("ok")]
-    best = max((r["real_tok_s"] for r in peers), default=None)
+    reference = next((r for r in results if r["side"] == "peer"), None)
+    best = reference["real_tok_s"] if reference and reference.get("ok") else None
     print()
-    columns = ["config", "real tok/s", "samples/s", "MFU", "padding", "peak alloc", "vs best peer"]
+    columns = ["config", "real tok/s", "samples/s", "MFU", "padding", "peak alloc", "vs peer"]
     print("| " + " | ".join([*columns, "plan: typical / worst"]) + " |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         if not r.get("ok"):
             print(f"| {r['config']} | failed: {str(r.get('error', ''))[-200:]!r} | | | | | |")
             continue
-        mfu = r.get("mfu", r["real_tok_s"] * flops_per_real_token / PEAK_FLOPS)
+        mfu = r.get("mfu", r["real_tok_s"] * flops_per_real_token / peak_flops())
         padding = f"{100 * r['pad_frac']:.1f}%" if "pad_frac" in r else "-"
         ratio = f"{r['real_tok_s'] / best:.2f}x" if best else "-"
         print(
-            f"| {r['config']} | {r['real_tok_s']:,.0f} | {r['samples_s']:.1f} | {100 * mfu:.1f}% | {padding} "
-            f"| {_gib(r.get('peak_alloc_gib'))} | {ratio} | {_plan(r)} |"
+            f"| {r.get('label', r['config'])} | {r['real_tok_s']:,.0f} | {r['samples_s']:.1f} "
+            f"| {100 * mfu:.1f}% | {padding} | {_gib(r.get('peak_alloc_gib'))} | {ratio} | {_plan(r)} |"
         )
+    if reference is not None:
+        print(f"\nvs peer: ratios to {reference.get('label', reference['config'])} (bench/hf_peer.py)")
     if check.get("ok") is not None and "reference" in check:
         print(
             f"\nloss check (one batch, dropout off): HF eager {check['reference']:.5f}, "
@@ -345,9 +329,10 @@ def main() -> int:
         )
     else:
         print(f"\nloss check failed: {check.get('error', '')[-500:]}")
-    if args.json:
+    if args.out:
         everything = {"device": device, "results": results, "loss_check": check}
-        Path(args.json).write_text(json.dumps(everything, indent=2))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "train_throughput.json").write_text(json.dumps(everything, indent=2) + "\n")
     return 0 if check.get("ok") else 1
 
 

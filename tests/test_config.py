@@ -37,7 +37,7 @@ def test_overrides_are_typed():
         ("optimizer=sgd", "optimizer must be one of"),
         ("gradient_accumulation_steps=0", "gradient_accumulation_steps must be >= 1"),
         ("max_steps", "not of the form key=value"),
-        ("per_device_train_batch_size=0", "per_device_train_batch_size must be >= 1 or null, got 0"),
+        ("max_tokens=0", "max_tokens must be >= 1 or null, got 0"),  # the quickstart batches by token budget
         ("max_source_length=0", "max_source_length must be >= 1, got 0"),
         ("warmup_steps=-5", "warmup_steps must be >= 0"),
         ("learning_rate=-1", "learning_rate must be a positive number"),
@@ -71,3 +71,51 @@ def test_every_set_counts_and_paths_expand_the_home_directory(tmp_path):
     assert cfg.resume == f"{home}/runs/a/ck"
     with pytest.raises(ConfigError, match="set max_steps > 0 or num_train_epochs > 0"):
         TrainConfig.load(None, ["max_steps=-1", "num_train_epochs=0"])
+
+
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_steps: 10\nlearning_rate: 1.0e-3\noptimizer:\n  adamw\nmax_steps: 20000\n")
+    with pytest.raises(ConfigError) as twice:
+        TrainConfig.load(config)
+    assert str(twice.value) == f"{config}:5: key 'max_steps' is given twice (lines 1 and 5); keep one"
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("train_files:\n  - a.csv\nmax_steps: {a: 1, b: 2,\n  a: 3}\n")
+    with pytest.raises(ConfigError, match=r"nested\.yaml:4: key 'a' is given twice \(lines 3 and 4\)"):
+        TrainConfig.load(nested)
+    with pytest.raises(ConfigError, match=r"override 'train_files=\{a: 1, a: 2\}': key 'a' is given twice"):
+        TrainConfig.load(None, ["train_files={a: 1, a: 2}"])
+    # YAML's merge key overrides on purpose; and --set after the file is how a value is changed.
+    from trainer.config import _read_yaml
+
+    values, lines = _read_yaml("base: &b {x: 1}\nother:\n  <<: *b\n  x: 2\n", "merge.yaml")
+    assert values["other"] == {"x": 2} and lines == {"base": 1, "other": 2}
+    assert TrainConfig.load(CONFIGS / "quickstart.yaml", ["max_steps=3", "max_steps=4"]).max_steps == 4
+
+
+def test_an_error_names_where_the_key_came_from(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_steps: 10\n\nlearning_rte: 1.0e-3\noptimizer: sgd\n")
+    with pytest.raises(ConfigError) as unknown:
+        TrainConfig.load(config)
+    assert str(unknown.value) == (
+        f"{config}:3: unknown config key 'learning_rte' (did you mean 'learning_rate'?)"
+    )
+    # The file's keys are fine; the override is what is wrong, and the message says so.
+    with pytest.raises(ConfigError) as from_set:
+        TrainConfig.load(CONFIGS / "quickstart.yaml", ["max_stepz=3"])
+    assert str(from_set.value).startswith("--set max_stepz=3: unknown config key 'max_stepz'")
+    with pytest.raises(ConfigError, match=r"^--set optimizer=sgd: optimizer must be one of"):
+        TrainConfig.load(CONFIGS / "quickstart.yaml", ["optimizer=sgd"])
+    typed = tmp_path / "typed.yaml"
+    typed.write_text("max_steps: 10\noptimizer: sgd\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(typed))}:2: optimizer must be one of"):
+        TrainConfig.load(typed)
+
+
+def test_invalid_yaml_is_one_line_with_the_line_number(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: 10\ntrain_files: [a.csv\nseed: 1\n")
+    with pytest.raises(ConfigError) as invalid:
+        TrainConfig.load(bad)
+    assert str(invalid.value).startswith(f"{bad}:3: not valid YAML (") and "\n" not in str(invalid.value)

@@ -1,9 +1,12 @@
 """The container files, checked without a Docker engine (none runs on these machines).
 
-- Dockerfile.training: hadolint finds nothing; its ENTRYPOINT+CMD and HEALTHCHECK command lines run here.
+- Dockerfile.training: hadolint finds nothing; its ENTRYPOINT+CMD and HEALTHCHECK command lines run here;
+  the runtime stage can build what Triton and torch.compile compile at run time, keeps their caches on a
+  mount that outlives the container, works for a uid without a passwd entry, and pins the versions the
+  README's GPU numbers were measured with (docker/requirements.in, bench/NOTES.md).
 - docker-compose files: valid against the Compose specification's JSON schema (vendored by check-jsonschema),
-  with the GPU reservation, env_file, volumes, grace period, restart policy, shm and memlock asserted; their
-  command lines run here too.
+  with the GPU reservation, env_file, volumes, grace period, a bounded restart policy, shm and memlock
+  asserted, and no tty (the trainer's plain log lines); their command lines run here too.
 - .dockerignore: evaluated with Docker's own matching rules against the repository's files.
 - .env.example: documents every variable the compose files read.
 """
@@ -29,6 +32,8 @@ VENV_BIN = Path(sys.executable).parent
 DOCKERFILE = REPO / "Dockerfile.training"
 COMPOSE = REPO / "docker-compose.training.yml"
 COMPOSE_MULTI = REPO / "docker-compose.multi-gpu.yml"
+REQUIREMENTS_IN = REPO / "docker" / "requirements.in"
+REQUIREMENTS_LOCK = REPO / "docker" / "requirements.txt"
 SECRETS = ("WANDB_API_KEY", "DISCORD_WEBHOOK_URL", "DISCORD_WEBHOOK", "HF_TOKEN")
 
 
@@ -111,21 +116,29 @@ def test_dockerfile_stages_user_env_and_pins():
 
     runs = " ".join(rest for word, rest in instructions if word == "RUN")
     assert "maturin build --release" in runs
-    torch = re.search(r"--index-url https://download.pytorch.org/whl/cu(\d+) torch==(\d+)\.(\d+)\.\d+", runs)
-    assert torch, "PyTorch must come pinned from the cu12x index"
-    assert int(torch[1]) >= 128 and (int(torch[2]), int(torch[3])) >= (2, 7), (
-        "sm_120 needs torch >= 2.7 cu128"
-    )
+    installs = []
     for run in (rest for word, rest in instructions if word == "RUN"):
         for command in run.split("&&"):
             words = command.split()
             if "pip" not in words or "install" not in words:
                 continue
+            installs.append(words)
+            # --no-deps: nothing but what is listed (and pinned) gets in.
+            assert "--no-deps" in words, f"pip may pull unpinned dependencies: {command.strip()}"
             args = words[words.index("install") + 1 :]
             for prev, word in zip(["install", *args[:-1]], args, strict=True):
-                if word.startswith("-") or prev == "--index-url" or word.endswith(".whl"):
+                if word.startswith("-") or word.endswith(".whl"):
+                    continue
+                if prev in ("-r", "--requirement"):
+                    assert _bind_target(DOCKERFILE, word) == "docker/requirements.txt", word
                     continue
                 assert "==" in word, f"unpinned Python package in the image: {word}"
+    assert any("--requirement" in w or "-r" in w for w in installs), "the image must install the pinned list"
+    assert "pip check" in runs, "the build must fail on an inconsistent list"
+    for line in _requirement_lines(REQUIREMENTS_LOCK):
+        assert re.fullmatch(r"[A-Za-z0-9_.\[\],-]+==[^=\s]+", line), (
+            f"docker/requirements.txt: not pinned: {line}"
+        )
 
     final = _final_stage()
     users = [rest for word, rest in final if word == "USER"]
@@ -143,6 +156,140 @@ def test_dockerfile_stages_user_env_and_pins():
             assert not any(s in rest for s in SECRETS), f"a secret in the image: {word} {rest}"
         if word == "COPY":
             assert ".env" not in rest.split(), rest
+
+
+def _bind_target(dockerfile: Path, target: str) -> str | None:
+    """The build-context source a RUN's `--mount=type=bind,...,target=TARGET` mounts there, if any."""
+    for word, rest in _instructions(dockerfile):
+        for mount in re.findall(r"--mount=(\S+)", rest) if word == "RUN" else []:
+            opts = dict(o.split("=", 1) for o in mount.split(",") if "=" in o)
+            if opts.get("type") == "bind" and opts.get("target") == target and "from" not in opts:
+                return opts.get("source")
+    return None
+
+
+def _requirement_lines(path: Path) -> list[str]:
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines())
+    return [line for line in lines if line]
+
+
+def _pins(path: Path) -> dict[str, str]:
+    """name -> version of every `name==version` line (names normalised as pip does)."""
+    pins = {}
+    for line in _requirement_lines(path):
+        name, _, version = line.partition("==")
+        pins[re.sub(r"[-_.]+", "-", name.split("[")[0]).lower()] = version
+    return pins
+
+
+def _image_env() -> dict[str, str]:
+    """KEY=VALUE pairs of the final stage's ENV instructions."""
+    import shlex
+
+    env = {}
+    for word, rest in _final_stage():
+        if word == "ENV":
+            env.update(item.split("=", 1) for item in shlex.split(rest))
+    return env
+
+
+def _apt_packages() -> set[str]:
+    packages = set()
+    for word, rest in _final_stage():
+        if word == "RUN" and "apt-get install" in rest:
+            command = rest.split("apt-get install", 1)[1].split("&&")[0]
+            packages |= {w for w in command.split() if not w.startswith("-")}
+    return packages
+
+
+def test_runtime_stage_can_build_what_triton_and_torch_compile_build():
+    """Triton compiles a C launcher (`gcc -shared launcher.c -I<Python.h's folder>`) the first time it loads
+    a kernel; torch.compile's Triton kernels need the same. Without a C compiler, libc's headers and crt files
+    and Python's headers, the first training step fails."""
+    packages = _apt_packages()
+    assert packages & {"gcc", "build-essential", "clang"}, f"no C compiler in the runtime stage: {packages}"
+    assert packages & {"libc6-dev", "build-essential"}, "gcc without libc6-dev cannot link a shared object"
+    assert "python3-dev" in packages or any(re.fullmatch(r"libpython3\.\d+-dev", p) for p in packages), (
+        "no Python.h: Triton's launcher includes it"
+    )
+
+
+def _persistent_mounts() -> list[str]:
+    """Container paths that outlive the container: writable bind mounts and named volumes."""
+    return [v["target"] for v in _service()["volumes"] if not v.get("read_only")]
+
+
+def _on(path: str, mounts: list[str]) -> bool:
+    return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)
+
+
+def test_compile_caches_and_tool_folders_outlive_the_container():
+    """A restart must not compile again, and nothing may depend on a writable HOME: every folder the image
+    points a tool at lies on a writable mount of the compose service."""
+    env = _image_env()
+    mounts = _persistent_mounts()
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        assert name in env, f"{name} unset: the cache would go under HOME or /tmp and die with the container"
+    folders = {k: v for k, v in env.items() if k.endswith(("_DIR", "_HOME", "_CACHE_PATH")) and k != "HOME"}
+    assert {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "HF_HOME", "WANDB_DIR"} <= set(folders)
+    for name, folder in folders.items():
+        assert _on(folder, mounts), f"{name}={folder} is not on a writable mount ({mounts})"
+        assert not _on(folder, [env["HOME"]]), f"{name} is under HOME"
+    # W&B's debug logs and staged tables default to ~/.cache and ~/.local/share.
+    assert {"WANDB_CACHE_DIR", "WANDB_DATA_DIR"} <= set(folders)
+
+
+def test_a_uid_without_a_passwd_entry_has_a_user_name():
+    """compose's `user:` may be any uid. getpass.getuser() (torch.compile's default cache folder) reads USER
+    and LOGNAME before /etc/passwd, where such a uid has no entry."""
+    env = _image_env()
+    assert env.get("USER") and env.get("LOGNAME"), "USER and LOGNAME must be set in the image"
+    script = "import getpass; print(getpass.getuser())"
+    probe = subprocess.run(
+        [sys.executable, "-c", script],
+        env={"USER": env["USER"], "LOGNAME": env["LOGNAME"]},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.stdout.strip() == env["USER"], probe.stderr
+
+
+def test_image_pins_the_versions_the_gpu_numbers_were_measured_with():
+    """One place holds the image's versions (docker/requirements.in); it must name the torch and transformers
+    of bench/NOTES.md's measurements, the lock the Dockerfile installs must agree with it, the CUDA base image
+    must be the wheel's CUDA, and docs/container.md must say which."""
+    notes = (REPO / "bench" / "NOTES.md").read_text(encoding="utf-8")
+    measured = re.search(r"\(torch (\d+\.\d+), transformers (\d+\.\d+)\)", notes)
+    assert measured, "bench/NOTES.md no longer says which torch and transformers it measured with"
+    direct, locked = _pins(REQUIREMENTS_IN), _pins(REQUIREMENTS_LOCK)
+    for name, version in (("torch", measured[1]), ("transformers", measured[2])):
+        assert direct[name].startswith(version + "."), (
+            f"image pins {name}=={direct[name]}, measured {version}"
+        )
+    for name, version in direct.items():
+        assert locked.get(name) == version, (
+            f"docker/requirements.txt has {name}=={locked.get(name)}, .in {version}"
+        )
+    tomllib = pytest.importorskip("tomllib")
+    needed = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
+    for requirement in needed:
+        name = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~ \[]", requirement)[0]).lower()
+        assert name in direct, f"the trainer needs {name}; docker/requirements.in does not pin it"
+
+    # PyPI's torch 2.11 is the CUDA 13.0 build: the base image's CUDA (and the driver) follow from it.
+    cuda = re.match(r"(\d+)\.(\d+)\.", locked["cuda-toolkit"])
+    base = re.match(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-base-ubuntu(\d+\.\d+)$", _final_stage()[0][1])
+    assert cuda and base and base.group(1, 2) == cuda.group(1, 2), (base and base[0], locked["cuda-toolkit"])
+    python = {"24.04": "3.12", "22.04": "3.10"}[base[3]]
+    header = REQUIREMENTS_LOCK.read_text(encoding="utf-8")
+    assert f"--python-version {python}" in header, f"the lock was not resolved for Ubuntu {base[3]}'s Python"
+    assert (int(cuda[1]), int(cuda[2])) >= (12, 8), "the RTX 5090 (sm_120) needs CUDA >= 12.8"
+
+    docs = (REPO / "docs" / "container.md").read_text(encoding="utf-8")
+    for name in ("torch", "transformers", "triton"):
+        assert f"{name} {locked[name]}" in docs, f"docs/container.md does not state {name} {locked[name]}"
+    assert f"CUDA {cuda[1]}.{cuda[2]}" in docs
 
 
 def _dry_run_env(tmp_path: Path) -> dict[str, str]:
@@ -349,7 +496,6 @@ def test_compose_service_is_set_up_for_a_long_gpu_run():
     assert svc["shm_size"] in ("16gb", "16g") or int(re.sub(r"\D", "", svc["shm_size"])) >= 8
     assert svc["ulimits"]["memlock"] == -1
     assert "stack" in svc["ulimits"]
-    assert svc["restart"] == "on-failure"
     assert svc.get("init") is True, "tini forwards SIGTERM and reaps the W&B service process"
 
     mounts = {v["target"]: v for v in svc["volumes"]}
@@ -361,6 +507,31 @@ def test_compose_service_is_set_up_for_a_long_gpu_run():
     chosen = _service(env={"RECIPES_DIR": "/srv/recipes", "TRAIN_CONFIG": "configs/other.yaml"})
     assert {v["target"]: v["source"] for v in chosen["volumes"]}["/data"] == "/srv/recipes"
     assert chosen["command"][-1] == "configs/other.yaml"
+
+
+def test_restarts_are_bounded():
+    """`restart: on-failure` alone restarts a container that crashes at start forever (a W&B run and a pair of
+    Discord messages each time). docker compose (not swarm) maps `restart: on-failure:N` to the engine's
+    MaximumRetryCount, and deploy.restart_policy's max_attempts likewise; one of them must bound it."""
+    svc = _service()
+    policy = svc.get("deploy", {}).get("restart_policy")
+    if policy is not None:
+        assert policy.get("condition") == "on-failure" and 1 <= int(policy["max_attempts"]) <= 10, policy
+        return
+    m = re.fullmatch(r"on-failure:(\d+)", str(svc.get("restart")))
+    assert m and 1 <= int(m[1]) <= 10, f"restart: {svc.get('restart')!r} is unbounded"
+    assert _service(COMPOSE_MULTI).get("restart") is None, "the multi-GPU file keeps the base file's policy"
+
+
+def test_no_terminal_for_the_trainer():
+    """Without a tty the trainer writes one plain, dated line per logging step; `tty: true` would bring back
+    the progress bar's carriage returns in `docker compose logs`."""
+    for path in (COMPOSE, COMPOSE_MULTI):
+        svc = _service(path)
+        assert not svc.get("tty") and not svc.get("stdin_open"), path.name
+    assert _image_env().get("HF_HUB_DISABLE_PROGRESS_BARS") == "1", (
+        "download and save bars would fill the log"
+    )
 
 
 def test_stop_grace_period_covers_a_checkpoint():
@@ -580,7 +751,19 @@ def test_dockerignore_keeps_everything_the_dockerfile_copies():
     for word, rest in _instructions(DOCKERFILE):
         if word == "COPY" and "--from=" not in rest:
             sources += rest.split()[:-1]
-    assert {"Cargo.lock", "pyproject.toml", "rust_loader", "trainer", "configs"} <= set(sources), sources
+        for mount in re.findall(r"--mount=(\S+)", rest) if word == "RUN" else []:
+            opts = dict(o.split("=", 1) for o in mount.split(",") if "=" in o)
+            if opts.get("type") == "bind" and "from" not in opts:
+                sources.append(opts["source"])
+    expected = {
+        "Cargo.lock",
+        "pyproject.toml",
+        "rust_loader",
+        "trainer",
+        "configs",
+        "docker/requirements.txt",
+    }
+    assert expected <= set(sources), sources
     for source in sources:
         assert not _ignored(source, patterns), f"COPY {source} would find nothing"
         root = REPO / source

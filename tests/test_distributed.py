@@ -77,7 +77,7 @@ def _torchrun(values: dict, tmp_path: Path, nproc: int = 2) -> subprocess.Comple
 
 def _losses(out: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}  # training rows (evaluations: "eval_loss")
 
 
 @pytest.fixture(scope="module")

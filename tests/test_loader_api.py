@@ -67,17 +67,20 @@ def test_stub_signatures_match_the_binding():
             continue
         obj = _loader
         for part in qualname.split("."):
-            obj = getattr(obj, part)
+            obj = obj if part == "__init__" else getattr(obj, part)  # a class: its constructor
         real = inspect.signature(obj)
         params = [p for p in real.parameters.values() if p.name != "self"]
         args = fn.args.args[1:] if "." in qualname else fn.args.args
         defaults = [ast.literal_eval(d) for d in fn.args.defaults]
         defaults = [None] * (len(args) - len(defaults)) + defaults
-        assert [(a.arg, d) for a, d in zip(args, defaults, strict=True)] == [
-            (p.name, None if p.default is p.empty else p.default) for p in params
+        kw_defaults = [None if d is None else ast.literal_eval(d) for d in fn.args.kw_defaults]
+        declared = [(a.arg, d, False) for a, d in zip(args, defaults, strict=True)]
+        declared += [(a.arg, d, True) for a, d in zip(fn.args.kwonlyargs, kw_defaults, strict=True)]
+        assert declared == [
+            (p.name, None if p.default is p.empty else p.default, p.kind is p.KEYWORD_ONLY) for p in params
         ], qualname
         checked += 1
-    assert checked == 8
+    assert checked == 11
     # And every public name of the binding is in the stub, and the other way round.
     stub_names = {getattr(n, "name", None) for n in STUB.body} | {
         t.id for n in STUB.body if isinstance(n, ast.AnnAssign) for t in [n.target] if isinstance(t, ast.Name)

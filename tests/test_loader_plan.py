@@ -97,8 +97,9 @@ def test_sharding(data, tiny_model_dir, world_size, batching):
     per_rank = []
     for rank in range(world_size):
         s = make(data, tiny_model_dir, rank=rank, world_size=world_size, **batching)
+        planned = len(s)  # of epoch 0: after it the stream is in epoch 1, whose budget packing may differ
         got = epoch_rows(s)
-        assert len(got) == len(s)
+        assert len(got) == planned
         per_rank.append(got)
     assert len({len(g) for g in per_rank}) == 1  # every rank the same number of batches
     seen = [r for g in per_rank for bt in g for r in bt]

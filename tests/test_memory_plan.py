@@ -8,27 +8,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from live_tensors import LiveTensorBytes
 from transformers import T5Config, T5ForConditionalGeneration
 from transformers.optimization import Adafactor
 
 from trainer.cli import main as cli_main
 from trainer.config import TrainConfig
+from trainer.memory import GIB
 from trainer.memory_plan import (
-    GIB,
-    KNOWN_CONFIGS,
     SAFETY_MARGIN,
-    LiveTensorBytes,
-    ModelShape,
     budget_peak,
     choose_max_tokens,
     largest_batch_size,
     largest_token_budget,
-    load_shape,
     optimizer_state_bytes,
-    parse_size,
     plan_memory,
 )
 from trainer.model import skip_decoder_checkpointing, use_fused_t5_ops
+from trainer.model_shape import KNOWN_CONFIGS, ModelShape, load_shape
+from trainer.plan_report import parse_size
 from trainer.train import token_loss_sum
 
 

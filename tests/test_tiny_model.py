@@ -116,3 +116,21 @@ def test_cli_builds_the_same_model_for_the_same_seed(tiny_model_dir: Path, tmp_p
     assert proc.returncode == 0, proc.stderr
     for name in ("tokenizer.json", "model.safetensors", "config.json"):
         assert (out / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("task", ["ingredients-to-recipe", "title-to-recipe"])
+def test_prompts_and_targets_have_no_unknown_piece(tiny_model_dir: Path, task: str) -> None:
+    # Every character of the presets' templates is in the vocabulary: before, the target's " | " was <unk>,
+    # so a model could not learn where a section ends, nor could its output be read back.
+    from trainer._loader import RecipeRenderer
+
+    raw = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    r = RecipeRenderer(task=task)
+    rendered = r.render(
+        title="Lemon Pie", ingredients=["2 eggs", "1 cup flour"], directions=["Mix.", "Bake."]
+    )
+    literal = (r.source_template + r.target_template).replace("{", "").replace("}", "")
+    for text in (rendered["source"], rendered["reference"], literal):
+        ids = raw.encode(text).ids
+        assert raw.token_to_id("<unk>") not in ids, raw.encode(text).tokens
+    assert raw.decode(raw.encode(rendered["reference"]).ids) == rendered["reference"]

@@ -49,7 +49,7 @@ def _cfg(tiny_model_dir, sample_csv, out, **kw) -> TrainConfig:
 
 def _losses(out) -> dict[int, float]:
     rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}  # training rows (evaluations: "eval_loss")
 
 
 def test_dry_run_checks_data_and_loads_no_model(tiny_model_dir, sample_csv, tmp_path, caplog):
@@ -85,6 +85,11 @@ def test_sigterm_saves_and_resume_continues_the_same_loss_sequence(
     assert train(_cfg(tiny_model_dir, sample_csv, straight)) == 0
     expected = _losses(straight)
     assert sorted(expected) == list(range(1, STEPS + 1))
+    # The evaluation (eval_steps 1000: once, at the end) is a row of the same log, told apart by its key.
+    rows = [json.loads(line) for line in (straight / TRAIN_LOG).read_text().splitlines()]
+    assert all(("loss" in r) != ("eval_loss" in r) for r in rows)
+    (evaluation,) = [r for r in rows if "eval_loss" in r]
+    assert evaluation["step"] == STEPS and evaluation["eval_loss"] > 0 and "time" in evaluation
     assert (straight / "final" / "model.safetensors").is_file()
     assert (straight / "final" / "tokenizer.json").is_file()
     assert json.loads((straight / SUMMARY).read_text())["steps"] == STEPS

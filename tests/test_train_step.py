@@ -12,7 +12,9 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from trainer import memory
 from trainer.config import TrainConfig
-from trainer.train import accumulate_gradients, accumulate_with_oom_backoff, probe_memory
+from trainer.memory_plan import plan_run
+from trainer.run_state import OomBackoff
+from trainer.step import accumulate_gradients, accumulate_with_oom_backoff, probe_memory
 
 
 def _model():
@@ -128,10 +130,10 @@ def test_oom_halves_the_micro_batch_and_retries_the_same_data():
     hook = _OomOnce(rows=2)  # only micro-batches of <= 2 rows fit: two halvings (8 -> 4 -> 2)
     model.encoder.register_forward_pre_hook(hook, with_kwargs=True)  # the first module a step runs
     cfg = TrainConfig(gradient_accumulation_steps=2, per_device_train_batch_size=8, max_oom_halvings=4)
-    state = {"split": 1, "halvings": 0}
+    oom = OomBackoff()
     reporter = _Reporter()
-    loss, n = accumulate_with_oom_backoff(model, group, state, cfg, reporter, step=3)
-    assert state == {"split": 4, "halvings": 2}
+    loss, n = accumulate_with_oom_backoff(model, group, oom, cfg, plan_run(cfg), reporter, step=3)
+    assert oom == OomBackoff(split=4, halvings=2)
     assert [c["micro_batch"] for c in reporter.calls] == ["4 rows", "2 rows"]
     assert [c["accumulation"] for c in reporter.calls] == [4, 8]  # effective batch unchanged
     assert hook.seen[-8:] == [2] * 8
@@ -144,9 +146,10 @@ def test_oom_gives_up_after_max_halvings_with_a_memory_summary():
     model = _model()
     model.encoder.register_forward_pre_hook(_OomOnce(rows=0), with_kwargs=True)
     cfg = TrainConfig(max_tokens=4096, max_oom_halvings=2)
-    state = {"split": 1, "halvings": 0}
     with pytest.raises(RuntimeError, match=r"after 2 halvings[\s\S]*memory summary"):
-        accumulate_with_oom_backoff(model, [_batch(8, 5, 5, 7)], state, cfg, None, step=0)
+        accumulate_with_oom_backoff(
+            model, [_batch(8, 5, 5, 7)], OomBackoff(), cfg, plan_run(cfg), None, step=0
+        )
 
 
 def test_stop_request_interrupts_at_a_micro_batch_boundary():
@@ -185,19 +188,19 @@ def test_oom_probe_halves_the_budget_before_training():
     hook = _OomOnce(rows=3)  # micro-batches of more than 3 rows do not fit
     model.encoder.register_forward_pre_hook(hook, with_kwargs=True)
     cfg = TrainConfig(per_device_train_batch_size=8, max_source_length=6, max_target_length=5, oom_probe=True)
-    state = {"split": 1, "halvings": 0}
-    probe_memory(model, cfg, state, torch.device("cpu"))
-    assert state == {"split": 4, "halvings": 2}  # 8 rows -> 4 -> 2: training starts with what fits
+    oom = OomBackoff()
+    probe_memory(model, cfg, plan_run(cfg), oom, torch.device("cpu"))
+    assert oom == OomBackoff(split=4, halvings=2)  # 8 rows -> 4 -> 2: training starts with what fits
     assert hook.seen == [8, 4, 2, 2, 2, 2]  # each failure retries the same rows, halved
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradient behind
 
 
 def test_no_batch_setting_starts_from_the_memory_plan():
-    from trainer.memory_plan import with_planned_batch
-
-    cfg = with_planned_batch(TrainConfig(max_source_length=64, max_target_length=96))
-    assert cfg.max_tokens == 2 * (64 + 96)  # no GPU here: two maximal rows
-    assert cfg.decoder_blocks_without_checkpointing == 0  # and every block checkpointed
+    cfg = TrainConfig(max_source_length=64, max_target_length=96)
+    plan = plan_run(cfg)
+    assert plan.max_tokens == 2 * (64 + 96)  # no GPU here: two maximal rows
+    assert plan.decoder_blocks_without_checkpointing == 0  # and every block checkpointed
+    assert cfg.max_tokens is None and cfg.decoder_blocks_without_checkpointing is None  # the config is kept
 
 
 def test_max_grad_norm_zero_measures_the_norm_without_clipping():

@@ -76,3 +76,38 @@ class RecipeLoader:
     def lengths(self) -> tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint16]]: ...
 
 def write_sample(path: str | PathLike[str], n: int, seed: int = 0, fmt: str = "recipenlg-csv") -> None: ...
+
+class RecipeRenderer:
+    """The training loader's rendering (and, with a tokenizer, tokenization) of prompts and references."""
+
+    def __init__(
+        self,
+        *,
+        task: str = "ingredients-to-recipe",
+        source_template: str | None = None,
+        target_template: str | None = None,
+        tokenizer: str | PathLike[str] | None = None,
+        max_source_length: int = 512,
+        max_target_length: int = 512,
+    ) -> None: ...
+    @property
+    def source_template(self) -> str: ...
+    @property
+    def target_template(self) -> str: ...
+    def render(
+        self,
+        *,
+        id: str = "cli:1",
+        title: str = "",
+        ingredients: list[str] = ...,
+        directions: list[str] = ...,
+        ner: list[str] | None = None,
+    ) -> dict[str, Any]: ...
+    def read(
+        self,
+        paths: list[str],
+        *,
+        data_format: str | None = None,
+        split: str = "all",
+        eval_fraction: float = 0.0,
+    ) -> tuple[list[dict[str, Any]], dict[str, int], list[str]]: ...

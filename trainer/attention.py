@@ -449,6 +449,18 @@ def _bwd_delta_kernel(Out, DO, Delta, sob, soh, som, H, T, BLOCK_M: tl.constexpr
     tl.store(Delta + bh.to(tl.int64) * T + rows, tl.sum(o * do, axis=1), mask=rows < T)
 
 
+def softmax_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO * O) in fp32, (B, H, T): the softmax backward's correction term. `out` and `grad_out` are
+    (B, T, H, D) with the same strides and a unit last one."""
+    B, T, H, D = out.shape
+    assert grad_out.stride() == out.stride() and out.stride(3) == 1
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=out.device)
+    _bwd_delta_kernel[(triton.cdiv(T, DELTA_BLOCK_M), B * H)](
+        out, grad_out, delta, out.stride(0), out.stride(2), out.stride(1), H, T, BLOCK_M=DELTA_BLOCK_M, D=D
+    )
+    return delta
+
+
 class _T5Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, mask, scale, dropout_p, causal):
@@ -495,20 +507,7 @@ class _T5Attention(torch.autograd.Function):
         has_bias, has_mask = bias is not None, mask is not None
         # rowsum(dO * O): the softmax backward's correction term, dropout included (O is the dropped output).
         grad_out = grad_out.contiguous()
-        assert grad_out.stride() == out.stride()
-        delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-        _bwd_delta_kernel[(triton.cdiv(T, DELTA_BLOCK_M), B * H)](
-            out,
-            grad_out,
-            delta,
-            out.stride(0),
-            out.stride(2),
-            out.stride(1),
-            H,
-            T,
-            BLOCK_M=DELTA_BLOCK_M,
-            D=D,
-        )
+        delta = softmax_delta(out, grad_out)
         do = grad_out.transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         key_blocks = triton.cdiv(S, BWD_CONFIG["BLOCK_N"])
@@ -622,7 +621,12 @@ def supported(head_dim: int, dtype: torch.dtype) -> bool:
 def transformers_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_bias=None, **kwargs
 ):
-    """transformers' attention-interface signature, as T5Attention calls it (transformers >= 5)."""
+    """transformers' attention-interface signature, as T5Attention calls it (transformers >= 5). A packed
+    batch (trainer.packed_t5) passes its attention layout as the position bias: trainer.packed_attention."""
+    from trainer.packed_attention import PackedAttentionLayout, transformers_packed_attention
+
+    if isinstance(position_bias, PackedAttentionLayout):
+        return transformers_packed_attention(module, query, key, value, position_bias, dropout, scaling)
     if getattr(module, "trainer_zero_bias", False):
         position_bias = None  # T5's cross-attention passes an all-zero bias; nothing to add or differentiate
     bias = None

@@ -11,7 +11,10 @@ killed mid-write) is never picked for resume. Contents:
   any checkpoint loads with `from_pretrained` (the best one, for evaluation); resume builds the model from it.
 - `scheduler.pt`; `rng.pt` (python, numpy, torch, cuda) and `rng-<rank>.pt` for the other ranks.
 - `trainer_state.json`: step, loader position, world size, config, W&B run id, OOM-adjusted micro-batch, eval
-  losses.
+  losses (trainer.run_state.RunState.trainer_state).
+
+Also here: finding the checkpoint to resume from, where its loader position puts this run's ranks, what in
+the config changed since it was written, and `final/` (the finished model, written whole).
 
 Several ranks: every rank calls `save_checkpoint` (it is collective); the output directory must be one shared
 filesystem for all of them (a multi-node run needs a network filesystem there).
@@ -41,6 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import distributed
+from trainer.config import ConfigError
+from trainer.redact import redact_obj
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +195,6 @@ def checkpoint_problem(path: Path) -> str | None:
 def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
     """resume "auto": the newest usable checkpoint in `output_dir` (None if there is none; damaged ones are
     skipped with a warning); "never": None; else that checkpoint, which must be usable (else ConfigError)."""
-    from trainer.config import ConfigError
-
     if resume == "never":
         return None
     if resume != "auto":
@@ -255,3 +258,100 @@ def rotate_checkpoints(output_dir: str | Path, save_total_limit: int, best: Path
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def resume_position(
+    checkpoint: Path, saved: dict, saved_world_size: int, stream, cfg, tokenizer_file: str
+) -> dict:
+    """This rank's train-stream state for resuming from `checkpoint`, whose loader position `saved` is rank
+    0's in a run of `saved_world_size` ranks.
+
+    Rank r of W reads the epoch's global batches r, r+W, r+2W, ... (rust_loader/core/src/plan.rs), so after
+    k batches per rank the first k*W global batches are consumed, whatever the rank. With the same W every
+    rank continues at k. With another W' every rank continues at floor(k*W / W'): when W' does not divide
+    k*W, up to W'-1 global batches are read a second time, none is skipped. (The epoch's order is the same for
+    every W; only its last few batches, cut so that every rank has as many, differ.)
+
+    The loader's fingerprint covers the data, the loader settings and the rank/world size; rank 0 checks the
+    saved one (against a stream built like the saving run's rank 0 when W changed: its index is cached) and
+    refuses other data or settings (ConfigError). The other ranks read the same files with the same config.
+    `cfg`: the config with the planned batching applied (`RunPlan.applied_to`)."""
+    from trainer.data import RecipeDataError, stream_for
+
+    world_size = distributed.world_size()
+    if distributed.rank() == 0:
+        reference = stream
+        if saved_world_size != world_size:
+            reference = stream_for(cfg, tokenizer_file, "train", rank=0, world_size=saved_world_size)
+        try:
+            reference.load_state_dict(saved)  # raises on other data or settings
+        except RecipeDataError as e:
+            raise ConfigError(
+                f"resume from {checkpoint}: {e}. Train on the same data with the same batching, or start "
+                "over with resume: never or another output_dir"
+            ) from None
+    consumed = int(saved["batches_consumed"]) * saved_world_size // world_size
+    if saved_world_size != world_size:
+        log.info(
+            "resuming on %d ranks from a checkpoint of %d: %d batches per rank consumed in epoch %d -> %d",
+            world_size,
+            saved_world_size,
+            saved["batches_consumed"],
+            saved["epoch"],
+            consumed,
+        )
+    return dict(stream.state_dict(), epoch=int(saved["epoch"]), batches_consumed=consumed)
+
+
+# Keys whose change on resume changes nothing about what was already trained, or is expected.
+_RESUME_FREE_KEYS = {"max_steps", "num_train_epochs", "resume", "output_dir", "progress_bar", "run_name"}
+
+
+def warn_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """Warn, naming the keys, where the config `now` (secrets masked, as checkpoints store it) differs from
+    the one the checkpoint was written with. The optimizer and scheduler states come from the checkpoint, so
+    a changed learning_rate does not apply."""
+    changed = sorted(
+        k for k in saved.keys() & now.keys() if k not in _RESUME_FREE_KEYS and saved[k] != now[k]
+    )
+    if changed:
+        log.warning(
+            "resuming with a config that differs from the checkpoint's: %s; the optimizer and learning-rate "
+            "schedule continue from the checkpoint's state (start over in another output_dir to apply them)",
+            ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed),
+        )
+
+
+def saved_config(cfg) -> dict[str, Any]:
+    """The config as checkpoints store it and compare it: a dict, secrets masked."""
+    return redact_obj(cfg.to_dict())
+
+
+def save_final_model(model, model_name_or_path: str, tokenizer_file: str, final: Path) -> None:
+    """`final/`: the whole model and its tokenizer, written beside it and renamed into place, so that a run
+    stopped or failing half-way leaves no partial final/ (the next run writes it). Collective under FSDP."""
+    is_main = distributed.rank() == 0
+    tmp = final.with_name(final.name + ".tmp")
+    if is_main and tmp.exists():
+        shutil.rmtree(tmp)
+    distributed.barrier()
+    save_pretrained(model, tmp)  # rank 0 writes the whole model (FSDP: gathered)
+    if is_main:
+        _copy_tokenizer(model_name_or_path, tokenizer_file, tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        log.info("saved the final model and its tokenizer in %s", final)
+
+
+def _copy_tokenizer(model_name_or_path: str, tokenizer_file: str, out: Path) -> None:
+    src = Path(model_name_or_path)
+    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model"]
+    copied = False
+    if src.is_dir():
+        for name in names:
+            if (src / name).exists():
+                shutil.copy(src / name, out / name)
+                copied = True
+    if not copied:
+        shutil.copy(tokenizer_file, out / "tokenizer.json")

@@ -1,21 +1,64 @@
-"""The `trainer` command line: what the user sees is decided here, not in library code."""
+"""The `trainer` command line. What the user sees is decided here: the messages for expected errors (one
+line, exit code 2), the log format, and the command's own output."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
+
+DESCRIPTION = """\
+Fine-tune FLAN-T5 on recipe files (RecipeNLG CSV, Food.com CSV, JSONL) on one GPU or several.
+
+Start with `trainer train --config configs/quickstart.yaml` (CPU, a few minutes) or check a real config
+first with `trainer train --config CONFIG --dry-run` and `trainer plan --config CONFIG`."""
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # with the date: runs last days
+
+
+_OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")  # a KEY=VALUE word
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
-    # "extend": every --set counts (`--set a=1 --set b=2`), not only the last one.
+    # One value per --set, so that positional arguments after it stay positional; every --set counts.
     parser.add_argument(
-        "--set", nargs="+", default=[], metavar="KEY=VALUE", action="extend", help="override config keys"
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key: --set max_steps=100 --set 'train_files=[a.csv]' (or several KEY=VALUE "
+        "words after one --set)",
     )
 
 
+def _one_override_per_set(argv: list[str]) -> list[str]:
+    """`--set a=1 b=2` as `--set a=1 --set b=2`: every KEY=VALUE word after a --set counts, and the first
+    other word (say, a file for `data inspect`) stays a positional argument."""
+    out: list[str] = []
+    expect_value = in_overrides = False
+    for word in argv:
+        if expect_value:  # the value of --set itself, whatever it looks like
+            expect_value, in_overrides = False, True
+        elif word == "--set":
+            expect_value = True
+        elif word.startswith("--set="):
+            in_overrides = True
+        elif in_overrides and _OVERRIDE.match(word):
+            out.append("--set")
+        else:
+            in_overrides = False
+        out.append(word)
+    return out
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainer", description=__doc__)
+    from trainer.config import DATA_FORMATS
+
+    parser = argparse.ArgumentParser(
+        prog="trainer", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -36,11 +79,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", required=True)
     sample.add_argument("--n", type=int, default=1000)
     sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument(
-        "--format", choices=["recipenlg-csv", "foodcom-csv", "jsonl"], default="recipenlg-csv"
-    )
+    sample.add_argument("--format", choices=DATA_FORMATS, default=DATA_FORMATS[0])
     inspect = data.add_parser("inspect", help="count records, skips, token lengths and padding")
-    inspect.add_argument("paths", nargs="+")
+    inspect.add_argument("paths", nargs="+", help="recipe files (CSV, JSONL; .gz/.zst allowed)")
     inspect.add_argument("--config", help="YAML config whose tokenizer, task and batching to use")
     _add_overrides(inspect)
 
@@ -54,24 +95,33 @@ def _build_parser() -> argparse.ArgumentParser:
     where.add_argument("--config", help="YAML config of the run: checks <output_dir>/heartbeat")
     _add_overrides(health)
     health.add_argument("--max-age", type=float, default=900.0, help="allowed seconds since the last beat")
+
+    from trainer.evaluate import add_evaluate_parser
+    from trainer.generate import add_generate_parser
+
+    add_generate_parser(sub)
+    add_evaluate_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = _build_parser().parse_args(_one_override_per_set(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
+        level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT
     )
     from trainer._loader import RecipeDataError, RecipeFileError
     from trainer.config import ConfigError
+    from trainer.disk import out_of_space_message
     from trainer.redact import install_log_redaction, redact
+    from trainer.run_lock import OutputDirLocked
 
     # Secrets (W&B key, Discord webhook, HF token) are masked in every log line from here on.
     install_log_redaction()
     try:
         return _run(args)
+    except OutputDirLocked as e:  # another trainer writes into this output_dir: the message names it
+        print(f"trainer: {redact(str(e))}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"trainer: config error: {redact(str(e))}", file=sys.stderr)
         return 2
@@ -81,13 +131,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("trainer: interrupted", file=sys.stderr)
         return 130
-    except Exception:
+    except SystemExit:
+        raise
+    except BaseException as e:  # not only Exception: torch's CheckpointException derives from BaseException
+        full_disk = out_of_space_message(e)  # a full disk in any form: one line, the traceback under -v
+        if full_disk is not None:
+            logging.getLogger("trainer").debug("out of disk space", exc_info=True)
+            print(f"trainer: {redact(full_disk)}", file=sys.stderr)
+            return 1
         # Through the logger, not Python's default hook, so the traceback is redacted like every log line.
         logging.getLogger("trainer").critical("failed", exc_info=True)
         return 1
 
 
 def _run(args: argparse.Namespace) -> int:
+    if hasattr(args, "run"):  # subcommands that bring their own entry point (generate, evaluate)
+        return args.run(args)
     if args.command == "train":
         from trainer.config import TrainConfig
         from trainer.train import train
@@ -96,7 +155,7 @@ def _run(args: argparse.Namespace) -> int:
         return train(cfg, dry_run=args.dry_run)
     if args.command == "plan":
         from trainer.config import TrainConfig
-        from trainer.memory_plan import print_plan
+        from trainer.plan_report import print_plan
 
         return print_plan(TrainConfig.load(args.config, args.set), args.gpu_memory)
     if args.command == "healthcheck":

@@ -18,6 +18,9 @@ from typing import Any, Literal
 
 import yaml
 
+DataFormat = Literal["recipenlg-csv", "foodcom-csv", "jsonl"]
+DATA_FORMATS: tuple[str, ...] = typing.get_args(DataFormat)  # the recipe file formats the loader reads
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; raised before anything heavy loads."""
@@ -40,7 +43,7 @@ class TrainConfig:
 
     # --- data ---
     train_files: list[str] = field(default_factory=list)  # paths or globs; csv, jsonl, optionally .gz/.zst
-    data_format: Literal["recipenlg-csv", "foodcom-csv", "jsonl"] | None = None  # None: by file extension
+    data_format: DataFormat | None = None  # None: by file extension
     task: Literal["ingredients-to-recipe", "title-to-recipe"] = "ingredients-to-recipe"
     source_template: str | None = None
     target_template: str | None = None
@@ -166,47 +169,105 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
-        """Read a YAML config, apply `key=value` overrides, check names and types."""
+        """Read a YAML config, apply `key=value` overrides, check names and types. An error names where the
+        key came from: `file:line` for the file's keys, `--set key=value` for an override's."""
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         if path is not None:
             path = Path(path)
             try:
-                loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+                text = path.read_text(encoding="utf-8")
             except OSError as e:
                 raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path} is not valid YAML: {e}") from None
+            loaded, lines = _read_yaml(text, str(path))
             if loaded is None:
                 loaded = {}
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: expected a mapping of config keys, got {type(loaded).__name__}")
             values.update(loaded)
+            sources.update({key: f"{path}:{lines[key]}" if key in lines else str(path) for key in loaded})
         for item in overrides or []:
             key, sep, raw = item.partition("=")
-            if not sep or not key.strip():
+            key = key.strip()
+            if not sep or not key:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
-            try:
-                values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
-            except yaml.YAMLError as e:
-                problem = getattr(e, "problem", None) or str(e)
-                raise ConfigError(
-                    f"override {item!r}: the value is not valid YAML ({problem}); quote lists for the shell, "
-                    "e.g. --set 'train_files=[a.csv, b.csv]'"
-                ) from None
-        return cls.from_dict(values, source=str(path) if path else "overrides")
+            values[key] = _read_yaml(raw, f"override {item!r}")[0] if raw.strip() else None
+            sources[key] = f"--set {item}"
+        return cls.from_dict(values, source=str(path) if path else "overrides", sources=sources)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], source: str = "config") -> TrainConfig:
+    def from_dict(
+        cls, values: dict[str, Any], source: str = "config", sources: dict[str, str] | None = None
+    ) -> TrainConfig:
+        """Check names and types. `sources`: where each key came from, for the error message (default
+        `source`)."""
         hints = typing.get_type_hints(cls)
         names = [f.name for f in dataclasses.fields(cls)]
         checked = {}
         for key, value in values.items():
+            where = (sources or {}).get(key, source)
             if key not in names:
-                close = difflib.get_close_matches(key, names, n=1)
+                close = difflib.get_close_matches(str(key), names, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(f"{source}: unknown config key {key!r}{hint}")
-            checked[key] = _check_type(key, value, hints[key], source)
+                raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
+            checked[key] = _check_type(key, value, hints[key], where)
         return cls(**checked)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, first_line: int, line: int):
+        super().__init__(key, first_line, line)
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping. YAML requires unique keys, but PyYAML keeps
+    the last one silently: `max_steps: 10` and further down `max_steps: 20000` would plan 20,000 steps."""
+
+    def construct_mapping(self, node, deep=False):
+        first_lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` overrides on purpose
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first_lines:
+                    raise _DuplicateKey(key, first_lines[key], line)
+                first_lines[key] = line
+            except TypeError:  # an unhashable key: SafeLoader's own error follows
+                continue
+        return super().construct_mapping(node, deep)
+
+
+def _read_yaml(text: str, name: str) -> tuple[Any, dict[str, int]]:
+    """The YAML document in `text` and the line of each top-level key. Invalid YAML or a duplicate key is a
+    ConfigError in one line naming `name` (a file, or `override 'k=v'`) and the line."""
+    override = name.startswith("override ")
+    loader = _ConfigLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except _DuplicateKey as e:
+        where = "" if override else f":{e.line}"
+        lines = "" if override else f" (lines {e.first_line} and {e.line})"
+        raise ConfigError(f"{name}{where}: key {e.key!r} is given twice{lines}; keep one") from None
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if override:
+            raise ConfigError(
+                f"{name}: the value is not valid YAML ({problem}); quote lists for the shell, "
+                "e.g. --set 'train_files=[a.csv, b.csv]'"
+            ) from None
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{name}{where}: not valid YAML ({problem})") from None
+    finally:
+        loader.dispose()
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+    return data, lines
 
 
 def _check_type(key: str, value: Any, hint: Any, source: str) -> Any:

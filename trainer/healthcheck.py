@@ -1,23 +1,61 @@
-"""Container HEALTHCHECK: is the training loop's heartbeat file fresh?
+"""The training loop's heartbeat file, and the container HEALTHCHECK that reads it.
 
 The loop writes `<output_dir>/heartbeat` (JSON {"step": ..., "time": unix seconds}) after optimizer steps (at
-most every 10 s) while it trains. A run that hangs (a stuck collective, a dead data thread) stops refreshing
-it; "CUDA is available" would still be true.
+most every 10 s) while it trains (`Heartbeat`). A run that hangs (a stuck collective, a dead data thread)
+stops refreshing it; "CUDA is available" would still be true. `trainer healthcheck` (`check_heartbeat`) says
+whether it is fresh.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 HEARTBEAT_NAME = "heartbeat"
+HEARTBEAT_EVERY_S = 10.0
 
 
 def heartbeat_path(output_dir: str | Path) -> Path:
     """Where the training loop writes its heartbeat for a run with this output_dir."""
     return Path(output_dir) / HEARTBEAT_NAME
+
+
+def write_heartbeat(output_dir: str | Path, step: int) -> None:
+    """Write the heartbeat for `step` now, replacing the file atomically (the health check never reads half a
+    file)."""
+    path = heartbeat_path(output_dir)
+    tmp = path.with_name(f"{HEARTBEAT_NAME}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"step": step, "time": time.time()}), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class Heartbeat:
+    """The loop's heartbeat writer: `beat(step)` after steps writes at most every `every_s` seconds. As a
+    context manager it beats on entry and, when the block ends without an error, once more at exit."""
+
+    def __init__(
+        self, output_dir: str | Path, step: int = 0, every_s: float = HEARTBEAT_EVERY_S, enabled: bool = True
+    ):
+        self.output_dir, self.step, self.every_s, self.enabled = output_dir, step, every_s, enabled
+        self._last = 0.0
+
+    def beat(self, step: int, force: bool = False) -> None:
+        self.step = step
+        now = time.monotonic()
+        if self.enabled and (force or now - self._last >= self.every_s):
+            write_heartbeat(self.output_dir, step)
+            self._last = now
+
+    def __enter__(self) -> Heartbeat:
+        self.beat(self.step, force=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.beat(self.step, force=True)
 
 
 def check_heartbeat(path: str | Path, max_age: float, now: float | None = None) -> tuple[bool, str]:

@@ -61,21 +61,45 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(rows, weight, labels.reshape(-1)[keep], chunk_tokens)
 
 
+def scales_decoder_outputs(config) -> bool:
+    """Whether T5 multiplies the decoder's outputs by d_model**-0.5 before the LM head."""
+    # transformers 5 names the flag scale_decoder_outputs; 4.x scaled when the head was tied.
+    return bool(getattr(config, "scale_decoder_outputs", config.tie_word_embeddings))
+
+
 class Seq2SeqLMLoss(torch.nn.Module):
     """A T5-style model whose forward is the training loss: the sum of target-token cross-entropies (fp32).
 
     Runs the encoder and decoder as `T5ForConditionalGeneration.forward` does (decoder inputs are the labels
     shifted right; decoder outputs scaled by d_model**-0.5 where the model does so) and feeds the decoder's
-    last hidden states to `linear_cross_entropy` with the LM head's weight. Under DDP or FSDP, wrap this
-    module (not the inner model), so their hooks see the whole step.
+    last hidden states to `linear_cross_entropy` with the LM head's weight. A packed batch (one with
+    `encoder_segment_ids`: several records per row) goes through trainer.packed_t5 instead, with the same
+    result: the sum of its records' losses. Call it with the batch's tensors as keywords,
+    `loss_module(**batch)`. Under DDP or FSDP, wrap this module (not the inner model), so their hooks see
+    the whole step.
     """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, labels) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        labels,
+        encoder_segment_ids=None,
+        decoder_segment_ids=None,
+        encoder_positions=None,
+        decoder_positions=None,
+    ) -> torch.Tensor:
         m = self.model
+        if encoder_segment_ids is not None:  # packed: attention_mask and positions follow from the segments
+            from trainer.packed_t5 import packed_loss_sum
+
+            return packed_loss_sum(
+                m, input_ids, labels, encoder_segment_ids, decoder_segment_ids, decoder_positions
+            )
         encoder_hidden = m.encoder(input_ids=input_ids, attention_mask=attention_mask)[0]
         decoder_hidden = m.decoder(
             input_ids=m.prepare_decoder_input_ids_from_labels(labels=labels),
@@ -83,8 +107,6 @@ class Seq2SeqLMLoss(torch.nn.Module):
             encoder_attention_mask=attention_mask,
             use_cache=False,
         )[0]
-        config = m.config
-        # transformers 5 names the flag scale_decoder_outputs; 4.x scaled when the head was tied.
-        if getattr(config, "scale_decoder_outputs", config.tie_word_embeddings):
-            decoder_hidden = decoder_hidden * (config.d_model**-0.5)
+        if scales_decoder_outputs(m.config):
+            decoder_hidden = decoder_hidden * (m.config.d_model**-0.5)
         return linear_cross_entropy(decoder_hidden, m.get_output_embeddings().weight, labels)

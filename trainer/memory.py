@@ -10,9 +10,12 @@ import gc
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+GIB = 1024**3
 
 # torch >= 2.9 reads PYTORCH_ALLOC_CONF and still honours the older CUDA-specific name.
 ALLOC_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -49,11 +52,26 @@ def alloc_conf_in_force() -> str:
     return text
 
 
-def is_oom(exc: BaseException) -> bool:
-    """True for a CUDA (or other accelerator) out-of-memory error."""
+@dataclass(frozen=True)
+class GpuMemory:
+    """This process's GPU memory in GiB: the peak allocated since the start, allocated now, reserved now."""
+
+    peak_gib: float
+    allocated_gib: float
+    reserved_gib: float
+
+
+def gpu_memory(device) -> GpuMemory | None:
+    """The GPU memory of `device` (a torch.device); None on a CPU."""
+    if device.type != "cuda":
+        return None
     import torch
 
-    return isinstance(exc, torch.OutOfMemoryError)
+    return GpuMemory(
+        peak_gib=torch.cuda.max_memory_allocated(device) / GIB,
+        allocated_gib=torch.cuda.memory_allocated(device) / GIB,
+        reserved_gib=torch.cuda.memory_reserved(device) / GIB,
+    )
 
 
 def free_memory() -> None:

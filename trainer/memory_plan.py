@@ -14,6 +14,9 @@ them: gradients persist across accumulated micro-batches and optimizer states ac
   still alive; likewise for an encoder block (all decoder checkpoints are freed by then);
 - the optimizer step: optimizer temporaries (optimi's foreach step reuses the gradients as scratch: none).
 Allocator slack (blocks the caching allocator holds but cannot reuse) is one fraction of the rest.
+
+`plan_run` turns a config into the run's RunPlan: the token budget and the number of decoder blocks left
+un-checkpointed, where the config leaves them to the plan. `trainer plan` prints a plan (trainer.plan_report).
 """
 
 from __future__ import annotations
@@ -21,19 +24,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
-import sys
-import weakref
 from dataclasses import dataclass
-from pathlib import Path
-from types import SimpleNamespace
 
 from trainer.loss import CHUNK_TOKENS as CE_CHUNK_TOKENS
+from trainer.memory import GIB
+
+# KNOWN_CONFIGS is re-exported: scripts import the model catalogue from here.
+from trainer.model_shape import KNOWN_CONFIGS, ModelShape, load_shape  # noqa: F401
 from trainer.optim import STACK_BYTES as ADAFACTOR_STACK_BYTES
 
 logger = logging.getLogger(__name__)
-
-GIB = 1024**3
 
 # Caching-allocator fragmentation as a fraction of the predicted allocated peak. With
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True freed blocks are remapped rather than split, so reserved
@@ -43,125 +43,8 @@ ALLOCATOR_SLACK = 0.05
 # A budget is accepted only if its predicted peak (slack included) stays under this share of the card, because
 # the data loader's longest rows and the allocator's worst moment vary from step to step.
 SAFETY_MARGIN = 0.92
-# Typical recipe lengths (issue 8): source median ~96 tokens, target median ~256.
+# Typical recipe lengths in tokens (medians): source ~96, target ~256.
 TYPICAL_SOURCE, TYPICAL_TARGET = 96, 256
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a T5 config that decide memory."""
-
-    d_model: int
-    d_ff: int
-    d_kv: int
-    num_heads: int
-    num_layers: int
-    num_decoder_layers: int
-    vocab_size: int
-    gated: bool = True  # feed_forward_proj "gated-gelu": wi_0, wi_1 and wo
-    tie_word_embeddings: bool = False
-    dropout_rate: float = 0.1
-    relative_attention_num_buckets: int = 32
-
-    @property
-    def inner(self) -> int:
-        return self.num_heads * self.d_kv
-
-    def num_params(self) -> int:
-        return sum(math.prod(dims) * n for dims, n in self.weight_shapes().items())
-
-    def weight_shapes(self) -> dict[tuple[int, ...], int]:
-        """How many weights of each shape the model has."""
-        d, f, inner = self.d_model, self.d_ff, self.inner
-        blocks = self.num_layers + self.num_decoder_layers
-        attentions = self.num_layers + 2 * self.num_decoder_layers
-        counts: dict[tuple[int, ...], int] = {}
-        for shape, n in [
-            ((inner, d), 3 * attentions),  # q, k, v
-            ((d, inner), attentions),  # o
-            ((f, d), (2 if self.gated else 1) * blocks),  # wi_0, wi_1 (or wi)
-            ((d, f), blocks),  # wo
-            ((self.vocab_size, d), 1 if self.tie_word_embeddings else 2),  # shared, lm_head
-            ((d,), 2 * self.num_layers + 3 * self.num_decoder_layers + 2),  # layer norms, final norms
-            ((self.relative_attention_num_buckets, self.num_heads), 2),
-        ]:
-            counts[shape] = counts.get(shape, 0) + n
-        return counts
-
-    @classmethod
-    def from_config(cls, config) -> ModelShape:
-        """From a `transformers.T5Config` (or anything with its attribute names)."""
-        proj = getattr(config, "feed_forward_proj", "relu")
-        return cls(
-            d_model=config.d_model,
-            d_ff=config.d_ff,
-            d_kv=config.d_kv,
-            num_heads=config.num_heads,
-            num_layers=config.num_layers,
-            num_decoder_layers=getattr(config, "num_decoder_layers", None) or config.num_layers,
-            vocab_size=config.vocab_size,
-            gated=proj.startswith("gated-"),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            dropout_rate=float(getattr(config, "dropout_rate", 0.1)),
-            relative_attention_num_buckets=getattr(config, "relative_attention_num_buckets", 32),
-        )
-
-
-def _t5(d: int, f: int, h: int, n: int) -> dict:
-    return dict(
-        d_model=d, d_ff=f, d_kv=64, num_heads=h, num_layers=n, num_decoder_layers=n, vocab_size=32128,
-        feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.1,
-    )  # fmt: skip
-
-
-# The config.json values of the public checkpoints, so `trainer plan` needs no download (nor the slow import
-# of transformers' config machinery).
-KNOWN_CONFIGS: dict[str, dict] = {
-    "google/flan-t5-small": _t5(512, 1024, 6, 8),
-    "google/flan-t5-base": _t5(768, 2048, 12, 12),
-    "google/flan-t5-large": _t5(1024, 2816, 16, 24),
-    "google/flan-t5-xl": _t5(2048, 5120, 32, 24),
-    "google/flan-t5-xxl": _t5(4096, 10240, 64, 24),
-    "google/t5-v1_1-small": _t5(512, 1024, 6, 8),
-    "google/t5-v1_1-base": _t5(768, 2048, 12, 12),
-    "google/t5-v1_1-large": _t5(1024, 2816, 16, 24),
-    "google/t5-v1_1-xl": _t5(2048, 5120, 32, 24),
-    "google/t5-v1_1-xxl": _t5(4096, 10240, 64, 24),
-}
-
-
-def _transformers_ties_t5_head() -> bool:
-    """transformers 5 ties T5's LM head to the shared embedding whatever `tie_word_embeddings` says (the flag
-    only decides the decoder-output scaling); 4.x keeps v1.1/FLAN's head separate."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return int(version("transformers").split(".")[0]) >= 5
-    except (PackageNotFoundError, ValueError):
-        return True
-
-
-def load_shape(model_name_or_path: str) -> ModelShape:
-    """A local model dir's config.json, else the built-in table, else the local Hugging Face cache."""
-    path = Path(model_name_or_path)
-    if (path / "config.json").is_file():
-        from transformers import AutoConfig
-
-        return ModelShape.from_config(AutoConfig.from_pretrained(str(path)))
-    if model_name_or_path in KNOWN_CONFIGS:
-        values = dict(KNOWN_CONFIGS[model_name_or_path])
-        values["tie_word_embeddings"] = _transformers_ties_t5_head()
-        return ModelShape.from_config(SimpleNamespace(**values))
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_name_or_path, local_files_only=True)
-    except OSError as e:
-        raise ValueError(
-            f"no config for {model_name_or_path!r}: not a local model dir, not a known FLAN-T5 id "
-            f"({', '.join(sorted(KNOWN_CONFIGS))}), and not in the local Hugging Face cache"
-        ) from e
-    return ModelShape.from_config(config)
 
 
 @dataclass
@@ -375,6 +258,17 @@ def _block_saved(
     return total, peak
 
 
+def _loss_bytes(n_rows: int, d: int, v: int, e: int) -> int:
+    """Peak bytes of the chunked cross-entropy (trainer.loss) on N = `n_rows` target rows, chunks of C rows:
+    the gathered rows (N x d) and their int64 indices, the hidden-state gradient (N x d, kept for backward)
+    and the head's fp32 gradient accumulator (V x d); per chunk the fp32 logits (C x V) next to their bf16
+    copy, then the bf16 softmax-minus-one-hot (C x V) and the head-gradient product in bf16 and fp32
+    (V x d)."""
+    chunk = min(n_rows, CE_CHUNK_TOKENS)
+    kept = n_rows * 8 + n_rows * d * e * 2 + v * d * _acc_bytes(e)
+    return kept + max(chunk * v * (4 + e), chunk * v * e + v * d * (e + _acc_bytes(e)))
+
+
 def plan_memory(
     shape: ModelShape,
     *,
@@ -454,14 +348,7 @@ def plan_memory(
         dec_keep = ld * (b * t * d * e + dec_block)
         enc_bwd, dec_bwd = enc_bwd - enc_block, dec_bwd - dec_block  # only the backward scratch is new
 
-    # The chunked cross-entropy (trainer.loss) on the N = B x T target rows, chunks of C rows: the gathered
-    # rows (N x d) and their int64 indices, the hidden-state gradient (N x d, kept for backward) and the
-    # head's fp32 gradient accumulator (V x d); per chunk the fp32 logits (C x V) next to their bf16 copy,
-    # then the bf16 softmax-minus-one-hot (C x V) and the head-gradient product in bf16 and fp32 (V x d).
-    n_rows = b * t
-    chunk = min(n_rows, CE_CHUNK_TOKENS)
-    ce_kept = n_rows * 8 + n_rows * d * e * 2 + v * d * _acc_bytes(e)
-    logits_peak = ce_kept + max(chunk * v * (4 + e), chunk * v * e + v * d * (e + _acc_bytes(e)))
+    logits_peak = _loss_bytes(b * t, d, v, e)
 
     # Gradients flowing between blocks: the hidden-state gradient (two alive at a block boundary) and, during
     # the decoder's backward, the accumulated gradients of the encoder output and of the shared position
@@ -575,33 +462,20 @@ def largest_batch_size(
     return rows
 
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)(B?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'32GiB' -> 32*2**30, '24GB' -> 24e9, '80G' -> 80*2**30 (a bare G means GiB, as nvidia-smi shows)."""
-    m = _SIZE.match(text)
-    if not m or not m.group(2):
-        raise ValueError(f"cannot read memory size {text!r}: use e.g. 32GiB, 24GB or 80G")
-    num, unit, binary, b = float(m.group(1)), m.group(2).upper(), m.group(3), m.group(4)
-    power = "KMGT".index(unit) + 1
-    base = 1000 if (b and not binary) else 1024
-    size = int(num * base**power)
-    if size <= 0:
-        raise ValueError(f"memory size {text!r} must be more than 0")
-    return size
-
-
-def _plan_kwargs(cfg) -> dict:
+def _plan_kwargs(cfg, decoder_blocks_without_checkpointing: int | None = None) -> dict:
+    """plan_memory's keyword arguments for `cfg` (the un-checkpointed decoder blocks: the given number, else
+    the config's)."""
     # Triton runs only on CUDA (eager elsewhere); other kernels transformers offers are planned like SDPA.
     attn = cfg.attn_implementation if cfg.attn_implementation in ("eager", "triton") else "sdpa"
+    if decoder_blocks_without_checkpointing is None:
+        decoder_blocks_without_checkpointing = cfg.decoder_blocks_without_checkpointing or 0
     return dict(
         dtype=cfg.dtype,
         optimizer=cfg.optimizer,
         bf16_update=cfg.bf16_update,
         gradient_checkpointing=cfg.gradient_checkpointing,
         attn_implementation=attn,
-        decoder_blocks_without_checkpointing=cfg.decoder_blocks_without_checkpointing or 0,
+        decoder_blocks_without_checkpointing=decoder_blocks_without_checkpointing,
     )
 
 
@@ -614,28 +488,37 @@ def choose_max_tokens(cfg, gpu_bytes: int) -> int:
     # Never below one row at the maximum lengths: the loader must be able to yield its longest row alone.
     floor = cfg.max_source_length + cfg.max_target_length
     if tokens < floor:
-        logger.warning("predicted budget %d tokens is below one maximal row; using %d", tokens, floor)
+        logger.warning(
+            "memory plan: even one row of max_source_length + max_target_length tokens is predicted not to "
+            "fit in %.1f GiB; trying micro-batches of %d tokens (one such row) anyway",
+            gpu_bytes / GIB,
+            floor,
+        )
         tokens = floor
-    logger.info("memory plan: max_tokens %d for %.1f GiB", tokens, gpu_bytes / GIB)
+    logger.info(
+        "memory plan: micro-batches of up to %d tokens fit in %.1f GiB of GPU memory (max_tokens or "
+        "per_device_train_batch_size in the config set it yourself)",
+        tokens,
+        gpu_bytes / GIB,
+    )
     return tokens
 
 
-def choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes: int) -> int:
+def choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes: int, max_tokens: int | None = None) -> int:
     """How many of the last decoder blocks can skip checkpointing (keeping their activations, saving their
-    recompute) with the configured micro-batch still within SAFETY_MARGIN of `gpu_bytes`, worst case."""
+    recompute) with the micro-batch (`max_tokens`, default the config's) still within SAFETY_MARGIN of
+    `gpu_bytes`, worst case."""
     if not cfg.gradient_checkpointing:
         return 0
     shape = load_shape(cfg.model_name_or_path)
-    kw = _plan_kwargs(cfg)
+    rows, src, tgt = cfg.per_device_train_batch_size, cfg.max_source_length, cfg.max_target_length
+    tokens = max_tokens if max_tokens is not None else cfg.max_tokens
 
     def peak(blocks: int) -> int:
-        kw["decoder_blocks_without_checkpointing"] = blocks
-        if cfg.per_device_train_batch_size is not None:
-            rows, src, tgt = probe_shapes(cfg)[0]
+        kw = _plan_kwargs(cfg, blocks)
+        if rows is not None:
             return plan_memory(shape, rows=rows, src_len=src, tgt_len=tgt, **kw).peak
-        return budget_peak(
-            shape, cfg.max_tokens, src_cap=cfg.max_source_length, tgt_cap=cfg.max_target_length, **kw
-        ).peak
+        return budget_peak(shape, tokens, src_cap=src, tgt_cap=tgt, **kw).peak
 
     blocks = 0
     while blocks < shape.num_decoder_layers and peak(blocks + 1) <= SAFETY_MARGIN * gpu_bytes:
@@ -655,156 +538,67 @@ def gpu_bytes_for(cfg) -> int | None:
     return gpu_bytes
 
 
-def with_planned_batch(cfg, gpu_bytes: int | None = None):
-    """`cfg` with what the memory plan decides when the config leaves it open: max_tokens (neither it nor a
-    batch size set) and decoder_blocks_without_checkpointing (null), for a card of `gpu_bytes` (default:
-    this process's GPU). Without a GPU: two maximal rows, and every block checkpointed."""
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run uses where its config leaves the choice to the memory plan (`plan_run` makes it). The config
+    itself is never changed; the loop, the model loader and the loader read these values from here."""
+
+    per_device_train_batch_size: int | None  # rows per micro-batch (the config's), or else
+    max_tokens: int | None  # a token budget per micro-batch: the config's, or the plan's
+    decoder_blocks_without_checkpointing: int  # the last decoder blocks that keep their activations
+
+    def micro_batch(self, split: int = 1) -> str:
+        """The micro-batch in words, after the loader batches are split into `split` parts (OOM back-off)."""
+        if self.max_tokens:
+            return f"{self.max_tokens // split} tokens"
+        return f"{max(1, (self.per_device_train_batch_size or 1) // split)} rows"
+
+    def applied_to(self, cfg):
+        """A copy of `cfg` with the planned values filled in: the config the run trains with, as checkpoints
+        store it, and what `data.stream_for` (which takes the batching from a config) reads."""
+        return dataclasses.replace(
+            cfg,
+            max_tokens=self.max_tokens,
+            decoder_blocks_without_checkpointing=self.decoder_blocks_without_checkpointing,
+        )
+
+
+def plan_run(cfg, gpu_bytes: int | None = None) -> RunPlan:
+    """The memory plan's choices for `cfg` on a card of `gpu_bytes` (default: this process's GPU): a token
+    budget when the config sets neither max_tokens nor per_device_train_batch_size, and how many decoder
+    blocks skip checkpointing when decoder_blocks_without_checkpointing is null. Without a GPU: two rows of
+    the maximum lengths, and every block checkpointed."""
     if gpu_bytes is None:
         gpu_bytes = gpu_bytes_for(cfg)
-    if cfg.per_device_train_batch_size is None and cfg.max_tokens is None:
+    max_tokens = cfg.max_tokens
+    if cfg.per_device_train_batch_size is None and max_tokens is None:
         if gpu_bytes is None:
-            tokens = 2 * (cfg.max_source_length + cfg.max_target_length)
-            logger.info("memory plan: no GPU, max_tokens %d", tokens)
+            max_tokens = 2 * (cfg.max_source_length + cfg.max_target_length)
+            logger.info(
+                "batching: micro-batches of up to %d tokens (two rows of the maximum lengths; no GPU to plan "
+                "for); set max_tokens or per_device_train_batch_size to choose",
+                max_tokens,
+            )
         else:
-            tokens = choose_max_tokens(cfg, gpu_bytes)
-        cfg = dataclasses.replace(cfg, max_tokens=tokens)
-    if cfg.decoder_blocks_without_checkpointing is None:
-        blocks = 0 if gpu_bytes is None else choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes)
-        if cfg.gradient_checkpointing:
-            logger.info("memory plan: the last %d decoder blocks skip checkpointing", blocks)
-        cfg = dataclasses.replace(cfg, decoder_blocks_without_checkpointing=blocks)
-    return cfg
+            max_tokens = choose_max_tokens(cfg, gpu_bytes)
+    blocks = cfg.decoder_blocks_without_checkpointing
+    if blocks is None:
+        blocks = 0
+        if gpu_bytes is not None:
+            blocks = choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes, max_tokens)
+    return RunPlan(cfg.per_device_train_batch_size, max_tokens, blocks)
 
 
-def probe_shapes(cfg) -> list[tuple[int, int, int]]:
-    """(rows, source length, target length) of the largest micro-batches the loader can yield for `cfg`."""
+def with_planned_batch(cfg, gpu_bytes: int | None = None):
+    """`cfg` with the plan's values filled in (`plan_run(cfg, gpu_bytes).applied_to(cfg)`), for scripts that
+    hand a complete config on."""
+    return plan_run(cfg, gpu_bytes).applied_to(cfg)
+
+
+def probe_shapes(cfg, max_tokens: int | None) -> list[tuple[int, int, int]]:
+    """(rows, source length, target length) of the largest micro-batches the loader can yield for `cfg`'s
+    rows per micro-batch, or else for the token budget `max_tokens`."""
     src, tgt = cfg.max_source_length, cfg.max_target_length
     if cfg.per_device_train_batch_size is not None:
         return [(cfg.per_device_train_batch_size, src, tgt)]
-    return _budget_shapes(cfg.max_tokens, src, tgt, worst_case=True)
-
-
-def print_plan(cfg, gpu_memory: str) -> int:
-    """`trainer plan`: the predicted peak by component.
-
-    Exit 0 if the configured micro-batch fits, 1 if not (with a suggestion), 2 if the card size or the model's
-    config cannot be read."""
-    try:
-        gpu_bytes = parse_size(gpu_memory)
-        shape = load_shape(cfg.model_name_or_path)
-    except ValueError as e:
-        print(f"trainer plan: {e}", file=sys.stderr)
-        return 2
-    src_cap, tgt_cap = cfg.max_source_length, cfg.max_target_length
-    source = "max_tokens" if cfg.max_tokens else "chosen by the plan"
-    # What the trainer would choose on this card.
-    cfg = with_planned_batch(cfg, gpu_bytes)
-    kw = _plan_kwargs(cfg)
-    # The trainer picks the budget with every block checkpointed, then skips checkpointing where room is left.
-    kw_all = dict(kw, decoder_blocks_without_checkpointing=0)
-    if cfg.per_device_train_batch_size is not None:
-        batch = (
-            f"{cfg.per_device_train_batch_size} rows x ({src_cap} + {tgt_cap}) tokens (padded to the maximum)"
-        )
-        plan = plan_memory(
-            shape, rows=cfg.per_device_train_batch_size, src_len=src_cap, tgt_len=tgt_cap, **kw
-        )
-    else:
-        tokens = cfg.max_tokens
-        batch = f"token budget {tokens} ({source}; worst case over typical and maximal-length rows)"
-        plan = budget_peak(shape, tokens, src_cap=src_cap, tgt_cap=tgt_cap, **kw)
-    print(f"model: {cfg.model_name_or_path} ({shape.num_params() / 1e9:.2f}B parameters)")
-    print(
-        f"optimizer: {cfg.optimizer} ({cfg.bf16_update} bf16 update), "
-        f"checkpointing: {cfg.gradient_checkpointing}, attention: {kw['attn_implementation']}"
-    )
-    if cfg.gradient_checkpointing:
-        blocks = cfg.decoder_blocks_without_checkpointing
-        print(f"decoder blocks without checkpointing (the last ones; no recompute): {blocks}")
-    print(f"micro-batch: {batch}")
-    print(f"peak at: {plan.peak_moment}")
-    print(f"{'component':<24}{'GiB':>8}")
-    for name, value in plan.components().items():
-        print(f"{name:<24}{value / GIB:>8.2f}")
-    print(f"{'total (predicted peak)':<24}{plan.peak / GIB:>8.2f}")
-    print(f"{'card':<24}{gpu_bytes / GIB:>8.2f}")
-    print(f"{'headroom':<24}{(gpu_bytes - plan.peak) / GIB:>8.2f}")
-    best = largest_token_budget(shape, gpu_bytes, src_cap=src_cap, tgt_cap=tgt_cap, **kw_all)
-    typical = largest_token_budget(
-        shape, gpu_bytes, src_cap=src_cap, tgt_cap=tgt_cap, worst_case=False, **kw_all
-    )
-    rows = largest_batch_size(shape, gpu_bytes, src_len=src_cap, tgt_len=tgt_cap, **kw_all)
-    print(
-        f"largest max_tokens that fits ({SAFETY_MARGIN:.0%} of the card): {best} "
-        f"(typical lengths only: {typical})"
-    )
-    print(f"largest per_device_train_batch_size at {src_cap}+{tgt_cap} tokens: {rows}")
-    if plan.peak > gpu_bytes * SAFETY_MARGIN:
-        if best > 0:
-            advice = f"set max_tokens: {best} (or per_device_train_batch_size: {rows})"
-        else:
-            advice = (
-                "no micro-batch fits, not even one row: use a bigger card, optimizer: adafactor, shorter "
-                "max_source_length/max_target_length, or FSDP over several GPUs (docs/distributed.md)"
-            )
-        print(f"does not fit: the predicted peak exceeds {SAFETY_MARGIN:.0%} of the card; {advice}")
-        return 1
-    return 0
-
-
-class LiveTensorBytes:
-    """Peak bytes of live tensor storages, seen through the dispatcher: `max_memory_allocated` for any device.
-
-    Counts every storage an op creates (forward, backward, recompute, optimizer) and the `existing` tensors
-    handed in, until autograd and Python drop them. Kernel-internal scratch is not seen. Used on CPU to check
-    the plan's formulas term by term; on CUDA the allocator's own counters are the truth.
-    """
-
-    def __init__(self, existing=()):
-        self._live: dict[int, int] = {}  # id of a live storage's Python object -> its bytes
-        self._total = 0
-        for t in existing:
-            self._add(t)
-        self.peak = self._total
-
-    def _add(self, t) -> None:
-        # Storages keep one Python object for their lifetime, so a finalizer on it fires when the memory is
-        # freed; ids are removed before they can be reused.
-        st = t.untyped_storage()
-        key = id(st)
-        if key not in self._live:
-            self._live[key] = st.nbytes()
-            self._total += st.nbytes()
-            weakref.finalize(st, self._freed, key)
-
-    def _freed(self, key: int) -> None:
-        self._total -= self._live.pop(key, 0)
-
-    def live(self) -> int:
-        return self._total
-
-    def reset_peak(self) -> None:
-        self.peak = self._total
-
-    def __enter__(self):
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        tracker = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                        tracker._add(t)
-                tracker.peak = max(tracker.peak, tracker._total)
-                return out
-
-        self._mode = _Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
+    return _budget_shapes(max_tokens, src, tgt, worst_case=True)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
+from trainer.memory import GIB
+
 log = logging.getLogger(__name__)
 
-GIB = 1024**3
 LOAD_PEAK_FACTOR = 1.05  # peak GPU memory while loading, relative to the weights' bytes
 LAST_LOAD: dict = {}  # what the last load measured (weights and peak bytes), for the run summary
 
@@ -42,14 +43,34 @@ def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: 
     kwargs = {_dtype_kwarg(): dtype, "attn_implementation": attn}
     if device.type != "cpu":
         kwargs["device_map"] = {"": device}  # weights go straight to the GPU, no CPU copy of the model
-    return AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)
+    hf_log = logging.getLogger("transformers.modeling_utils")
+    hf_log.addFilter(_untied_head_warning)
+    try:
+        return AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)
+    finally:
+        hf_log.removeFilter(_untied_head_warning)
 
 
-def load_model(cfg, device: torch.device, *, path: str | Path | None = None, random_init: bool | None = None):
+def _untied_head_warning(record: logging.LogRecord) -> bool:
+    """transformers 5 forces T5's tie_word_embeddings on, then warns that FLAN-T5's own LM head is not tied to
+    the embedding and that the config should say tie_word_embeddings=False, which it does: nothing for the
+    user to do, so the warning is dropped."""
+    return "NOT tie them" not in record.getMessage()
+
+
+def load_model(
+    cfg,
+    device: torch.device,
+    *,
+    path: str | Path | None = None,
+    random_init: bool | None = None,
+    decoder_blocks_without_checkpointing: int = 0,
+):
     """Load cfg.model_name_or_path (or `path`, e.g. a checkpoint) once, in cfg.dtype, onto `device`.
 
     On CUDA, asserts the peak memory during the load is at most 1.05x the weights (no fp32 copy, no second
-    copy on the device). Attention: cfg.attn_implementation. Gradient checkpointing is non-reentrant;
+    copy on the device). Attention: cfg.attn_implementation. Gradient checkpointing is non-reentrant, except
+    for the last `decoder_blocks_without_checkpointing` decoder blocks (the run's plan decides how many);
     use_cache is off (turned on for generation).
     """
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
@@ -92,17 +113,15 @@ def load_model(cfg, device: torch.device, *, path: str | Path | None = None, ran
     if cfg.attn_implementation == "triton":
         _use_triton_attention(model, device, dtype)
     attn_used = getattr(model.config, "_attn_implementation", None) or cfg.attn_implementation
-    log.info("attention implementation: %s", attn_used)
-    swapped = use_fused_t5_ops(model)
-    log.info(
-        "fused ops: %d T5 layer norms -> RMSNorm, %d gelu_new -> GELU(tanh), "
-        "%d gated-GELU feed-forwards and %d residual dropouts -> Triton kernels",
-        *swapped,
-    )
+    norms, gelus, gated, residual = use_fused_t5_ops(model)
+    fused = f"{norms} layer norms and {gelus} GELUs in one kernel each"
+    if gated or residual:
+        fused += f", {gated} gated-GELU feed-forwards and {residual} residual dropouts as Triton kernels"
+    log.info("attention: %s; fused ops: %s", attn_used, fused)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        skip_decoder_checkpointing(model, cfg.decoder_blocks_without_checkpointing or 0)
+        skip_decoder_checkpointing(model, decoder_blocks_without_checkpointing)
     if cfg.torch_compile:
         compile_blocks(model)
     return model
@@ -117,10 +136,10 @@ def _use_triton_attention(model: torch.nn.Module, device: torch.device, dtype: t
     except ImportError as e:  # Triton ships with torch's Linux CUDA wheels, not everywhere
         log.info("attention: triton kernels not used (%s); eager attention instead", e)
         return
+    if device.type != "cuda":  # the documented default off a GPU: eager attention, nothing to say
+        return
     why = None
-    if device.type != "cuda":
-        why = f"they need a CUDA GPU, this run is on {device.type}"
-    elif not attention.supported(model.config.d_kv, dtype):
+    if not attention.supported(model.config.d_kv, dtype):
         why = f"head size {model.config.d_kv} in {dtype} is not supported"
     elif _transformers_major() < 5:
         why = f"transformers {transformers.__version__} has no attention interface (needs >= 5)"

@@ -217,10 +217,6 @@ class _Message:
     priority: Priority = field(compare=False)
 
 
-class _GiveUp(Exception):
-    pass
-
-
 class DiscordNotifier:
     """Posts webhook messages from a daemon thread through a bounded queue. Thread-safe; never raises."""
 
@@ -304,10 +300,6 @@ class DiscordNotifier:
         with self._cond:
             return [m.kind for m in self._queue]
 
-    def pending(self) -> int:
-        with self._cond:
-            return len(self._queue) + (1 if self._busy else 0)
-
     def flush(self, timeout: float) -> bool:
         """Wait until the queue is empty (or `timeout`); True if everything queued has been handled."""
         end = time.monotonic() + timeout
@@ -322,7 +314,8 @@ class DiscordNotifier:
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued within `timeout` seconds, then stop (older progress messages are dropped)."""
         try:
-            deadline = time.monotonic() + max(0.0, timeout)
+            start = time.monotonic()
+            deadline = start + max(0.0, timeout)
             with self._cond:
                 if not self._closing:
                     self._closing = True
@@ -336,10 +329,17 @@ class DiscordNotifier:
             self._thread.join(max(0.0, deadline - time.monotonic()))
             with self._cond:
                 left = len(self._queue) + (1 if self._busy else 0) + self.dropped["close_timeout"]
+            # How long closing held the exit up: bounded by `timeout` (tests check it from this line).
+            waited = time.monotonic() - start
             if left:
                 logger.warning(
-                    "Discord: %d message(s) not sent within the %.1fs close timeout", left, timeout
+                    "Discord: %d message(s) not sent within the %.1fs close timeout (waited %.1f s)",
+                    left,
+                    timeout,
+                    waited,
                 )
+            else:
+                logger.debug("Discord: nothing left to send; closing waited %.1f s", waited)
         except Exception as e:
             logger.warning("Discord: error while closing the notifier: %s", redact(repr(e)))
 

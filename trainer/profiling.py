@@ -23,7 +23,9 @@ PHASES = ("data", "forward_backward", "optimizer")
 
 
 class StepProfiler:
-    """Call `before_step(step)` and `after_step(step)` (completed steps) around each optimizer step."""
+    """Call `before_step(step)` and `after_step(step)` (completed steps) around each optimizer step. As a
+    context manager it stops a profiler still running when the block ends (a run stopped or failing inside
+    the profiled window), without a report."""
 
     def __init__(self, start_step: int, steps: int, output_dir: str | Path, enabled: bool = True):
         self.start_step, self.steps = start_step, steps
@@ -53,6 +55,18 @@ class StepProfiler:
         prof, self.prof, self.enabled = self.prof, None, False
         prof.__exit__(None, None, None)
         return self._write(prof, wall)
+
+    def close(self) -> None:
+        if self.prof is not None:
+            prof, self.prof, self.enabled = self.prof, None, False
+            prof.__exit__(None, None, None)
+            log.info("profile: the run ended inside the profiled window; no report written")
+
+    def __enter__(self) -> StepProfiler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _write(self, prof, wall: float) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)

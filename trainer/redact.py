@@ -36,13 +36,9 @@ def _raw_values() -> tuple[str, ...]:
     return tuple(os.environ.get(name, "") for name in SECRET_ENV_VARS)
 
 
-def secret_values() -> tuple[str, ...]:
-    """The secret values currently set in the environment, longest first, with their URL-encoded forms."""
-    return _derived_values(_raw_values())
-
-
 @functools.lru_cache(maxsize=8)
 def _derived_values(raw_values: tuple[str, ...]) -> tuple[str, ...]:
+    """The secret values set in the environment, longest first, with their URL-encoded forms."""
     values: set[str] = set()
     for value in raw_values:
         value = value.strip()

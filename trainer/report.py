@@ -3,17 +3,18 @@
 Every method returns quickly and never raises: W&B failures are logged once and W&B is switched off, Discord
 messages go through a bounded queue to a background thread (trainer.notify). Only the main process reports.
 
-    reporter = Reporter(cfg, is_main=rank == 0, run_id=checkpoint_run_id)
-    reporter.started(model=..., data=..., effective_batch=..., planned_steps=...)
-    ...
-    reporter.finished(final_loss=..., duration_s=..., model_dir=...)
-    reporter.close()
+    with Reporter(cfg, is_main=rank == 0, run_id=run_id) as reporter:  # a crash or 2nd Ctrl-C is reported
+        reporter.started(model=..., data=..., effective_batch=..., planned_steps=..., attempt=...)
+        reporter.log_step(logged)  # each logged step: W&B metrics, and Discord progress at most so often
+        ...
+        reporter.finished(final_loss=..., duration_s=..., model_dir=...)
+    # leaving the block closes it: queued Discord messages get a few seconds, the W&B run is finished
 
-Metric names for `log_metrics` (W&B plots them against `train/global_step`, which the Reporter adds):
-train/loss, train/lr, train/grad_norm, train/tokens_per_s (real, non-pad tokens), train/samples_per_s,
-train/real_token_share, gpu/memory_allocated_gib, gpu/memory_reserved_gib, gpu/memory_peak_gib. The Reporter
-itself logs eval/loss and the eval/generations table (`evaluated`), train/oom_backoffs (`oom_backoff`) and
-train/skipped_nan_steps (`nan_skipped`). System metrics (GPU utilisation, power, CPU) come from wandb itself.
+W&B metrics (plotted against `train/global_step`, which the Reporter adds): those of
+`trainer.step_meter.LoggedStep.metrics` (train/loss, train/lr, train/grad_norm, train/tokens_per_s,
+train/samples_per_s, train/real_token_share, gpu/memory_*_gib), eval/loss and the eval/generations table
+(`evaluated`), train/oom_backoffs (`oom_backoff`) and train/skipped_nan_steps (`nan_skipped`). System metrics
+(GPU utilisation, power, CPU) come from wandb itself.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import time
 import traceback
 from typing import Any
 
+from trainer.config import TrainConfig
 from trainer.notify import DiscordNotifier, Priority, make_embed, webhook_url_from_env
 from trainer.redact import install_log_redaction, redact
+from trainer.step_meter import LoggedStep, format_duration
 
 logger = logging.getLogger(__name__)
 
@@ -56,22 +59,6 @@ def _never_raise(method):
             return None
 
     return wrapper
-
-
-def format_duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds) or seconds < 0:
-        return "unknown"
-    seconds = int(round(seconds))
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d {hours}h {minutes}m"
-    if hours:
-        return f"{hours}h {minutes}m"
-    if minutes:
-        return f"{minutes}m {secs}s"
-    return f"{secs}s"
 
 
 def _num(value: float | None, fmt: str = ".4f") -> str:
@@ -100,7 +87,7 @@ class Reporter:
     sends one); 0 sends every call, a negative value turns progress messages off.
     """
 
-    def __init__(self, cfg: Any, *, is_main: bool = True, run_id: str | None = None):
+    def __init__(self, cfg: TrainConfig, *, is_main: bool = True, run_id: str | None = None):
         self._errors_logged: set[str] = set()
         self.cfg = cfg
         self.is_main = is_main
@@ -111,9 +98,7 @@ class Reporter:
         self._oom_backoffs = 0
         self._exit_code = 0
         self._closed = False
-        self._name = getattr(cfg, "run_name", None) or os.path.basename(
-            os.path.normpath(getattr(cfg, "output_dir", "") or "run")
-        )
+        self._name = cfg.run_name or os.path.basename(os.path.normpath(cfg.output_dir or "run"))
         self._host = socket.gethostname()
         # Idempotent; here too so that no entry point can forget it (log handlers added later need their own
         # call, which the CLI makes after configuring logging).
@@ -124,21 +109,20 @@ class Reporter:
         self._setup_discord()
         atexit.register(self._close_at_exit)
 
-    def _setup_wandb(self, cfg: Any, run_id: str | None) -> None:
-        if getattr(cfg, "report_to", "none") != "wandb":
+    def _setup_wandb(self, cfg: TrainConfig, run_id: str | None) -> None:
+        if cfg.report_to != "wandb":
             return
         try:
             from trainer.metrics import WandbLogger
 
-            config = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
             self._wandb = WandbLogger(
-                config=config,
-                project=getattr(cfg, "wandb_project", None),
-                entity=getattr(cfg, "wandb_entity", None),
-                name=getattr(cfg, "run_name", None),
+                config=cfg.to_dict(),
+                project=cfg.wandb_project,
+                entity=cfg.wandb_entity,
+                name=cfg.run_name,
                 run_id=run_id,
                 # W&B files live with the run they describe (output_dir/wandb) unless WANDB_DIR says else.
-                directory=None if os.environ.get("WANDB_DIR") else getattr(cfg, "output_dir", None),
+                directory=None if os.environ.get("WANDB_DIR") else cfg.output_dir,
             )
             # Remembered, so run_id still answers after W&B is finished or has failed.
             self._given_run_id = self._wandb.run_id or run_id
@@ -199,7 +183,9 @@ class Reporter:
         effective_batch: str,
         planned_steps: int,
         data_counts: dict[str, int] | None = None,
+        attempt: int = 1,
     ) -> None:
+        """The run starts; `attempt` k > 1: it is the (k-1)-th restart of the run (a restarted container)."""
         fields = [
             ("Model", model, True),
             ("Effective batch", effective_batch, True),
@@ -213,10 +199,26 @@ class Reporter:
         url = self._wandb.url if self._wandb is not None else None
         if url:
             fields.append(("W&B", url, False))
-        self._notify("started", f"Training started: {self._name}", "", fields, priority=Priority.CRITICAL)
+        title = f"Training started: {self._name}"
+        if attempt > 1:
+            title = f"Training restarted (attempt {attempt}): {self._name}"
+        self._notify("started", title, "", fields, priority=Priority.CRITICAL)
         if self._wandb is not None:
             counts = {f"data/{k}": v for k, v in (data_counts or {}).items()}
-            self._wandb.set_summary({"planned_steps": planned_steps, **counts})
+            self._wandb.set_summary({"planned_steps": planned_steps, "attempt": attempt, **counts})
+
+    @_never_raise
+    def log_step(self, logged: LoggedStep) -> None:
+        """A logged training step: its metrics to W&B, and a Discord progress message when one is due."""
+        self.log_metrics(logged.metrics(), logged.step)
+        self.progress(
+            step=logged.step,
+            total=logged.total_steps,
+            loss=logged.loss,
+            tokens_per_s=logged.tokens_per_s,
+            eta_s=logged.eta_s,
+            memory_gib=logged.memory.peak_gib if logged.memory is not None else None,
+        )
 
     @_never_raise
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -230,11 +232,11 @@ class Reporter:
         total: int,
         loss: float,
         tokens_per_s: float,
-        eta_s: float,
+        eta_s: float | None,
         memory_gib: float | None,
     ) -> None:
-        minutes = getattr(self.cfg, "discord_progress_minutes", 30.0)
-        if self._discord is None or minutes is None or minutes < 0:
+        minutes = self.cfg.discord_progress_minutes
+        if self._discord is None or minutes < 0:
             return
         now = time.monotonic()
         if self._last_progress_at is not None and now - self._last_progress_at < minutes * 60:
@@ -338,7 +340,6 @@ class Reporter:
 
     @_never_raise
     def stopped_by_signal(self, *, signal_name: str, step: int, checkpoint: str | None) -> None:
-        self._exit_code = 0 if self._exit_code == 0 else self._exit_code
         fields = [
             ("Signal", signal_name, True),
             ("Step", f"{step:,}", True),
@@ -380,6 +381,17 @@ class Reporter:
             self._wandb.finish(exit_code=self._exit_code)
         if closer is not None:
             closer.join(max(0.0, timeout - (time.monotonic() - start)) + 0.2)
+
+    def __enter__(self) -> Reporter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Report how the block ended, if by an exception (a second Ctrl-C, or a crash), then close."""
+        if isinstance(exc, KeyboardInterrupt):
+            self.interrupted()
+        elif exc is not None:
+            self.crashed(exc)
+        self.close()
 
     def _close_at_exit(self) -> None:
         # The loop forgot close() (or exited through an uncaught path): still flush, briefly.

@@ -6,26 +6,72 @@ The generator lives in Rust (`recipe_core::sample`) so benchmarks can write mill
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from trainer import _loader
+from trainer.config import DATA_FORMATS
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("recipenlg-csv", "foodcom-csv", "jsonl")
 
-
-def write_sample(out: str | Path, n: int, seed: int = 0, fmt: str = "recipenlg-csv") -> None:
+def write_sample(out: str | Path, n: int, seed: int = 0, fmt: str = DATA_FORMATS[0]) -> None:
     """Write `n` recipes generated from `seed` to `out` in `fmt`; a `.gz`/`.zst` suffix compresses.
 
     The same `(n, seed, fmt)` always gives the same bytes, and a given seed gives the same recipes in every
     format. Raises ValueError for an unknown format or a negative count, OSError when `out` cannot be written.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown sample format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if fmt not in DATA_FORMATS:
+        raise ValueError(f"unknown sample format {fmt!r}; expected one of {', '.join(DATA_FORMATS)}")
     if n < 0 or seed < 0:
         raise ValueError(f"n and seed must be >= 0, got n={n} seed={seed}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _loader.write_sample(str(out), n, seed, fmt)
-    log.info("wrote %d %s recipes (seed %d) to %s", n, fmt, seed, out)
+    log.debug("wrote %d %s recipes (seed %d) to %s", n, fmt, seed, out)
+
+
+# make_demo_data writes only here (relative to the working directory, as configs/quickstart.yaml names it):
+# a typo in a real config's data path must fail as a missing file, not train on generated recipes.
+QUICKSTART_DIR = Path("data/quickstart")
+
+
+def is_quickstart_path(path: str | Path) -> bool:
+    """True for a path inside data/quickstart/ of the working directory."""
+    p = Path(os.path.normpath(Path(path).expanduser().absolute()))
+    base = Path(os.path.normpath(QUICKSTART_DIR.absolute()))
+    return p == base or base in p.parents
+
+
+def ensure_demo_data(
+    train_files: list[str], model_dir: str, *, n: int, fmt: str | None, dry_run: bool = False
+) -> list[Path]:
+    """make_demo_data: write the quickstart's missing sample recipes and tiny model, only inside
+    data/quickstart/ (other missing paths are left to fail as missing, with a warning saying why nothing was
+    written there). A dry run writes nothing and logs what a run would write. Returns those paths."""
+    wanted = [Path(f) for f in train_files if not any(ch in f for ch in "*?[") and not Path(f).exists()]
+    if not (Path(model_dir) / "config.json").exists():
+        wanted.append(Path(model_dir))
+    written = []
+    for path in wanted:
+        what = "the tiny FLAN-T5" if path == Path(model_dir) else f"{n} sample recipes"
+        if not is_quickstart_path(path):
+            log.warning(
+                "make_demo_data: not writing %s to %s: demo data is written only under %s/",
+                what,
+                path,
+                QUICKSTART_DIR,
+            )
+            continue
+        written.append(path)
+        if dry_run:
+            log.info("dry run: make_demo_data would write %s to %s", what, path)
+        elif path == Path(model_dir):
+            from trainer.tiny_model import build_tiny_model
+
+            log.info("make_demo_data: building the tiny FLAN-T5 in %s", path)
+            build_tiny_model(path, seed=0)
+        else:
+            log.info("make_demo_data: writing %d sample recipes to %s", n, path)
+            write_sample(path, n, seed=0, fmt=fmt or "recipenlg-csv")
+    return written

@@ -15,6 +15,8 @@ import logging
 import tempfile
 from pathlib import Path
 
+from trainer._loader import RecipeRenderer
+from trainer.prompt import TASKS
 from trainer.sample import write_sample
 
 log = logging.getLogger(__name__)
@@ -25,21 +27,25 @@ EXTRA_IDS = 100
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]  # ids 0, 1, 2 as in T5
 
 
-def _recipe_texts(path: Path) -> list[str]:
-    """The kinds of text the loader renders: an ingredient-list prompt and a full recipe."""
+def recipe_texts(path: Path) -> list[str]:
+    """What the loader renders from these recipes, through its own renderer: each preset's prompt and the
+    target (`title: ... | ingredients: ... | directions: 1. ...`)."""
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            ingredients = r["ingredients"]
-            texts.append("Write a recipe with these ingredients: " + ", ".join(ingredients))
-            texts.append(
-                f"Title: {r['title']}\nIngredients: "
-                + "; ".join(ingredients)
-                + "\nDirections: "
-                + " ".join(r["directions"])
-            )
+    for task in TASKS:
+        records, _, _ = RecipeRenderer(task=task).read([str(path)])
+        texts += [r["source"] for r in records]
+    texts += [r["reference"] for r in records]
     return texts
+
+
+def _template_alphabet() -> list[str]:
+    """Every character of the presets' templates: the tokenizer must cover each (no `<unk>` in a prompt or in
+    the ` | ` between a target's sections), however rare it is in the corpus."""
+    chars = set()
+    for task in TASKS:
+        r = RecipeRenderer(task=task)
+        chars |= set(r.source_template) | set(r.target_template)
+    return sorted(chars - set("{} "))
 
 
 def _canonical_vocab(vocab: list[list]) -> list[list]:
@@ -91,6 +97,7 @@ def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
         max_piece_length=16,
         n_sub_iterations=2,
         shrinking_factor=0.75,
+        initial_alphabet=_template_alphabet(),
     )
     tok.train_from_iterator(texts, trainer)
     data = json.loads(tok.to_str())
@@ -113,10 +120,10 @@ TINY_SHAPE = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layer
 
 def flan_t5_config(shape: str = "xl", vocab_size: int = 32128):
     """A FLAN-T5 architecture (gated-GELU, untied head, relative attention, T5's special ids) without weights:
-    `shape` "xl" is google/flan-t5-xl's (trainer.memory_plan.KNOWN_CONFIGS), "tiny" this module's stand-in."""
+    `shape` "xl" is google/flan-t5-xl's (trainer.model_shape.KNOWN_CONFIGS), "tiny" this module's stand-in."""
     from transformers import T5Config
 
-    from trainer.memory_plan import KNOWN_CONFIGS
+    from trainer.model_shape import KNOWN_CONFIGS
 
     sizes = TINY_SHAPE if shape == "tiny" else KNOWN_CONFIGS[f"google/flan-t5-{shape}"]
     flan = {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "dropout_rate": 0.1}
@@ -134,7 +141,7 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
     with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
         corpus = Path(tmp) / "recipes.jsonl"
         write_sample(corpus, N_RECIPES, seed=seed, fmt="jsonl")
-        tok = train_tokenizer(_recipe_texts(corpus))
+        tok = train_tokenizer(recipe_texts(corpus))
 
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -165,9 +172,10 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
             torch.randn(config.vocab_size, config.d_model) * config.d_model**-0.5
         )
     # A model this small loops under greedy decoding ("2 cups 2 cups ..."); its generation config says not to
-    # repeat a trigram, as a model card would. The real FLAN-T5 brings its own generation config.
+    # repeat a trigram, as a model card would. No max_new_tokens: `trainer generate` then writes up to the
+    # training run's max_target_length, a whole recipe. The real FLAN-T5 brings its own generation config.
     model.generation_config = GenerationConfig(
-        decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, max_new_tokens=128, no_repeat_ngram_size=3
+        decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, no_repeat_ngram_size=3
     )
     model.save_pretrained(out, safe_serialization=True)
     # Write config.json as flan-t5-xl's reads ("tie_word_embeddings": false, no output scaling key), so

@@ -8,6 +8,7 @@ use recipe_core::{Loader, LoaderConfig, LoaderError, LoaderOptions, State};
 use serde_json::Value;
 
 mod errors;
+mod render;
 mod sample;
 
 use errors::to_py;
@@ -191,5 +192,6 @@ fn _loader(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LOADER_OPTIONS", options_table(m.py())?)?;
     errors::register(m)?;
     sample::register(m)?;
+    render::register(m)?;
     Ok(())
 }

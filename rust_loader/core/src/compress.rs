@@ -1,4 +1,6 @@
 //! Which compression a file name means: the one rule shared by the sample writer and the loader.
+use std::fs::File;
+use std::io::{BufReader, Read};
 use std::path::Path;
 
 /// Compression picked from a file name's suffix.
@@ -36,6 +38,15 @@ impl Compression {
     /// The compression of `path` (see [`Compression::split`]).
     pub fn from_path(path: &Path) -> Compression {
         Self::split(path).0
+    }
+
+    /// `file` decompressed while it is read (gzip members concatenated as `gzip -d` reads them).
+    pub fn reader(self, file: File) -> std::io::Result<Box<dyn Read>> {
+        Ok(match self {
+            Compression::None => Box::new(file),
+            Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(BufReader::new(file))),
+            Compression::Zstd => Box::new(zstd::stream::read::Decoder::new(file)?),
+        })
     }
 
     pub fn name(self) -> &'static str {

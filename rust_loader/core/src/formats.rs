@@ -212,6 +212,16 @@ fn json_field(obj: &serde_json::Map<String, Value>, keys: &[&str]) -> Result<Opt
 
 /// Parses one JSONL line (without its line end).
 pub fn parse_jsonl(line: &[u8]) -> Result<Parsed, Skip> {
+    parse_jsonl_with(line, false)
+}
+
+/// Parses one JSONL line like [`parse_jsonl`], but a missing `title`, `ingredients` or `directions` is left
+/// empty instead of skipping the record: a prompt to generate from has no directions.
+pub fn parse_jsonl_prompt(line: &[u8]) -> Result<Parsed, Skip> {
+    parse_jsonl_with(line, true)
+}
+
+fn parse_jsonl_with(line: &[u8], missing_ok: bool) -> Result<Parsed, Skip> {
     let s = utf8(line, "line")?;
     let v: Value =
         serde_json::from_str(s).map_err(|e| Skip::new("malformed_json", e.to_string()))?;
@@ -244,10 +254,18 @@ pub fn parse_jsonl(line: &[u8]) -> Result<Parsed, Skip> {
         };
     }
     let missing = |k: &str| Skip::new("missing_field", format!("missing field `{k}`"));
-    let title = text(&["title", "name"])?.ok_or_else(|| missing("title"))?;
-    let ingredients = json_field(&obj, &["ingredients"])?.ok_or_else(|| missing("ingredients"))?;
-    let directions =
-        json_field(&obj, &["directions", "steps"])?.ok_or_else(|| missing("directions"))?;
+    let title = match text(&["title", "name"])? {
+        None if missing_ok => String::new(),
+        t => t.ok_or_else(|| missing("title"))?,
+    };
+    let list = |keys: &[&str]| -> Result<Field, Skip> {
+        match json_field(&obj, keys)? {
+            None if missing_ok => Ok(Field::List(vec![])),
+            f => f.ok_or_else(|| missing(keys[0])),
+        }
+    };
+    let ingredients = list(&["ingredients"])?;
+    let directions = list(&["directions", "steps"])?;
     let ner = json_field(&obj, &["NER", "ner"])?.unwrap_or_else(|| ingredients.clone());
     Ok(Parsed::Recipe(Recipe {
         title,
@@ -399,6 +417,14 @@ mod tests {
             parse_jsonl(br#"{"title":"T"}"#).unwrap_err().reason,
             "missing_field"
         );
+        match parse_jsonl_prompt(br#"{"ingredients":["2 eggs"]}"#).unwrap() {
+            Parsed::Recipe(r) => {
+                assert_eq!(r.title, "");
+                assert_eq!(r.ingredients, Field::List(vec!["2 eggs".into()]));
+                assert!(r.directions.is_empty());
+            }
+            _ => panic!(),
+        }
         assert_eq!(
             parse_jsonl(b"{\"title\":\"\xff\"}").unwrap_err().reason,
             "invalid_utf8"

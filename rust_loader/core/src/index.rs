@@ -27,6 +27,7 @@ use crate::error::{LoaderError, Result};
 use crate::formats::{self, Columns, Format, Parsed, Skip, MAX_RECORD_BYTES};
 use crate::hash::{hash_file, hash_parts, mix, HashingReader};
 use crate::render::Renderer;
+use crate::split::{read_line_bounded, CsvRecords};
 use crate::tokenize::Tok;
 
 const MAGIC: &[u8; 8] = b"RLIDX004";
@@ -367,10 +368,7 @@ fn decompress(path: &Path, comp: Compression, stem: &str, root: &Path) -> Result
     let kind = comp.name();
     let mut failed_on_input = false;
     let res = write_atomic(&dest, |out| {
-        let mut reader: Box<dyn Read> = match comp {
-            Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(BufReader::new(src))),
-            _ => Box::new(zstd::stream::read::Decoder::new(src)?),
-        };
+        let mut reader = comp.reader(src)?;
         let mut buf = vec![0u8; 1 << 20];
         loop {
             let n = match reader.read(&mut buf) {
@@ -696,24 +694,23 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
             }
         }
         Format::RecipeNlg | Format::FoodCom => {
-            let mut rdr = CsvScanner::new(f);
+            let mut rdr = CsvRecords::new(f);
             rdr.next_record().map_err(io_err)?; // the header, read by `read_header`
             loop {
                 let mut chunk = Vec::with_capacity(CHUNK);
                 while chunk.len() < CHUNK {
-                    let Some(raw) = rdr.next_record().map_err(io_err)? else {
+                    let Some(rec) = rdr.next_record().map_err(io_err)? else {
                         break;
                     };
-                    if let RawData::Csv(rec) = &raw.data {
-                        let blank = rec.len() == 1
-                            && rec
-                                .get(0)
-                                .is_some_and(|f| f.iter().all(u8::is_ascii_whitespace));
-                        if blank && raw.len as usize <= MAX_RECORD_BYTES {
-                            continue;
-                        }
+                    if rec.is_blank() {
+                        continue;
                     }
-                    chunk.push(raw);
+                    chunk.push(Raw {
+                        start: rec.start,
+                        len: rec.len,
+                        line: rec.line,
+                        data: RawData::Csv(rec.fields),
+                    });
                 }
                 if chunk.is_empty() {
                     break;
@@ -724,134 +721,6 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
     }
     idx.content = hashing.digest();
     Ok(())
-}
-
-/// Splits CSV input into records with `csv_core` (the parser under the `csv` crate, same dialect), keeping at
-/// most `MAX_RECORD_BYTES` of a record: an unclosed quote that swallows the rest of the file costs no memory.
-/// It sees every byte, so a record's byte range and first line are exact whatever the line ends.
-struct CsvScanner<R> {
-    input: BufReader<R>,
-    core: csv_core::Reader,
-    pos: u64,
-    newlines: u64,
-    pending_cr: bool,
-    out: Vec<u8>,
-    ends: Vec<usize>,
-    done: bool,
-}
-
-impl<R: Read> CsvScanner<R> {
-    fn new(r: R) -> Self {
-        CsvScanner {
-            input: BufReader::with_capacity(1 << 20, r),
-            core: csv_core::Reader::new(),
-            pos: 0,
-            newlines: 0,
-            pending_cr: false,
-            out: vec![0; 4096],
-            ends: vec![0; 64],
-            done: false,
-        }
-    }
-
-    /// The next record (fields empty when it is over the limit: `len` says so), or None at the end.
-    fn next_record(&mut self) -> std::io::Result<Option<Raw>> {
-        use csv_core::ReadRecordResult::*;
-        if self.done {
-            return Ok(None);
-        }
-        let (start, newlines_before) = (self.pos, self.newlines);
-        // Line ends before the record's first byte of content: blank lines, or the end of the previous
-        // record's line (csv_core ends a record at `\r`, so a CRLF's `\n` is read with the next one).
-        let (mut leading, mut in_prefix) = (0u64, true);
-        let (mut outlen, mut endlen, mut over) = (0, 0, false);
-        loop {
-            let input = match self.input.fill_buf() {
-                Ok(b) => b,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            };
-            let (res, nin, nout, nend) =
-                self.core
-                    .read_record(input, &mut self.out[outlen..], &mut self.ends[endlen..]);
-            for &b in &input[..nin] {
-                // A line ends at `\n`, or at a `\r` that no `\n` follows (old Mac files).
-                let line_end = (b == b'\n' || self.pending_cr) as u64;
-                self.pending_cr = b == b'\r';
-                if in_prefix {
-                    leading += line_end;
-                    in_prefix = b == b'\r' || b == b'\n';
-                }
-                self.newlines += line_end;
-            }
-            self.input.consume(nin);
-            self.pos += nin as u64;
-            outlen += nout;
-            endlen += nend;
-            match res {
-                InputEmpty => {}
-                OutputFull if self.out.len() > MAX_RECORD_BYTES => (over, outlen) = (true, 0),
-                OutputFull => self.out.resize(self.out.len() * 2, 0),
-                OutputEndsFull if over => endlen = 0,
-                OutputEndsFull => self.ends.resize(self.ends.len() * 2, 0),
-                Record => break,
-                End => {
-                    self.done = true;
-                    return Ok(None);
-                }
-            }
-        }
-        let len = self.pos - start;
-        let mut rec = csv::ByteRecord::new();
-        if !over {
-            let mut from = 0;
-            for &end in &self.ends[..endlen] {
-                rec.push_field(&self.out[from..end]);
-                from = end;
-            }
-        }
-        Ok(Some(Raw {
-            data: RawData::Csv(rec),
-            start,
-            len: if over {
-                len.max(MAX_RECORD_BYTES as u64 + 1)
-            } else {
-                len
-            },
-            line: 1 + newlines_before + leading,
-        }))
-    }
-}
-
-/// Reads one line (through its `\n`) and keeps at most `limit` bytes of it in `buf`, so an over-long line (a whole
-/// JSON array on one line, say) costs no memory; returns the line's full length, 0 at the end.
-fn read_line_bounded(
-    r: &mut impl BufRead,
-    buf: &mut Vec<u8>,
-    limit: usize,
-) -> std::io::Result<usize> {
-    let mut total = 0;
-    loop {
-        let avail = match r.fill_buf() {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if avail.is_empty() {
-            return Ok(total);
-        }
-        let (used, done) = match avail.iter().position(|&b| b == b'\n') {
-            Some(i) => (i + 1, true),
-            None => (avail.len(), false),
-        };
-        let keep = used.min(limit.saturating_sub(buf.len()));
-        buf.extend_from_slice(&avail[..keep]);
-        r.consume(used);
-        total += used;
-        if done {
-            return Ok(total);
-        }
-    }
 }
 
 fn process_chunk(idx: &mut FileIndex, s: &IndexSettings, chunk: Vec<Raw>) -> Result<()> {

@@ -8,8 +8,10 @@ pub mod index;
 pub mod options;
 pub mod pack;
 pub mod plan;
+pub mod records;
 pub mod render;
 pub mod sample;
+pub mod split;
 pub mod stream;
 pub mod tokenize;
 

@@ -14,7 +14,7 @@
 //! (`source`/`target`, `input`/`output`) are used verbatim. A recipe whose field used by a template is empty is
 //! skipped as `empty_<field>`.
 use crate::error::{LoaderError, Result};
-use crate::formats::{Field, Parsed, Skip};
+use crate::formats::{Field, Parsed, Recipe, Skip};
 
 pub const TARGET_TEMPLATE: &str =
     "title: {title} | ingredients: {ingredients} | directions: {directions}";
@@ -144,6 +144,20 @@ fn number_steps(f: &Field) -> String {
     }
 }
 
+/// The first field that a template uses (`uses`) and the record leaves empty, as a skip.
+fn check_fields(r: &Recipe, uses: impl Fn(Name) -> bool) -> std::result::Result<(), Skip> {
+    if uses(Name::Title) && r.title.trim().is_empty() {
+        return Err(Skip::new("empty_title", "empty title"));
+    }
+    if uses(Name::Ingredients) && r.ingredients.is_empty() {
+        return Err(Skip::new("empty_ingredients", "empty ingredients"));
+    }
+    if uses(Name::Directions) && r.directions.is_empty() {
+        return Err(Skip::new("empty_directions", "empty directions"));
+    }
+    Ok(())
+}
+
 /// Source and target templates, validated.
 #[derive(Clone, Debug)]
 pub struct Renderer {
@@ -185,16 +199,7 @@ impl Renderer {
             Parsed::Pair { source, target } => return Ok((source.clone(), target.clone())),
             Parsed::Recipe(r) => r,
         };
-        let uses = |n| self.source.uses(n) || self.target.uses(n);
-        if uses(Name::Title) && r.title.trim().is_empty() {
-            return Err(Skip::new("empty_title", "empty title"));
-        }
-        if uses(Name::Ingredients) && r.ingredients.is_empty() {
-            return Err(Skip::new("empty_ingredients", "empty ingredients"));
-        }
-        if uses(Name::Directions) && r.directions.is_empty() {
-            return Err(Skip::new("empty_directions", "empty directions"));
-        }
+        check_fields(r, |n| self.source.uses(n) || self.target.uses(n))?;
         let title = r.title.trim();
         let ingr = join_list(&r.ingredients, "; ");
         let dirs = number_steps(&r.directions);
@@ -204,12 +209,35 @@ impl Renderer {
             Self::render_one(&self.target, title, &ingr, &dirs, &ner),
         ))
     }
+
+    /// Renders the source (the prompt) alone, needing only the fields the source template uses.
+    pub fn render_source(&self, p: &Parsed) -> std::result::Result<String, Skip> {
+        match p {
+            Parsed::Pair { source, .. } => Ok(source.clone()),
+            Parsed::Recipe(r) => Self::render_side(&self.source, r),
+        }
+    }
+
+    /// Renders the target (the reference) alone, needing only the fields the target template uses.
+    pub fn render_target(&self, p: &Parsed) -> std::result::Result<String, Skip> {
+        match p {
+            Parsed::Pair { target, .. } => Ok(target.clone()),
+            Parsed::Recipe(r) => Self::render_side(&self.target, r),
+        }
+    }
+
+    fn render_side(t: &Template, r: &Recipe) -> std::result::Result<String, Skip> {
+        check_fields(r, |n| t.uses(n))?;
+        let ingr = join_list(&r.ingredients, "; ");
+        let dirs = number_steps(&r.directions);
+        let ner = join_list(&r.ner, ", ");
+        Ok(Self::render_one(t, r.title.trim(), &ingr, &dirs, &ner))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::formats::Recipe;
 
     #[test]
     fn presets_and_rules() {
@@ -241,6 +269,37 @@ mod tests {
         assert!(e.to_string().contains("{titel}"), "{e}");
         assert!(Renderer::new("nope", None, None).is_err());
         assert!(Template::parse("{title").is_err());
+    }
+
+    #[test]
+    fn one_side_needs_only_its_own_fields() {
+        let r = Renderer::new("ingredients-to-recipe", None, None).unwrap();
+        let prompt_only = Parsed::Recipe(Recipe {
+            title: String::new(),
+            ingredients: Field::List(vec!["2 eggs".into(), "1 cup flour".into()]),
+            directions: Field::List(vec![]),
+            ner: Field::List(vec![]),
+        });
+        assert_eq!(
+            r.render_source(&prompt_only).unwrap(),
+            "Write a recipe with these ingredients: 2 eggs; 1 cup flour"
+        );
+        assert_eq!(
+            r.render_target(&prompt_only).unwrap_err().reason,
+            "empty_title"
+        );
+        assert_eq!(r.render(&prompt_only).unwrap_err().reason, "empty_title");
+        let full = Parsed::Recipe(Recipe {
+            title: "Pie".into(),
+            directions: Field::List(vec!["Mix.".into()]),
+            ..match prompt_only {
+                Parsed::Recipe(r) => r,
+                _ => unreachable!(),
+            }
+        });
+        let (s, t) = r.render(&full).unwrap();
+        assert_eq!(r.render_source(&full).unwrap(), s);
+        assert_eq!(r.render_target(&full).unwrap(), t);
     }
 
     #[test]

@@ -1,0 +1,130 @@
+"""The `trainer` command line as a user meets it: arguments, --help, the console of a run in a container."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import yaml
+
+from trainer.cli import _build_parser, _one_override_per_set
+from trainer.cli import main as cli_main
+
+
+def test_set_takes_one_value_so_the_paths_after_it_stay_paths(sample_csv, tiny_model_dir, capsys):
+    # `--set` used to take every word after it, the file included: "the following arguments are required".
+    code = cli_main(
+        ["data", "inspect", "--set", f"model_name_or_path={tiny_model_dir}", "--set", "max_source_length=64"]
+        + [str(sample_csv)]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "source tokens (max 64)" in out  # both overrides count
+    # Several KEY=VALUE words after one --set still count, each of them; the first other word is a path.
+    argv = ["data", "inspect", "--set=c=3", "a=1", "--set", "b=[x, y]", "d=", "x.csv", "y.csv"]
+    args = _build_parser().parse_args(_one_override_per_set(argv))
+    assert args.paths == ["x.csv", "y.csv"] and args.set == ["c=3", "a=1", "b=[x, y]", "d="]
+
+
+def test_help_speaks_to_users():
+    text = _build_parser().format_help()
+    # The description comes right after the usage lines, however wide the terminal wraps them.
+    assert "\n\nFine-tune FLAN-T5 on recipe files" in text
+    assert "library code" not in text and "decided here" not in text
+    assert "trainer train --config configs/quickstart.yaml" in text
+
+
+def _console_run(tmp_path, tiny_model_dir, sample_csv, **values) -> str:
+    """A short real run through `python -m trainer`, its output captured as `docker compose logs` would."""
+    config = tmp_path / "run.yaml"
+    values = {
+        "model_name_or_path": str(tiny_model_dir),
+        "dtype": "float32",
+        "train_files": [str(sample_csv)],
+        "max_source_length": 64,
+        "max_target_length": 96,
+        "per_device_train_batch_size": 8,
+        "eval_fraction": 0.05,
+        "eval_max_batches": 1,
+        "max_steps": 4,
+        "logging_steps": 2,
+        "eval_steps": 4,
+        "save_steps": 4,
+        "num_eval_generations": 1,
+        "generation_max_new_tokens": 8,
+        "gradient_checkpointing": False,
+        "output_dir": str(tmp_path / "out"),
+        "report_to": "none",
+        "discord_progress_minutes": -1,
+        **values,
+    }
+    config.write_text(yaml.safe_dump(values))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISCORD_", "WANDB_"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", "--config", str(config)],
+        env=dict(env, TOKENIZERS_PARALLELISM="false"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def test_console_outside_a_terminal_is_dated_log_lines_a_person_can_read(
+    tmp_path, tiny_model_dir, sample_csv
+):
+    console = _console_run(tmp_path, tiny_model_dir, sample_csv)
+    # No carriage-return progress bar (one endless line in `docker compose logs`), ours or transformers'.
+    assert "\r" not in console
+    lines = console.splitlines()
+    stamp = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} (INFO|WARNING) ")
+    logged = [line for line in lines if stamp.match(line)]
+    assert len(logged) >= 8, console
+    # Every line is a log line, except the generated recipe printed under its own log line.
+    recipe_at = next(
+        i for i, line in enumerate(lines) if "a recipe generated for held-out ingredients" in line
+    )
+    assert [line for line in lines if not stamp.match(line)] == lines[recipe_at + 1 : recipe_at + 3], console
+    # One progress line per logged step: step/total, loss, lr, tokens/s, ETA; no memory on a CPU.
+    progress = [line for line in lines if re.search(r" step \d+/4: loss ", line)]
+    assert len(progress) == 2, console
+    assert re.search(r"step 2/4: loss \d+\.\d{4}, lr \d\.\d\de-\d\d, [\d,]+ tokens/s, ETA \d+s$", progress[0])
+    assert all("memory" not in line and "mem=" not in line for line in progress)
+    # Numbers are rounded for a person; what concerns a GPU is not said on a CPU.
+    assert re.search(r"finished: 4 steps in \d+ s, final loss \d+\.\d{4}; the model is in ", console), console
+    for developer_note in ("0 decoder blocks", "0 gated-GELU", "allocator: n/a", "empty_cache: never"):
+        assert developer_note not in console
+
+
+def test_the_profiler_stops_when_the_run_ends_inside_its_window(tmp_path, tiny_model_dir, sample_csv):
+    import torch
+
+    from trainer.config import TrainConfig
+    from trainer.train import train
+
+    values = yaml.safe_load(
+        f"""
+model_name_or_path: {tiny_model_dir}
+dtype: float32
+train_files: [{sample_csv}]
+max_source_length: 64
+max_target_length: 96
+per_device_train_batch_size: 8
+eval_fraction: 0
+max_steps: 2
+save_steps: 100
+output_dir: {tmp_path / "out"}
+report_to: none
+progress_bar: false
+discord_progress_minutes: -1
+profile_start_step: 1
+profile_steps: 5
+"""
+    )
+    assert train(TrainConfig.from_dict(values)) == 0
+    # The window (steps 2-6) was cut short by the end of the run: the profiler is off again, no report.
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert not (tmp_path / "out" / "profile" / "kernels.txt").exists()

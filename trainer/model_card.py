@@ -1,0 +1,150 @@
+"""The model card: README.md in a trained model's directory, saying what it is and how to use it.
+
+`write_model_card(model_dir, info)` writes it; `ModelCardInfo` is everything it says, gathered by the
+training loop at the end of a run. The card has Hugging Face's YAML header (base_model, library_name,
+pipeline_tag), the `trainer generate` command and a transformers snippet with the exact prompt (rendered by
+the training loader's renderer), the prompt template, the data, the run (steps, tokens, wall time, hardware)
+and the final metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.prompt import PromptTemplate, template_parts
+
+__all__ = ["ModelCardInfo", "model_card", "write_model_card"]
+
+CARD_FILE = "README.md"
+EXAMPLE = {"title": "Lemon Pancakes", "ingredients": ["2 eggs", "1 cup flour", "1 cup milk", "1 lemon"]}
+
+
+@dataclass
+class ModelCardInfo:
+    """What the card says about a run. `model_path` is where the model is to be used from (final/, not the
+    temporary directory it is written to); `metrics` are the last logged values by name ("train/loss",
+    "eval/loss", "eval/rougeL", ...)."""
+
+    model_path: str
+    base_model: str
+    template: PromptTemplate
+    train_files: list[str]
+    train_records: int
+    eval_records: int
+    skipped_records: int
+    steps: int
+    tokens: int  # real (non-padding) source + target tokens trained on
+    wall_time_s: float
+    hardware: str  # e.g. "1x NVIDIA GeForce RTX 5090" or "CPU"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
+    h, m = divmod(minutes, 60)
+    return f"{h} h {m:02d} min" if h else f"{m} min {s:02d} s"
+
+
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell: a `|` (the default target template has two) would end the cell."""
+    return text.replace("|", "\\|")
+
+
+def example_prompt(template: PromptTemplate) -> tuple[str, list[str]]:
+    """A prompt rendered with the model's template, and the `trainer generate` options that give it."""
+    rendered = template.renderer().render(**EXAMPLE)
+    needs = {name for kind, name in template_parts(template.source_template) if kind == "field"}
+    options = []
+    if "title" in needs:
+        options += ["--title", EXAMPLE["title"]]
+    if "ingredients" in needs or not options:
+        options += ["--ingredients", "; ".join(EXAMPLE["ingredients"])]
+    return rendered["source"], options
+
+
+def model_card(info: ModelCardInfo) -> str:
+    """The card's Markdown text."""
+    t = info.template
+    prompt, options = example_prompt(t)
+    command = shlex.join(["trainer", "generate", "--model", info.model_path, *options])
+    metric_rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(info.metrics.items()))
+    files = ", ".join(f"`{f}`" for f in info.train_files) or "-"
+    read = info.train_records + info.eval_records + info.skipped_records
+    records = (
+        f"{info.train_records:,} trained on, {info.eval_records:,} held out, "
+        f"{info.skipped_records:,} of {read:,} skipped"
+    )
+    return f"""---
+base_model: {info.base_model}
+library_name: transformers
+pipeline_tag: text2text-generation
+tags:
+- recipe-generation
+- recipe-t5-trainer
+---
+
+# Recipe model fine-tuned from {info.base_model}
+
+Task `{t.task}`: the prompt is `{t.source_template}`; the model writes
+`{t.target_template}` (ingredients joined with "; ", directions numbered "1. ... 2. ...").
+
+## Use it
+
+```bash
+{command}
+trainer generate --model {shlex.quote(info.model_path)} --input held_out.csv --output recipes.jsonl
+trainer evaluate --model {shlex.quote(info.model_path)} --data held_out.csv --output report.json
+```
+
+With transformers alone, prompt it exactly as it was trained:
+
+```python
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained({info.model_path!r})
+model = AutoModelForSeq2SeqLM.from_pretrained({info.model_path!r})
+prompt = {prompt!r}
+inputs = tokenizer(prompt, return_tensors="pt", truncation=True, max_length={t.max_source_length})
+out = model.generate(**inputs, max_new_tokens={t.max_target_length})
+print(tokenizer.decode(out[0], skip_special_tokens=True))
+```
+
+## Prompt template (`recipe_template.json`)
+
+| | |
+|---|---|
+| source | `{_cell(t.source_template)}` |
+| target | `{_cell(t.target_template)}` |
+| max source / target tokens | {t.max_source_length} / {t.max_target_length} |
+| lists | ingredients joined with "; ", directions numbered "1. Mix. 2. Bake.", NER joined with ", " |
+
+## Training
+
+| | |
+|---|---|
+| base model | `{info.base_model}` |
+| data | {files} |
+| records | {records} |
+| steps | {info.steps:,} |
+| tokens | {info.tokens:,} (source + target, padding excluded) |
+| wall time | {_duration(info.wall_time_s)} |
+| hardware | {info.hardware} |
+
+## Final metrics
+
+| metric | value |
+|---|---|
+{metric_rows or "| - | - |"}
+"""
+
+
+def write_model_card(model_dir: str | os.PathLike[str], info: ModelCardInfo) -> Path:
+    """Write README.md (the model card) into `model_dir`; returns its path."""
+    path = Path(model_dir) / CARD_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(model_card(info), encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,138 @@
+"""One optimizer step's forward and backward: the token-summed loss, gradient accumulation over micro-batches,
+and the out-of-memory back-off.
+
+One optimizer step = `gradient_accumulation_steps` loader batches. The loss is the sum of token
+cross-entropies over the whole accumulated batch divided by its number of target tokens, so k micro-batches
+give the same gradient as one batch of all of them. On CUDA out-of-memory the loader batches are split into
+halves (then quarters, ...) on the Python side: the same data in the same order, the same effective batch,
+more micro-steps.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from trainer import distributed, memory
+from trainer.config import TrainConfig
+from trainer.data import to_device
+from trainer.memory_plan import RunPlan, probe_shapes
+from trainer.run_state import OomBackoff
+
+log = logging.getLogger(__name__)
+
+
+def token_loss_sum(model, batch: dict):
+    """Sum of target-token cross-entropies of `batch` (fp32), without HF's per-batch mean.
+
+    `model` is the HF model, or a `Seq2SeqLMLoss` possibly wrapped by DDP (`.module`) or FSDP: what
+    distributed training wraps, so that its hooks see the whole step."""
+    from trainer.loss import Seq2SeqLMLoss
+
+    if not isinstance(model, Seq2SeqLMLoss) and not isinstance(getattr(model, "module", None), Seq2SeqLMLoss):
+        model = Seq2SeqLMLoss(model)
+    return model(batch["input_ids"], batch["attention_mask"], batch["labels"])
+
+
+def accumulate_gradients(model, group: list[dict], split: int, stop=None, n_target: int | None = None):
+    """Forward+backward over the loader batches of one optimizer step, each split into `split` micro-batches.
+
+    Gradients are of (sum of token losses) / (target tokens in the whole group). Returns (loss sum tensor,
+    number of target tokens), or None when `stop` became true at a micro-batch boundary. `n_target`: this
+    rank's target-token count when the caller has it from the host copy of the batches (counting the GPU
+    copy would wait for the GPU to finish the previous step).
+
+    Several ranks: the group is this rank's part of the global one. The target-token count is summed over
+    ranks before any backward, and each rank's loss is scaled by world_size because DDP and FSDP average
+    gradients over ranks: the result is (sum of all ranks' token losses) / (global target tokens), as one
+    process would compute over the global batch. DDP all-reduces after the last micro-batch only. The
+    returned count is the global one, the loss sum this rank's.
+    """
+
+    if n_target is None:
+        n_target = sum(int((b["labels"] != -100).sum()) for b in group)
+    n_target = int(distributed.all_sum([n_target])[0])
+    per_rank_tokens = max(n_target, 1) / distributed.world_size()
+    micro_batches = [micro for batch in group for micro in memory.split_batch(batch, split)]
+    total = 0.0
+    for i, micro in enumerate(micro_batches):
+        if stop:
+            return None
+        with distributed.gradient_sync(model, sync=i == len(micro_batches) - 1):
+            loss_sum = token_loss_sum(model, micro)
+            (loss_sum / per_rank_tokens).backward()
+        total = total + loss_sum.detach()  # no sync with the GPU here
+    return total, n_target
+
+
+def accumulate_with_oom_backoff(
+    model,
+    group: list[dict],
+    oom: OomBackoff,
+    cfg: TrainConfig,
+    plan: RunPlan,
+    reporter=None,
+    step: int = 0,
+    stop=None,
+    n_target: int | None = None,
+):
+    """accumulate_gradients, halving the micro-batch (doubling oom.split) on out-of-memory and retrying the
+    same data, at most cfg.max_oom_halvings times in the run."""
+    import torch
+
+    while True:
+        failed = False
+        try:
+            return accumulate_gradients(model, group, oom.split, stop, n_target)
+        except torch.OutOfMemoryError:
+            if distributed.is_distributed():
+                # The other ranks are waiting in a collective of this step: no retry, torchrun stops them all.
+                raise RuntimeError(
+                    f"out of GPU memory on rank {distributed.rank()} at step {step}; with several processes "
+                    "the micro-batch is not halved automatically: lower max_tokens or "
+                    "per_device_train_batch_size, or use distributed_strategy: fsdp"
+                ) from None
+            failed = True  # handled outside the except block, so the traceback's tensors can be freed
+        if failed:
+            model.zero_grad(set_to_none=True)
+            memory.free_memory()
+            oom.halvings += 1
+            if oom.halvings > cfg.max_oom_halvings:
+                raise RuntimeError(
+                    f"out of GPU memory at step {step} even after {cfg.max_oom_halvings} halvings of the "
+                    f"micro-batch (now 1/{oom.split} of a loader batch); lower max_tokens or "
+                    f"per_device_train_batch_size.\n{memory.memory_summary()}"
+                )
+            oom.split *= 2
+            accumulation = cfg.gradient_accumulation_steps * oom.split
+            micro = plan.micro_batch(oom.split)
+            log.warning(
+                "out of memory at step %d: micro-batch halved to %s, accumulation %d (same effective batch)",
+                step,
+                micro,
+                accumulation,
+            )
+            if reporter is not None:
+                reporter.oom_backoff(step=step, micro_batch=micro, accumulation=accumulation)
+
+
+def probe_memory(train_module, cfg: TrainConfig, plan: RunPlan, oom: OomBackoff, device) -> None:
+    """oom_probe: before training, one forward+backward on each of the largest micro-batch shapes the loader
+    can yield (random ids), through the OOM back-off, so a budget that does not fit is halved now rather than
+    hours into the run. The gradients are dropped."""
+    import torch
+
+    shapes = probe_shapes(cfg, plan.max_tokens)
+    g = torch.Generator().manual_seed(0)
+    for rows, src, tgt in shapes:
+        batch = {
+            "input_ids": torch.randint(3, 100, (rows, src), generator=g),  # any vocabulary has these ids
+            "attention_mask": torch.ones(rows, src, dtype=torch.long),
+            "labels": torch.randint(3, 100, (rows, tgt), generator=g),
+        }
+        accumulate_with_oom_backoff(train_module, [to_device(batch, device)], oom, cfg, plan, step=0)
+        train_module.zero_grad(set_to_none=True)
+    memory.free_memory()
+    log.info(
+        "oom_probe: the largest micro-batches the loader can yield fit with micro-batch %s",
+        plan.micro_batch(oom.split),
+    )

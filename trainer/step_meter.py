@@ -1,0 +1,275 @@
+"""Counting the loop's steps: throughput over the logging window, the ETA, the train log, the run summary, and
+the progress a person watching the console sees.
+
+`<output_dir>/train_log.jsonl` (rank 0) has one row per optimizer step, `{"step", "loss", "lr", "time",
+"samples", "source_tokens", "target_tokens", "padded_tokens"}` (token counts of the whole job, real tokens
+apart from the padded total), and one row per evaluation, `{"step", "eval_loss", "time"}` (further evaluation
+metrics are further keys), as in HF's `log_history`: a row with "loss" is a training step, one with
+"eval_loss" an evaluation. Each row is one write of a complete line, so a killed run leaves whole rows.
+`<output_dir>/run_summary.json` is written at the end: steps, wall time, throughput, memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from trainer.memory import GpuMemory
+
+log = logging.getLogger(__name__)
+
+TRAIN_LOG = "train_log.jsonl"
+SUMMARY = "run_summary.json"
+
+
+def format_duration(seconds: float | None) -> str:
+    """`3h 4m`, `12m 5s`, `40s`; "unknown" for None, a negative or a non-finite number."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "unknown"
+    seconds = int(round(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h {minutes}m"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {secs}s"
+    return f"{secs}s"
+
+
+@dataclass
+class StepCounts:
+    """What optimizer steps processed: rows, real (non-pad) source and target tokens, and padded positions."""
+
+    samples: int = 0
+    source_tokens: int = 0
+    target_tokens: int = 0
+    padded_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.source_tokens + self.target_tokens
+
+    def add(self, other: StepCounts) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def row(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class LoggedStep:
+    """One logged step: what the console, W&B and Discord are told (`Reporter.log_step`)."""
+
+    step: int
+    total_steps: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float  # real tokens, over the steps since the last logged one
+    samples_per_s: float
+    real_token_share: float  # real tokens / padded positions
+    eta_s: float | None
+    memory: GpuMemory | None  # None on CPU
+
+    def metrics(self) -> dict[str, float]:
+        """The W&B metrics of this step (plotted against train/global_step)."""
+        metrics = {
+            "train/loss": self.loss,
+            "train/lr": self.lr,
+            "train/grad_norm": self.grad_norm,
+            "train/tokens_per_s": self.tokens_per_s,
+            "train/samples_per_s": self.samples_per_s,
+            "train/real_token_share": self.real_token_share,
+        }
+        if self.memory is not None:
+            metrics["gpu/memory_peak_gib"] = self.memory.peak_gib
+            metrics["gpu/memory_allocated_gib"] = self.memory.allocated_gib
+            metrics["gpu/memory_reserved_gib"] = self.memory.reserved_gib
+        return metrics
+
+    def line(self) -> str:
+        """One log line: `step 20/250: loss 2.0618, lr 5.00e-03, 512 tokens/s, ETA 1m 3s` (+ GPU memory)."""
+        text = (
+            f"step {self.step}/{self.total_steps}: loss {self.loss:.4f}, lr {self.lr:.2e}, "
+            f"{self.tokens_per_s:,.0f} tokens/s, ETA {format_duration(self.eta_s)}"
+        )
+        if self.memory is not None:
+            text += f", GPU memory {self.memory.peak_gib:.1f} GiB peak"
+        return text
+
+
+class StepMeter:
+    """Counts the steps of this process: `step_done` after every optimizer step, `log_window` at each logging
+    step, `evaluated` after each evaluation, `write_summary` at the end.
+
+    The ETA is (time since this process started training) / (steps it has done) x (steps left): right after a
+    resume and after checkpoints alike. `output_dir` None (ranks other than 0): no files. `clock` is the
+    monotonic clock the rates and the ETA use."""
+
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int,
+        output_dir: str | Path | None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.total_steps, self.start_step = total_steps, start_step
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self._clock = clock
+        self.started = self._window_started = clock()
+        self.window = StepCounts()  # since the last logged step
+        self.run = StepCounts()  # since this process started training
+        if self.output_dir is not None:
+            drop_rows_after(self.output_dir / TRAIN_LOG, start_step)
+
+    def step_done(self, step: int, loss: float, lr: float, counts: StepCounts) -> None:
+        self.window.add(counts)
+        self.run.add(counts)
+        self._append({"step": step, "loss": loss, "lr": lr, "time": time.time(), **counts.row()})
+
+    def evaluated(self, step: int, metrics: dict[str, float]) -> None:
+        """Log an evaluation's metrics (e.g. {"eval_loss": 2.1}) as a row of the train log."""
+        self._append({"step": step, **metrics, "time": time.time()})
+
+    def should_log(self, step: int, logging_steps: int) -> bool:
+        return step % logging_steps == 0 or step == self.total_steps
+
+    def eta_s(self, step: int) -> float | None:
+        done = step - self.start_step
+        if done <= 0:
+            return None
+        return (self._clock() - self.started) / done * max(self.total_steps - step, 0)
+
+    def log_window(
+        self, step: int, *, loss: float, lr: float, grad_norm: float, memory: GpuMemory | None
+    ) -> LoggedStep:
+        """The numbers of the steps since the last logged one; starts the next window."""
+        now = self._clock()
+        seconds = max(now - self._window_started, 1e-9)
+        logged = LoggedStep(
+            step=step,
+            total_steps=self.total_steps,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens_per_s=self.window.tokens / seconds,
+            samples_per_s=self.window.samples / seconds,
+            real_token_share=self.window.tokens / max(self.window.padded_tokens, 1),
+            eta_s=self.eta_s(step),
+            memory=memory,
+        )
+        self.window, self._window_started = StepCounts(), now
+        return logged
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds since this process started training."""
+        return self._clock() - self.started
+
+    def write_summary(self, step: int, duration_s: float, values: dict[str, Any]) -> None:
+        """`run_summary.json`: steps, `duration_s` (of this process's training), its tokens/s, and `values`. A
+        rerun that trained nothing (it only wrote a missing final/) keeps the summary of the run."""
+        path = self.output_dir / SUMMARY if self.output_dir is not None else None
+        if path is None or (self.run.tokens == 0 and path.exists()):
+            return
+        summary = {
+            "steps": step,
+            "duration_s": duration_s,
+            "tokens_per_s": self.run.tokens / max(duration_s, 1e-9),
+            **values,
+        }
+        path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+
+    def _append(self, row: dict[str, Any]) -> None:
+        if self.output_dir is not None:
+            append_row(self.output_dir / TRAIN_LOG, row)
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """Append `row` to a JSONL file as one write of a complete line (O_APPEND, unbuffered)."""
+    data = (json.dumps(row) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def drop_rows_after(train_log: Path, step: int) -> None:
+    """Keep the train log's rows up to `step`: a run killed after its last checkpoint logged steps (and
+    evaluations) that the resumed run repeats."""
+    if not train_log.exists():
+        return
+    lines = train_log.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if _row_step(line) <= step]
+    if len(kept) != len(lines):
+        log.info(
+            "train log: dropping %d rows after step %d (the resumed run logs them again)",
+            len(lines) - len(kept),
+            step,
+        )
+        train_log.write_text("".join(kept), encoding="utf-8")
+
+
+def _row_step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 0  # a partial last line of a killed run is dropped only if it parses to a later step
+
+
+class ConsoleProgress:
+    """What a person watching the console sees: on a terminal, a progress bar with the last logged numbers;
+    elsewhere (`docker compose logs`, a file) no bar, which would be one endless line there, but one log line
+    per logged step. `enabled` False (ranks other than 0): nothing. `bar` False: log lines on a terminal
+    too."""
+
+    def __init__(self, total: int, initial: int, *, enabled: bool = True, bar: bool = True):
+        self.enabled = enabled
+        self._bar = None
+        if enabled and bar and sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def show(self, logged: LoggedStep) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            log.info("%s", logged.line())
+            return
+        numbers = {
+            "loss": f"{logged.loss:.4f}",
+            "lr": f"{logged.lr:.2e}",
+            "tok/s": f"{logged.tokens_per_s:,.0f}",
+        }
+        if logged.memory is not None:
+            numbers["mem"] = f"{logged.memory.peak_gib:.1f}G"
+        self._bar.set_postfix(numbers, refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> ConsoleProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
