@@ -92,6 +92,8 @@ pub fn to_py(e: LoaderError) -> PyErr {
             LoaderError::Data { .. } => (&c.data, None),
             LoaderError::Config(_) => (&c.config, None),
             LoaderError::Internal(_) => (&c.internal, None),
+            // Only returned after the binding's own signal check raised; never seen otherwise.
+            LoaderError::Cancelled => (&c.internal, None),
         };
         let made = || -> PyResult<PyErr> {
             let exc = class.bind(py).call1((e.to_string(),))?;

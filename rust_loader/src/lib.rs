@@ -10,6 +10,7 @@ use serde_json::Value;
 mod errors;
 mod render;
 mod sample;
+mod signals;
 
 use errors::to_py;
 
@@ -91,7 +92,9 @@ impl RecipeLoader {
             tokenizer,
             options,
         };
-        let mut inner = py.detach(|| Loader::new(cfg)).map_err(to_py)?;
+        // Indexing can take minutes: Ctrl-C (or a SIGTERM handler that raises) stops it.
+        let mut inner = signals::interruptible(py, |cancel| Loader::new_cancellable(cfg, cancel))?
+            .map_err(to_py)?;
         log_warnings(py, inner.take_warnings())?;
         Ok(RecipeLoader { inner })
     }

@@ -4,7 +4,8 @@ use thiserror::Error;
 /// Every failure the loader reports. The Python layer maps each variant to its own exception class, all under
 /// `RecipeLoaderError`: `File` to `RecipeFileError` (an `OSError`, with `errno` when an I/O error caused it),
 /// `Data` to `RecipeDataError` (a `ValueError`), `Config` to `RecipeConfigError` (a `RecipeDataError`) and
-/// `Internal` to `RecipeInternalError` (a `RuntimeError`).
+/// `Internal` to `RecipeInternalError` (a `RuntimeError`); `Cancelled` gives way to the Python exception that
+/// asked for it.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum LoaderError {
     /// Missing path, empty glob, unreadable or corrupt file, unreadable tokenizer. `errno` is the operating
@@ -28,6 +29,10 @@ pub enum LoaderError {
     /// A bug: a worker panicked. Reported instead of crossing into Python as a panic.
     #[error("internal loader error: {0}")]
     Internal(String),
+    /// The caller stopped the pass (see [`crate::cancel`]); the Python binding raises the exception of the
+    /// signal handler that asked for it instead.
+    #[error("cancelled")]
+    Cancelled,
 }
 
 fn fmt_data(path: &str, line: u64, reason: &str) -> String {
@@ -48,7 +53,14 @@ impl LoaderError {
         }
     }
     /// A file error caused by `err`, keeping its errno; `context` (may be empty) says what was being done.
+    /// A read stopped by [`crate::cancel::CancellableRead`] is [`LoaderError::Cancelled`].
     pub fn io(path: impl std::fmt::Display, context: &str, err: &std::io::Error) -> Self {
+        if err
+            .get_ref()
+            .is_some_and(|e| e.is::<crate::cancel::Cancelled>())
+        {
+            return LoaderError::Cancelled;
+        }
         LoaderError::File {
             path: path.to_string(),
             reason: if context.is_empty() {

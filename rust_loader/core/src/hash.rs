@@ -2,6 +2,7 @@
 //! content hash of data files (xxh3-64, a fixed specification: its values do not change with the crate's version).
 use std::io::Read;
 use std::path::Path;
+use std::sync::atomic::AtomicBool;
 
 use xxhash_rust::xxh3::Xxh3Default;
 
@@ -58,9 +59,10 @@ impl<R: Read> Read for HashingReader<R> {
     }
 }
 
-/// xxh3-64 of a whole file, read in 1 MiB blocks.
-pub fn hash_file(path: &Path) -> std::io::Result<u64> {
-    let mut r = HashingReader::new(std::fs::File::open(path)?);
+/// xxh3-64 of a whole file, read in 1 MiB blocks; stops with [`crate::cancel::Cancelled`] once `stop` is set.
+pub fn hash_file(path: &Path, stop: &AtomicBool) -> std::io::Result<u64> {
+    let file = std::fs::File::open(path)?;
+    let mut r = HashingReader::new(crate::cancel::CancellableRead::new(file, stop));
     let mut buf = vec![0u8; 1 << 20];
     loop {
         match r.read(&mut buf) {

@@ -18,10 +18,12 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::cancel::{self, CancellableRead};
 use crate::compress::Compression;
 use crate::error::{LoaderError, Result};
 use crate::formats::{self, Columns, Format, Parsed, Skip, MAX_RECORD_BYTES};
@@ -122,6 +124,8 @@ impl FileIndex {
 
 /// Settings that shape an index.
 pub struct IndexSettings<'a> {
+    /// Set by another thread to stop indexing (see [`crate::cancel`]).
+    pub cancel: &'a AtomicBool,
     pub tok: &'a Tok,
     pub renderer: &'a Renderer,
     pub max_source: usize,
@@ -350,7 +354,13 @@ fn write_atomic(
 /// The decompressed copy of `path`, made once per version of the compressed file: its key has the inode and
 /// ctime too, so a compressed file rewritten with the same size and mtime gets a new copy (and `chmod` one more
 /// decompression).
-fn decompress(path: &Path, comp: Compression, stem: &str, root: &Path) -> Result<PathBuf> {
+fn decompress(
+    path: &Path,
+    comp: Compression,
+    stem: &str,
+    root: &Path,
+    stop: &AtomicBool,
+) -> Result<PathBuf> {
     let st = stamp(path)?;
     let key = hash_parts(&[
         st.canon.as_bytes(),
@@ -368,7 +378,7 @@ fn decompress(path: &Path, comp: Compression, stem: &str, root: &Path) -> Result
     let kind = comp.name();
     let mut failed_on_input = false;
     let res = write_atomic(&dest, |out| {
-        let mut reader = comp.reader(src)?;
+        let mut reader = CancellableRead::new(comp.reader(src)?, stop);
         let mut buf = vec![0u8; 1 << 20];
         loop {
             let n = match reader.read(&mut buf) {
@@ -473,7 +483,7 @@ pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) ->
     let data_path = if comp == Compression::None {
         path.to_path_buf()
     } else {
-        decompress(path, comp, &stem, &root)?
+        decompress(path, comp, &stem, &root, s.cancel)?
     };
     let first_byte =
         first_content_byte(&data_path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
@@ -571,7 +581,7 @@ pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) ->
     };
     // Taken before the scan: a write during it changes the ctime, so the next run checks the content again.
     let now = stamp(&idx.data_path)?.identity;
-    if reuse_cache(&candidates, &mut idx, now, warnings)? {
+    if reuse_cache(&candidates, &mut idx, now, s.cancel, warnings)? {
         idx.cached = true;
         if s.strict {
             if let Some(ex) = idx.examples.first() {
@@ -607,6 +617,7 @@ fn reuse_cache(
     candidates: &[PathBuf],
     idx: &mut FileIndex,
     now: Identity,
+    stop: &AtomicBool,
     warnings: &mut Vec<String>,
 ) -> Result<bool> {
     let Some(cache) = candidates.iter().find(|c| load_cache(c, idx).is_ok()) else {
@@ -615,7 +626,7 @@ fn reuse_cache(
     if idx.identity == now {
         return Ok(true);
     }
-    let content = hash_file(&idx.data_path)
+    let content = hash_file(&idx.data_path, stop)
         .map_err(|e| LoaderError::io(idx.path.display(), "read error", &e))?;
     if content == idx.content {
         idx.identity = now;
@@ -643,7 +654,7 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
     let shown = idx.path.display().to_string();
     let file = File::open(&idx.data_path).map_err(|e| LoaderError::io(&shown, "", &e))?;
     // The content hash of what is indexed, computed on the way (both readers below read to the end).
-    let mut hashing = HashingReader::new(file);
+    let mut hashing = HashingReader::new(CancellableRead::new(file, s.cancel));
     let f = &mut hashing;
     let io_err = |e: std::io::Error| LoaderError::io(&shown, "read error", &e);
     match idx.format {
@@ -724,6 +735,7 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
 }
 
 fn process_chunk(idx: &mut FileIndex, s: &IndexSettings, chunk: Vec<Raw>) -> Result<()> {
+    cancel::check(s.cancel)?;
     let format = idx.format;
     let cols = idx.columns.clone();
     let results: Vec<std::result::Result<Entry, Skip>> = chunk

@@ -1,5 +1,6 @@
 //! recipe_core: reading recipe dumps, rendering, tokenizing and batching, without Python.
 
+pub mod cancel;
 pub mod compress;
 pub mod error;
 pub mod formats;

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -429,11 +430,17 @@ impl Loader {
     /// Validates settings, indexes every file (or loads cached indexes) and computes the selection. A bug that
     /// panics here is returned as [`LoaderError::Internal`].
     pub fn new(c: LoaderConfig) -> Result<Loader> {
-        catch_unwind(AssertUnwindSafe(|| Loader::build(c)))
+        Loader::new_cancellable(c, &AtomicBool::new(false))
+    }
+
+    /// [`Loader::new`] that another thread can stop by setting `cancel`: it then returns
+    /// [`LoaderError::Cancelled`] within one chunk of records (or one MiB read), having written no index cache.
+    pub fn new_cancellable(c: LoaderConfig, cancel: &AtomicBool) -> Result<Loader> {
+        catch_unwind(AssertUnwindSafe(|| Loader::build(c, cancel)))
             .unwrap_or_else(|p| Err(LoaderError::Internal(panic_message("indexing", &p))))
     }
 
-    fn build(c: LoaderConfig) -> Result<Loader> {
+    fn build(c: LoaderConfig, cancel: &AtomicBool) -> Result<Loader> {
         let o = &c.options;
         o.check()?;
         let renderer = Renderer::new(
@@ -444,6 +451,7 @@ impl Loader {
         let paths = index::expand_paths(&c.paths)?;
         let tok = Tok::load(&c.tokenizer, o.max_source_length, o.max_target_length)?;
         let settings = IndexSettings {
+            cancel,
             tok: &tok,
             renderer: &renderer,
             max_source: o.max_source_length,

@@ -797,3 +797,28 @@ fn packing_settings_are_checked() {
     let e = Loader::new(c).err().unwrap().to_string();
     assert!(e.contains("packed_target_length is for packing"), "{e}");
 }
+
+#[test]
+fn a_cancelled_pass_stops_and_caches_nothing() {
+    use std::sync::atomic::AtomicBool;
+    let dir = tempfile::tempdir().unwrap();
+    let p = many(dir.path(), 3000);
+    let c = config(&[&p], dir.path());
+    // Set before the pass starts (tests/test_loader_signals.py sets it part-way, through a real signal).
+    let cancel = AtomicBool::new(true);
+    let result = Loader::new_cancellable(c.clone(), &cancel);
+    assert!(matches!(result, Err(LoaderError::Cancelled)));
+    let caches = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".rlidx")
+        })
+        .count();
+    assert_eq!(caches, 0);
+    // Nothing is left half-done: the next pass indexes the file.
+    assert_ne!(Loader::new(c).unwrap().len(), 0);
+}
