@@ -153,10 +153,15 @@ def test_packing_settings_are_checked(data, tiny_model_dir):
 
 def test_inspect_shows_the_packed_shape(data, tiny_model_dir):
     cfg = TrainConfig.load(None, [f"model_name_or_path={tiny_model_dir}", "packing=true", "max_tokens=16384"])
-    last = inspect_report([str(data)], cfg).splitlines()[-1]
-    shape = packed(data, tiny_model_dir).stats()["packed_shape"]
+    report = inspect_report([str(data)], cfg).splitlines()
+    last, efficiency = report[-2], report[-1]
+    stats = packed(data, tiny_model_dir).stats()
+    shape = stats["packed_shape"]
     assert last.startswith(
         f"packing {shape['rows']} rows x ({shape['source_len']} + {shape['target_len']}) tokens "
         "(max_tokens=16384, row lengths chosen from the data): "
     )
     assert "real-token share 99." in last
+    records_per_row = stats["records"] / (stats["batches_per_epoch"] * shape["rows"])
+    assert efficiency.startswith("packing efficiency: 99.")
+    assert efficiency.endswith(f"{records_per_row:.1f} records per row")

@@ -52,6 +52,7 @@ __all__ = [
     "RecipeStream",
     "loader_options",
     "inspect_report",
+    "records_in",
     "resolve_tokenizer_file",
     "stream_for",
     "to_device",
@@ -190,6 +191,15 @@ def loader_options(cfg: TrainConfig) -> dict[str, Any]:
     return {name: getattr(cfg, field) for name, field in fields.items() if hasattr(cfg, field)}
 
 
+def records_in(batch: Batch | dict[str, Any]) -> int:
+    """Records in a batch: its rows, or in a packed batch the segments of all rows (the last segment id of a
+    row is its number of records)."""
+    segments = batch.get("encoder_segment_ids")
+    if segments is None:
+        return len(batch["input_ids"])
+    return int(segments.max(1).sum()) if len(segments) else 0
+
+
 def stream_for(
     cfg: TrainConfig,
     tokenizer_file: str | os.PathLike[str],
@@ -211,6 +221,8 @@ def stream_for(
         "rank": rank,
         "world_size": world_size,
     }
+    if split == "eval":  # held-out batches are unpacked: a row is one record, to generate from and score
+        options |= {"packing": False, "packed_source_length": None, "packed_target_length": None}
     return RecipeStream(list(paths) if paths is not None else cfg.train_files, tokenizer_file, **options)
 
 
@@ -294,6 +306,13 @@ def inspect_report(paths: list[str], cfg: TrainConfig) -> str:
         f"{'' if st['packed_shape'] else 'batching '}{batching}: {len(stream)} batches/epoch, padding wastes "
         f"{100 * (1 - share):.1f}% of tokens (real-token share {100 * share:.1f}%)",
     ]
+    if st["packed_shape"]:
+        shape = st["packed_shape"]
+        rows = st["batches_per_epoch"] * shape["rows"]
+        lines.append(
+            f"packing efficiency: {100 * share:.1f}% of the row capacity is real tokens, "
+            f"{st['records'] / max(rows, 1):.1f} records per row"
+        )
     if st["oversize_batches"]:
         lines.append(f"records over the max_tokens budget (own batch each): {st['oversize_batches']}")
     return "\n".join(lines)

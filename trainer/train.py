@@ -33,7 +33,7 @@ from torch.profiler import record_function
 from trainer import checkpoint as ckpt
 from trainer import distributed, memory
 from trainer.config import DATA_FORMATS, ConfigError, TrainConfig
-from trainer.data import skipped_summary, stream_for, to_device
+from trainer.data import records_in, skipped_summary, stream_for, to_device
 from trainer.evaluation import EvalResult, evaluate
 from trainer.healthcheck import Heartbeat
 from trainer.memory_plan import RunPlan, plan_run
@@ -482,9 +482,10 @@ def loop(run: Run, state: RunState) -> EvalResult | None:
 
 
 def step_counts(group: list[dict]) -> StepCounts:
-    """Rows, real source and target tokens and padded positions of one step's loader batches (host copies)."""
+    """Records, real source and target tokens and padded positions of one step's loader batches (host
+    copies)."""
     return StepCounts(
-        samples=sum(len(b["input_ids"]) for b in group),
+        samples=sum(records_in(b) for b in group),
         source_tokens=sum(int(b["attention_mask"].sum()) for b in group),
         target_tokens=sum(int((b["labels"] != -100).sum()) for b in group),
         padded_tokens=sum(b["input_ids"].size + b["labels"].size for b in group),
