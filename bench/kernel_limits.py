@@ -2,6 +2,7 @@
 
     python3 bench/kernel_limits.py            # GPU machine: 3-6 minutes on an H100 (estimate)
     python3 bench/kernel_limits.py --tiny     # no GPU: checks the script (and the checker) on the CPU
+    python3 bench/kernel_limits.py --set packing=true   # the packed path: trainer.packed_attention's kernels
 
 An RTX 5090 (sm_120) gives one block at most 99 KiB (101,376 bytes) of shared memory, an H100 227 KiB: a
 kernel that needs more compiles and runs on the H100 and fails on the 5090 at its first launch (Triton's

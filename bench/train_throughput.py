@@ -3,6 +3,7 @@ GPU and data, in one call.
 
     python3 bench/train_throughput.py                 # GPU: the tuned peer, the rtx5090 preset, loss check
     python3 bench/train_throughput.py --peers tuned,adamw_bs16_ga8 --variants ours_32k,ours
+    python3 bench/train_throughput.py --peers '' --variants ours_32k,ours_packed   # packing against padding
     python3 bench/train_throughput.py --tiny          # CPU: a tiny shape through the same code
 
 Data: synthetic recipe-length token sequences (bench_run.make_records: 4096 records, source ~
@@ -62,6 +63,7 @@ VARIANTS = {
     "ours_empty_cache_every_step": {"empty_cache_steps": 1},
     "ours_8k": {"max_tokens": 8192},
     "ours_32k": {"max_tokens": 32768},
+    "ours_packed": {"max_tokens": 32768, "packing": True},  # ours_32k with packed rows (docs/loader.md)
     "ours_32k_all_checkpointed": {"max_tokens": 32768, "decoder_blocks_without_checkpointing": 0},
     "ours_32k_compile": {"max_tokens": 32768, "torch_compile": True},
     "ours_64k": {"max_tokens": 65536},
@@ -104,7 +106,7 @@ def run_ours(
     import torch
 
     from trainer.config import TrainConfig
-    from trainer.memory_plan import _plan_kwargs, budget_peak, load_shape, with_planned_batch
+    from trainer.memory_plan import _plan_kwargs, budget_peak, load_shape, row_lengths, with_planned_batch
     from trainer.train import SUMMARY, TRAIN_LOG, train
 
     shape = "tiny" if tiny else "xl"
@@ -134,9 +136,15 @@ def run_ours(
     )
     # What the trainer leaves to the memory plan (decoder blocks without checkpointing), decided as it does.
     cfg = with_planned_batch(TrainConfig.from_dict(values, source=variant))
+    src_cap, tgt_cap = row_lengths(cfg)
     plan = {  # the memory plan's prediction for this config: typical recipe rows, and the worst case
         f"plan_{kind}_gib": budget_peak(
-            load_shape(str(model_dir)), cfg.max_tokens, worst_case=kind == "worst", **_plan_kwargs(cfg)
+            load_shape(str(model_dir)),
+            cfg.max_tokens,
+            src_cap=src_cap,
+            tgt_cap=tgt_cap,
+            worst_case=kind == "worst",
+            **_plan_kwargs(cfg),
         ).peak
         / 2**30
         for kind in ("typical", "worst")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import os
@@ -225,6 +226,32 @@ def test_file_errors_name_the_path(tmp_path, tiny_model_dir, sample_csv):
     (tmp_path / "tok.json").write_text("{not a tokenizer")
     raises(sample_csv, tokenizer=tmp_path / "tok.json", match="tok.json")
     raises(sample_csv, tokenizer=tmp_path / "no-such-dir", match="no-such-dir")
+
+
+def test_path_errors_say_what_is_wrong(tmp_path, tiny_model_dir, monkeypatch):
+    def error(paths):
+        with pytest.raises(RecipeFileError) as e:
+            RecipeStream(paths, tiny_model_dir, batch_size=4, cache_dir=tmp_path / "cache")
+        return e.value
+
+    (tmp_path / "loop_a.csv").symlink_to(tmp_path / "loop_b.csv")
+    (tmp_path / "loop_b.csv").symlink_to(tmp_path / "loop_a.csv")
+    e = error(tmp_path / "loop_a.csv")
+    assert "loop_a.csv: symlink loop" in str(e) and e.errno == errno.ELOOP
+    (tmp_path / "dangling.csv").symlink_to(tmp_path / "gone.csv")
+    e = error(tmp_path / "dangling.csv")
+    assert f"dangling.csv: broken symlink: it points to {tmp_path / 'gone.csv'}" in str(e)
+    assert e.errno == errno.ENOENT
+    # A glob does not skip such a file silently.
+    (tmp_path / "globbed").mkdir()
+    write_sample(tmp_path / "globbed" / "a.csv", 10)
+    (tmp_path / "globbed" / "b.csv").symlink_to(tmp_path / "gone.csv")
+    assert "b.csv: broken symlink" in str(error(str(tmp_path / "globbed" / "*.csv")))
+    # A relative path names the directory it was resolved against.
+    monkeypatch.chdir(tmp_path)
+    e = error("data/x.csv")
+    assert str(e) == f"data/x.csv (resolved against {tmp_path}): no such file" and e.errno == errno.ENOENT
+    assert str(error("data/*.csv")) == f"data/*.csv (resolved against {tmp_path}): glob matches no file"
 
 
 def test_bad_settings(tmp_path, tiny_model_dir, sample_csv):

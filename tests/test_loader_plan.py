@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from trainer.data import RecipeDataError, RecipeStream
 from trainer.sample import write_sample
@@ -172,3 +173,38 @@ def test_index_cache_reused_until_the_file_changes(tmp_path, tiny_model_dir):
     with open(p, "a") as f:
         f.write(json.dumps({"title": "New", "ingredients": ["egg"], "directions": ["Boil."]}) + "\n")
     assert opened() == ([False], 201)
+
+
+@pytest.mark.parametrize("name", ["r.jsonl", "r.jsonl.gz"])
+def test_content_rewritten_with_size_and_mtime_kept_is_detected(tmp_path, tiny_model_dir, caplog, name):
+    """`cp -p` / `rsync -t` of new text over old: same size, same mtime, other content."""
+    import gzip
+    import time
+
+    p = tmp_path / name
+
+    def put(records):
+        text = "".join(json.dumps(r) + "\n" for r in records).encode()
+        # Stored (level 0) gzip with a fixed header time: the same text length gives the same file size.
+        p.write_bytes(gzip.compress(text, compresslevel=0, mtime=0) if name.endswith(".gz") else text)
+
+    recs = [{"title": f"Dish {i:03d}", "ingredients": ["egg"], "directions": ["Boil."]} for i in range(40)]
+    put(recs)
+    old = RecipeStream(p, tiny_model_dir, batch_size=4, shuffle=True, cache_dir=tmp_path / "cache")
+    next(iter(old))
+    state = old.state_dict()
+    st = p.stat()
+    time.sleep(0.02)
+    put([dict(r, title=r["title"].replace("Dish", "Soup")) for r in recs])
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (p.stat().st_size, p.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+    with caplog.at_level("WARNING", logger="trainer.data"):
+        new = RecipeStream(p, tiny_model_dir, batch_size=4, shuffle=True, cache_dir=tmp_path / "cache")
+    assert new.stats()["index_cached"] == [False]
+    assert any("changed since it was indexed" in r.getMessage() for r in caplog.records)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = [tok.decode(row[row != -100], skip_special_tokens=True) for b in new for row in b["labels"]]
+    assert sorted(t.split()[1:3] for t in texts) == [["Soup", f"{i:03d}"] for i in range(40)]
+    with pytest.raises(RecipeDataError, match="cannot resume"):
+        new.load_state_dict(state)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from live_tensors import LiveTensorBytes
+from packed_batches import pack
 from transformers import T5Config, T5ForConditionalGeneration
 from transformers.optimization import Adafactor
 
@@ -116,18 +117,25 @@ def test_weights_gradients_and_states_are_exact_after_a_real_step(optimizer):
 
 
 def measured_activation_peak(
-    config: T5Config, rows: int, src: int, tgt: int, checkpointing: bool = True, unchecked: int = 0
+    config: T5Config,
+    rows: int,
+    src: int,
+    tgt: int,
+    checkpointing: bool = True,
+    unchecked: int = 0,
+    inputs: dict | None = None,
 ) -> int:
     """Peak live tensor bytes of one accumulated micro-step of the trainer's step (fused T5 ops, chunked
     cross-entropy) above weights + gradients + optimizer states; `unchecked`: the last decoder blocks without
-    checkpointing."""
+    checkpointing; `inputs`: the batch (default: `batch(config, rows, src, tgt)`)."""
     import optimi
 
     model = build_bf16(config, checkpointing)
     assert skip_decoder_checkpointing(model, unchecked) == unchecked
     use_fused_t5_ops(model)
     opt = optimi.AdamW(model.parameters(), lr=1e-4, kahan_sum=True)
-    inputs = batch(config, rows, src, tgt)
+    if inputs is None:
+        inputs = batch(config, rows, src, tgt)
     token_loss_sum(model, inputs).backward()
     opt.step()  # states now exist; the gradients stay, as between accumulated micro-batches
     fixed = list(model.parameters()) + [p.grad for p in model.parameters()]
@@ -157,6 +165,43 @@ def test_activation_terms_match_live_tensor_bytes_of_a_real_checkpointed_step(ro
     predicted = plan.activations + plan.logits
     assert plan.peak_moment == moment
     assert predicted == pytest.approx(measured, rel=0.15)
+
+
+def packed_rows(config: T5Config, rows: int, src: int, tgt: int) -> dict:
+    """A packed batch (trainer.packed_t5's keys) of `rows` rows, each holding three records of uneven lengths
+    that leave a short tail of padding, as the loader's packed rows do."""
+    gen = torch.Generator().manual_seed(2)
+    records = []
+    for _ in range(rows):
+        for share in (0.5, 0.3, 0.17):
+            s, t = max(1, int(src * share)), max(1, int(tgt * share))
+            ids = torch.randint(2, config.vocab_size, (s + t,), generator=gen).tolist()
+            records.append((ids[:s], ids[s:]))
+    return pack(records, rows, src, tgt)
+
+
+@pytest.mark.parametrize(
+    "rows,src,tgt,vocab",
+    [(2, 128, 256, 256), (2, 96, 224, 512), (3, 128, 192, 1024)],  # recipe-like rows: targets ~2x sources
+)
+def test_activation_terms_of_packed_rows_match_live_tensor_bytes(rows, src, tgt, vocab):
+    config = tiny_config(vocab_size=vocab)
+    inputs = packed_rows(config, rows, src, tgt)
+    measured = measured_activation_peak(config, rows, src, tgt, inputs=inputs)
+    shape = ModelShape.from_config(config)
+    plan = plan_memory(shape, rows=rows, src_len=src, tgt_len=tgt, device="cpu", packed=True)
+    assert plan.activations + plan.logits == pytest.approx(measured, rel=0.05)
+    # With the packed Triton kernels no (T, S) bias or mask tensor exists: less than unpacked rows need.
+    triton = dict(rows=rows, src_len=src, tgt_len=tgt, attn_implementation="triton")
+    assert plan_memory(shape, packed=True, **triton).activations < plan_memory(shape, **triton).activations
+
+
+def test_a_packed_budget_is_planned_as_its_one_row_shape():
+    xl = load_shape("google/flan-t5-xl")
+    kw = dict(optimizer="adafactor", attn_implementation="triton")
+    packed = budget_peak(xl, 16384, src_cap=512, tgt_cap=256, packed=True, **kw)
+    # Every packed batch is 16384 // (512 + 256) = 21 rows of 512 + 256, however long its records are.
+    assert packed == plan_memory(xl, rows=21, src_len=512, tgt_len=256, packed=True, **kw)
 
 
 def test_decoder_blocks_without_checkpointing_keep_their_activations():

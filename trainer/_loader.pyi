@@ -1,16 +1,38 @@
-"""Type stub of the Rust extension `trainer._loader` (see trainer/data.py for the documented API)."""
+"""Type stub of the Rust extension `trainer._loader` (see trainer/data.py for the documented API).
+
+`RecipeLoader`'s keyword options are declared once, in Rust (`recipe_core::options`); the binding exports them
+as `LOADER_OPTIONS`, and tests/test_loader_api.py checks this stub against that table and the real signatures.
+"""
 
 from os import PathLike
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import numpy.typing as npt
 
-class RecipeDataError(ValueError):
-    """A bad record (strict mode), bad template or settings; names file:line where there is one."""
+class RecipeLoaderError(Exception):
+    """Base class of every error the recipe loader raises."""
 
-class RecipeFileError(OSError):
-    """A missing, empty, unreadable or corrupt file (or tokenizer); names the path."""
+class RecipeFileError(RecipeLoaderError, OSError):
+    """A missing, empty, unreadable or corrupt file (or tokenizer); names the path. `errno` is set when an I/O
+    error caused it."""
+
+class RecipeDataError(RecipeLoaderError, ValueError):
+    """A bad record (strict mode), a bad template or bad settings; names file:line where there is one."""
+
+class RecipeConfigError(RecipeDataError):
+    """Bad loader settings or a resume state from other data or settings."""
+
+class RecipeInternalError(RecipeLoaderError, RuntimeError):
+    """A bug in the loader (a worker thread panicked), reported instead of crashing."""
+
+class LoaderOption(TypedDict):
+    name: str
+    type: str
+    default: Any
+    doc: str
+
+LOADER_OPTIONS: list[LoaderOption]
 
 class RecipeLoader:
     def __init__(
@@ -26,6 +48,9 @@ class RecipeLoader:
         batch_size: int | None = None,
         max_tokens: int | None = None,
         pad_to_multiple_of: int | None = None,
+        packing: bool = False,
+        packed_source_length: int | None = None,
+        packed_target_length: int | None = None,
         shuffle: bool = False,
         seed: int = 0,
         epoch: int = 0,

@@ -53,6 +53,11 @@ class TrainConfig:
     per_device_train_batch_size: int | None = None  # rows per micro-batch; or use max_tokens
     max_tokens: int | None = None  # token budget per micro-batch: rows x (longest source + longest target)
     pad_to_multiple_of: int | None = None
+    # Several records per row, with segment ids and positions (docs/loader.md); rows per micro-batch:
+    # per_device_train_batch_size, or max_tokens // (packed_source_length + packed_target_length).
+    packing: bool = False
+    packed_source_length: int | None = None  # encoder row length when packing; None: chosen from the data
+    packed_target_length: int | None = None  # decoder row length when packing; None: chosen from the data
     shuffle: bool = True
     strict_data: bool = False  # raise on the first bad record instead of skipping and counting it
     dedup: bool = False

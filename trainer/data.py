@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trainer._loader import RecipeDataError, RecipeFileError, RecipeLoader
+from trainer._loader import (
+    LOADER_OPTIONS,
+    RecipeConfigError,
+    RecipeDataError,
+    RecipeFileError,
+    RecipeInternalError,
+    RecipeLoader,
+    RecipeLoaderError,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -34,11 +42,17 @@ if TYPE_CHECKING:
     from trainer.config import TrainConfig
 
 __all__ = [
+    "LOADER_OPTIONS",
     "DeviceLoader",
+    "RecipeConfigError",
     "RecipeDataError",
     "RecipeFileError",
+    "RecipeInternalError",
+    "RecipeLoaderError",
     "RecipeStream",
+    "loader_options",
     "inspect_report",
+    "records_in",
     "resolve_tokenizer_file",
     "stream_for",
     "to_device",
@@ -56,86 +70,24 @@ def _as_list(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -
 
 
 class RecipeStream:
-    """Iterable of padded batches (dicts of int64 numpy arrays: input_ids, attention_mask, labels).
+    """Iterable of padded batches (dicts of int64 numpy arrays: input_ids, attention_mask, labels), or with
+    `packing=True` packed ones (also encoder/decoder_segment_ids and encoder/decoder_positions).
 
     One pass over the stream is one epoch; afterwards the stream moves on to the next epoch (a new order when
-    shuffling). Give exactly one of `batch_size` (rows) or `max_tokens` (rows x (longest source + longest
-    target) per batch, with length bucketing). Bad records are skipped and counted (see `stats()`), or raise
-    `RecipeDataError` with `strict=True`. Missing/empty/corrupt files raise `RecipeFileError`.
+    shuffling). The keyword options (`batch_size` or `max_tokens`, `max_source_length`, `shuffle`, `seed`,
+    ...) are `LOADER_OPTIONS` (name, type, default, doc; docs/loader.md lists them); the Rust loader checks
+    them and raises `RecipeConfigError` for an unknown option or a bad value. Bad records are skipped and
+    counted (see `stats()`), or raise `RecipeDataError` with `strict=True`. Missing/empty/corrupt files raise
+    `RecipeFileError` (an OSError). All of them derive from `RecipeLoaderError`.
     """
 
     def __init__(
         self,
         paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         tokenizer: str | os.PathLike[str],
-        *,
-        task: str = "ingredients-to-recipe",
-        source_template: str | None = None,
-        target_template: str | None = None,
-        max_source_length: int = 512,
-        max_target_length: int = 512,
-        batch_size: int | None = None,
-        max_tokens: int | None = None,
-        pad_to_multiple_of: int | None = None,
-        shuffle: bool = False,
-        seed: int = 0,
-        epoch: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        split: str = "all",
-        eval_fraction: float = 0.0,
-        strict: bool = False,
-        dedup: bool = False,
-        data_format: str | None = None,
-        num_threads: int | None = None,
-        prefetch: int = 8,
-        cache_dir: str | os.PathLike[str] | None = None,
+        **options: Any,
     ) -> None:
-        if batch_size is None and max_tokens is None:
-            raise RecipeDataError("give batch_size or max_tokens")
-        if batch_size is not None and max_tokens is not None:
-            raise RecipeDataError("give batch_size or max_tokens, not both")
-        for name, value in (
-            ("batch_size", batch_size),
-            ("max_tokens", max_tokens),
-            ("pad_to_multiple_of", pad_to_multiple_of),
-            ("num_threads", num_threads),
-        ):
-            if value is not None and value < 1:
-                raise RecipeDataError(f"{name} must be >= 1, got {value}")
-        if split not in ("all", "train", "eval"):
-            raise RecipeDataError(f"split must be 'all', 'train' or 'eval', got {split!r}")
-        if split != "all" and not 0.0 < eval_fraction < 1.0:
-            raise RecipeDataError(f"split={split!r} needs 0 < eval_fraction < 1, got {eval_fraction}")
-        if not 0 <= rank < world_size:
-            raise RecipeDataError(f"rank {rank} must be in [0, world_size={world_size})")
-        if seed < 0 or epoch < 0:
-            raise RecipeDataError("seed and epoch must be >= 0")
-        self._inner = RecipeLoader(
-            _as_list(paths),
-            os.fspath(tokenizer),
-            task=task,
-            source_template=source_template,
-            target_template=target_template,
-            max_source_length=max_source_length,
-            max_target_length=max_target_length,
-            batch_size=batch_size,
-            max_tokens=max_tokens,
-            pad_to_multiple_of=pad_to_multiple_of,
-            shuffle=shuffle,
-            seed=seed,
-            epoch=epoch,
-            rank=rank,
-            world_size=world_size,
-            split=split,
-            eval_fraction=eval_fraction,
-            strict=strict,
-            dedup=dedup,
-            data_format=data_format,
-            num_threads=num_threads,
-            prefetch=prefetch,
-            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
-        )
+        self._inner = RecipeLoader(_as_list(paths), os.fspath(tokenizer), **options)
 
     def __iter__(self) -> Iterator[Batch]:
         """Yields the remaining batches of the current epoch (all of them unless resumed mid-epoch)."""
@@ -152,8 +104,6 @@ class RecipeStream:
 
     def set_epoch(self, epoch: int) -> None:
         """Starts `epoch` from its first batch (as torch's DistributedSampler.set_epoch)."""
-        if epoch < 0:
-            raise RecipeDataError(f"epoch must be >= 0, got {epoch}")
         self._inner.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
@@ -170,7 +120,7 @@ class RecipeStream:
                 str(state["fingerprint"]),
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise RecipeDataError(f"not a RecipeStream state: {state!r}") from e
+            raise RecipeConfigError(f"not a RecipeStream state: {state!r}") from e
         self._inner.load_state(epoch, consumed, fingerprint)
 
     def stats(self) -> dict[str, Any]:
@@ -225,6 +175,31 @@ def to_device(batch: Batch | dict[str, torch.Tensor], device: torch.device) -> d
     return out
 
 
+# Loader options whose config field has another name (Seq2SeqTrainingArguments' where it has one). Every
+# other loader option is read from the config field of the same name when there is one.
+_CONFIG_FIELD = {
+    "batch_size": "per_device_train_batch_size",
+    "strict": "strict_data",
+    "num_threads": "loader_threads",
+}
+
+
+def loader_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The loader options a config sets: each option of `LOADER_OPTIONS` that has a config field."""
+    names = (o["name"] for o in LOADER_OPTIONS)
+    fields = {name: _CONFIG_FIELD.get(name, name) for name in names}
+    return {name: getattr(cfg, field) for name, field in fields.items() if hasattr(cfg, field)}
+
+
+def records_in(batch: Batch | dict[str, Any]) -> int:
+    """Records in a batch: its rows, or in a packed batch the segments of all rows (the last segment id of a
+    row is its number of records)."""
+    segments = batch.get("encoder_segment_ids")
+    if segments is None:
+        return len(batch["input_ids"])
+    return int(segments.max(1).sum()) if len(segments) else 0
+
+
 def stream_for(
     cfg: TrainConfig,
     tokenizer_file: str | os.PathLike[str],
@@ -239,28 +214,16 @@ def stream_for(
 
     split "train" shuffles (when cfg.shuffle); "eval" is the held-out share; with cfg.eval_fraction 0 both
     read everything. `batch_size` replaces cfg.per_device_train_batch_size (data inspect's default)."""
-    return RecipeStream(
-        list(paths) if paths is not None else cfg.train_files,
-        tokenizer_file,
-        task=cfg.task,
-        source_template=cfg.source_template,
-        target_template=cfg.target_template,
-        max_source_length=cfg.max_source_length,
-        max_target_length=cfg.max_target_length,
-        batch_size=batch_size or cfg.per_device_train_batch_size,
-        max_tokens=cfg.max_tokens,
-        pad_to_multiple_of=cfg.pad_to_multiple_of,
-        shuffle=cfg.shuffle and split in ("train", "all"),
-        seed=cfg.seed,
-        rank=rank,
-        world_size=world_size,
-        split=split if cfg.eval_fraction > 0 else "all",
-        eval_fraction=cfg.eval_fraction,
-        strict=cfg.strict_data,
-        dedup=cfg.dedup,
-        data_format=cfg.data_format,
-        num_threads=cfg.loader_threads,
-    )
+    options = loader_options(cfg) | {
+        "batch_size": batch_size or cfg.per_device_train_batch_size,
+        "shuffle": cfg.shuffle and split in ("train", "all"),
+        "split": split if cfg.eval_fraction > 0 else "all",
+        "rank": rank,
+        "world_size": world_size,
+    }
+    if split == "eval":  # held-out batches are unpacked: a row is one record, to generate from and score
+        options |= {"packing": False, "packed_source_length": None, "packed_target_length": None}
+    return RecipeStream(list(paths) if paths is not None else cfg.train_files, tokenizer_file, **options)
 
 
 def resolve_tokenizer_file(name: str) -> Path:
@@ -320,6 +283,13 @@ def inspect_report(paths: list[str], cfg: TrainConfig) -> str:
     n_tgt_cut = int((tgt >= cfg.max_target_length).sum())
     share = st["real_token_share"]
     batching = f"max_tokens={cfg.max_tokens}" if cfg.max_tokens else f"batch_size={batch_size}"
+    if st["packed_shape"]:
+        shape = st["packed_shape"]
+        chosen = "set" if cfg.packed_source_length and cfg.packed_target_length else "chosen from the data"
+        batching = (
+            f"packing {shape['rows']} rows x ({shape['source_len']} + {shape['target_len']}) tokens "
+            f"({batching}, row lengths {chosen})"
+        )
     lines = [
         f"files: {len(st['files'])} ({', '.join(st['files'])})",
         f"records: {st['records']} usable, {sum(st['skipped'].values())} skipped",
@@ -333,9 +303,16 @@ def inspect_report(paths: list[str], cfg: TrainConfig) -> str:
         f"source tokens (max {cfg.max_source_length}): {_percentiles(src)}",
         f"target tokens (max {cfg.max_target_length}): {_percentiles(tgt)}",
         f"truncated: source {n_src_cut}, target {n_tgt_cut}",
-        f"batching {batching}: {len(stream)} batches/epoch, padding wastes {100 * (1 - share):.1f}% "
-        f"of tokens (real-token share {100 * share:.1f}%)",
+        f"{'' if st['packed_shape'] else 'batching '}{batching}: {len(stream)} batches/epoch, padding wastes "
+        f"{100 * (1 - share):.1f}% of tokens (real-token share {100 * share:.1f}%)",
     ]
+    if st["packed_shape"]:
+        shape = st["packed_shape"]
+        rows = st["batches_per_epoch"] * shape["rows"]
+        lines.append(
+            f"packing efficiency: {100 * share:.1f}% of the row capacity is real tokens, "
+            f"{st['records'] / max(rows, 1):.1f} records per row"
+        )
     if st["oversize_batches"]:
         lines.append(f"records over the max_tokens budget (own batch each): {st['oversize_batches']}")
     return "\n".join(lines)

@@ -94,7 +94,9 @@ def memory_summary() -> str:
 def split_batch(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     """Split a batch's rows into `parts` consecutive pieces (fewer if it has fewer rows), same data order.
 
-    Columns that are padding in every row of a piece are trimmed so a half batch is also half the tokens.
+    Columns that are padding in every row of a piece are trimmed so a half batch is also half the tokens. A
+    packed batch (with `encoder_segment_ids`) is split by rows only, every key alike: its rows keep their
+    fixed lengths, and a record never spans two rows.
     """
     if parts <= 1:
         return [batch]
@@ -104,6 +106,9 @@ def split_batch(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     pieces = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         piece = {k: v[lo:hi] for k, v in batch.items()}
+        if "encoder_segment_ids" in batch:
+            pieces.append(piece)
+            continue
         src_len = int(piece["attention_mask"].sum(1).max())
         tgt_len = int((piece["labels"] != -100).sum(1).max())
         piece["input_ids"] = piece["input_ids"][:, :src_len]

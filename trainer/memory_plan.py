@@ -227,6 +227,7 @@ def _block_saved(
     mask: int = 1,
     attention: str = "eager",
     fused: bool = True,
+    packed: bool = False,
 ) -> tuple[int, int]:
     """(saved bytes, backward peak bytes) of one recomputed T5 block on b rows of `length` tokens.
 
@@ -234,13 +235,24 @@ def _block_saved(
     each one's saved tensors, so the peak is the largest (saved by earlier sublayers + this sublayer's widest
     moment). Excludes the block input (a checkpoint) and tensors shared across blocks (position bias, masks,
     encoder output). cross_len: source length for a decoder block (adds cross-attention), None for encoder.
+    packed: packed rows (see plan_memory).
     """
     n = b * length
-    # SDPA's decoder self-attention has no padding mask (causal only): its bias mask is 1 x H x T x T.
-    self_rows = 1 if (attention == "sdpa" and cross_len is not None) else None
+    # SDPA's decoder self-attention has no padding mask (causal only): its bias mask is 1 x H x T x T; packed
+    # rows mask each row's records apart: R x H x T x T.
+    self_rows = 1 if (attention == "sdpa" and cross_len is not None and not packed) else None
     subs = [
         _attention_sublayer(
-            b, length, length, shape, e, mask, attention=attention, bias_rows=self_rows, fused=fused
+            b,
+            length,
+            length,
+            shape,
+            e,
+            mask,
+            attention=attention,
+            bias_rows=self_rows,
+            fused=fused,
+            has_bias=not (packed and attention == "triton"),
         )
     ]
     if cross_len is not None:  # T5's cross-attention has no position bias (the Triton kernels skip its zeros)
@@ -282,6 +294,7 @@ def plan_memory(
     device: str = "cuda",
     attn_implementation: str = "eager",
     decoder_blocks_without_checkpointing: int = 0,
+    packed: bool = False,
 ) -> MemoryPlan:
     """Predicted peak of the trainer's training step (trainer.loss.Seq2SeqLMLoss over the model with
     trainer.model.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens.
@@ -293,6 +306,11 @@ def plan_memory(
     (trainer.attention); the last two are calibrated on the GPU (bench/train_throughput.py).
     decoder_blocks_without_checkpointing: with checkpointing, the last k decoder blocks keep everything they
     save from the forward to their backward (which comes first), instead of recomputing it.
+    packed: packed rows (trainer.packed_t5; R rows of src_len/tgt_len holding several records, every position
+    a real token but a row's tail). With eager or SDPA attention the blocks get dense (R, 1, T, S) segment
+    masks in place of the padding masks: the same terms (SDPA's decoder mask then has R rows). With the Triton
+    kernels no (T, S) tensor exists at all: the kernels compute T5's relative bias from the segment layout
+    (trainer.packed_attention), so the bias copies, the shared biases and their gradients are gone.
     """
     e = _DTYPE_BYTES[dtype]
     b, s, t = rows, src_len, tgt_len
@@ -310,8 +328,11 @@ def plan_memory(
     # The Triton kernels run on CUDA only; elsewhere the trainer keeps eager attention.
     attention = "eager" if (attn_implementation == "triton" and device != "cuda") else attn_implementation
     fused = device == "cuda"
-    enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, attention, fused)
-    dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, attention, fused)
+    enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, attention, fused, packed)
+    dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, attention, fused, packed)
+    # Relative position biases shared by a stack's blocks (1 x H x q x k), and their gradients: none with the
+    # packed kernels.
+    shared_bias = 0 if (packed and attention == "triton") else e
     # Padding masks, made once per stack and passed to every block (batches padded to the longest row almost
     # always have padding): eager adds float masks B x 1 x q x k; SDPA takes bool masks (causal: none); the
     # Triton kernels read the B x S padding mask (negligible) and apply causality themselves.
@@ -323,14 +344,14 @@ def plan_memory(
     # output goes to dropout, which saves only its mask), the final dropout's mask and output (the encoder
     # output every cross-attention reads).
     final_norm_s = _layer_norm_saved(b * s, d, e, fused) - b * s * d * e
-    enc_shared = b * s * d * mask_bytes + h * s * s * e + b * s * s * mask_e + final_norm_s
+    enc_shared = b * s * d * mask_bytes + h * s * s * shared_bias + b * s * s * mask_e + final_norm_s
     enc_shared += b * s * d * (mask_bytes + e)
     # decoder: embedding dropout mask, relative position bias (1 x H x T x T), the cross-attention's zero bias
     # (1 x H x T x S), causal mask (B x 1 x T x T, eager only) and padding mask for the encoder
     # (B x 1 x T x S), the final layer norm and dropout's mask. The dropout's output (the decoder output) is
     # alive only until the loss has its gradient: the chunked cross-entropy saves no input.
     causal_mask = b * t * t * e if attention == "eager" else 0
-    dec_shared = b * t * d * mask_bytes + h * t * t * e + h * t * s * e + causal_mask
+    dec_shared = b * t * d * mask_bytes + (h * t * t + h * t * s) * shared_bias + causal_mask
     dec_shared += b * t * s * mask_e
     dec_shared += _layer_norm_saved(b * t, d, e, fused) - b * t * d * e + b * t * d * mask_bytes
 
@@ -353,8 +374,8 @@ def plan_memory(
     # Gradients flowing between blocks: the hidden-state gradient (two alive at a block boundary) and, during
     # the decoder's backward, the accumulated gradients of the encoder output and of the shared position
     # biases.
-    flow_dec = 2 * b * t * d * e + b * s * d * e + h * t * t * e + h * t * s * e
-    flow_enc = 2 * b * s * d * e + h * s * s * e
+    flow_dec = 2 * b * t * d * e + b * s * d * e + (h * t * t + h * t * s) * shared_bias
+    flow_enc = 2 * b * s * d * e + h * s * s * shared_bias
 
     moments = {
         "loss": (enc_keep + enc_shared + dec_keep + dec_shared + b * t * d * e, logits_peak),
@@ -387,10 +408,13 @@ def plan_memory(
 
 
 def _budget_shapes(
-    max_tokens: int, src_cap: int, tgt_cap: int, worst_case: bool
+    max_tokens: int, src_cap: int, tgt_cap: int, worst_case: bool, packed: bool = False
 ) -> list[tuple[int, int, int]]:
     """Micro-batch shapes a budget can produce: typical recipe rows, and (worst case) the budget spent on rows
-    at the maximum lengths, or on short-source rows with maximal targets (the logits grow with the target)."""
+    at the maximum lengths, or on short-source rows with maximal targets (the logits grow with the target).
+    Packed: the one shape of every batch, the budget's rows of src_cap + tgt_cap (the row lengths)."""
+    if packed:
+        return [(max(1, max_tokens // (src_cap + tgt_cap)), src_cap, tgt_cap)]
     src, tgt = min(src_cap, TYPICAL_SOURCE), min(tgt_cap, TYPICAL_TARGET)
     shapes = [(max(1, max_tokens // (src + tgt)), src, tgt)]
     if worst_case:
@@ -404,10 +428,8 @@ def budget_peak(
     shape: ModelShape, max_tokens: int, *, src_cap=512, tgt_cap=512, worst_case=True, **kw
 ) -> MemoryPlan:
     """The largest predicted plan over the micro-batch shapes `max_tokens` can produce."""
-    plans = [
-        plan_memory(shape, rows=r, src_len=s, tgt_len=t, **kw)
-        for r, s, t in _budget_shapes(max_tokens, src_cap, tgt_cap, worst_case)
-    ]
+    shapes = _budget_shapes(max_tokens, src_cap, tgt_cap, worst_case, kw.get("packed", False))
+    plans = [plan_memory(shape, rows=r, src_len=s, tgt_len=t, **kw) for r, s, t in shapes]
     return max(plans, key=lambda p: p.peak)
 
 
@@ -476,17 +498,30 @@ def _plan_kwargs(cfg, decoder_blocks_without_checkpointing: int | None = None) -
         gradient_checkpointing=cfg.gradient_checkpointing,
         attn_implementation=attn,
         decoder_blocks_without_checkpointing=decoder_blocks_without_checkpointing,
+        packed=cfg.packing,
+    )
+
+
+def row_lengths(cfg) -> tuple[int, int]:
+    """The longest source and target rows the loader yields for `cfg`: the maximum lengths, or with packing
+    the packed row lengths (set, or else the maximum lengths rounded up to pad_to_multiple_of (8), the
+    loader's shortest choice; it may choose longer rows of as many tokens in all)."""
+    if not cfg.packing:
+        return cfg.max_source_length, cfg.max_target_length
+    m = cfg.pad_to_multiple_of or 8
+    return (
+        cfg.packed_source_length or -(-cfg.max_source_length // m) * m,
+        cfg.packed_target_length or -(-cfg.max_target_length // m) * m,
     )
 
 
 def choose_max_tokens(cfg, gpu_bytes: int) -> int:
     """Starting token budget for the loop when the config sets neither batch size nor max_tokens."""
     shape = load_shape(cfg.model_name_or_path)
-    tokens = largest_token_budget(
-        shape, gpu_bytes, src_cap=cfg.max_source_length, tgt_cap=cfg.max_target_length, **_plan_kwargs(cfg)
-    )
+    src, tgt = row_lengths(cfg)
+    tokens = largest_token_budget(shape, gpu_bytes, src_cap=src, tgt_cap=tgt, **_plan_kwargs(cfg))
     # Never below one row at the maximum lengths: the loader must be able to yield its longest row alone.
-    floor = cfg.max_source_length + cfg.max_target_length
+    floor = src + tgt
     if tokens < floor:
         logger.warning(
             "memory plan: even one row of max_source_length + max_target_length tokens is predicted not to "
@@ -511,7 +546,7 @@ def choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes: int, max_tokens:
     if not cfg.gradient_checkpointing:
         return 0
     shape = load_shape(cfg.model_name_or_path)
-    rows, src, tgt = cfg.per_device_train_batch_size, cfg.max_source_length, cfg.max_target_length
+    rows, (src, tgt) = cfg.per_device_train_batch_size, row_lengths(cfg)
     tokens = max_tokens if max_tokens is not None else cfg.max_tokens
 
     def peak(blocks: int) -> int:
@@ -573,7 +608,7 @@ def plan_run(cfg, gpu_bytes: int | None = None) -> RunPlan:
     max_tokens = cfg.max_tokens
     if cfg.per_device_train_batch_size is None and max_tokens is None:
         if gpu_bytes is None:
-            max_tokens = 2 * (cfg.max_source_length + cfg.max_target_length)
+            max_tokens = 2 * sum(row_lengths(cfg))
             logger.info(
                 "batching: micro-batches of up to %d tokens (two rows of the maximum lengths; no GPU to plan "
                 "for); set max_tokens or per_device_train_batch_size to choose",
@@ -597,8 +632,8 @@ def with_planned_batch(cfg, gpu_bytes: int | None = None):
 
 def probe_shapes(cfg, max_tokens: int | None) -> list[tuple[int, int, int]]:
     """(rows, source length, target length) of the largest micro-batches the loader can yield for `cfg`'s
-    rows per micro-batch, or else for the token budget `max_tokens`."""
-    src, tgt = cfg.max_source_length, cfg.max_target_length
+    rows per micro-batch, or else for the token budget `max_tokens` (packed: the one shape of its batches)."""
+    src, tgt = row_lengths(cfg)
     if cfg.per_device_train_batch_size is not None:
         return [(cfg.per_device_train_batch_size, src, tgt)]
-    return _budget_shapes(max_tokens, src, tgt, worst_case=True)
+    return _budget_shapes(max_tokens, src, tgt, worst_case=True, packed=cfg.packing)

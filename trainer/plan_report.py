@@ -32,6 +32,7 @@ from trainer.memory_plan import (
     largest_token_budget,
     plan_memory,
     plan_run,
+    row_lengths,
 )
 from trainer.model_shape import ModelShape, load_shape
 from trainer.step_meter import format_duration
@@ -98,21 +99,24 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
     except ValueError as e:
         print(f"trainer plan: {e}", file=sys.stderr)
         return 2
-    src_cap, tgt_cap = cfg.max_source_length, cfg.max_target_length
+    src_cap, tgt_cap = row_lengths(cfg)
     source = "max_tokens" if cfg.max_tokens else "chosen by the plan"
     plan = plan_run(cfg, gpu_bytes)  # what the trainer would choose on this card
     kw = _plan_kwargs(cfg, plan.decoder_blocks_without_checkpointing)
     # The trainer picks the budget with every block checkpointed, then skips checkpointing where room is left.
     kw_all = dict(kw, decoder_blocks_without_checkpointing=0)
     if cfg.per_device_train_batch_size is not None:
-        batch = (
-            f"{cfg.per_device_train_batch_size} rows x ({src_cap} + {tgt_cap}) tokens (padded to the maximum)"
-        )
+        padded = "packed rows" if cfg.packing else "padded to the maximum"
+        batch = f"{cfg.per_device_train_batch_size} rows x ({src_cap} + {tgt_cap}) tokens ({padded})"
         peak = plan_memory(
             shape, rows=cfg.per_device_train_batch_size, src_len=src_cap, tgt_len=tgt_cap, **kw
         )
     else:
-        batch = f"token budget {plan.max_tokens} ({source}; worst case over typical and maximal-length rows)"
+        shapes = "worst case over typical and maximal-length rows"
+        if cfg.packing:
+            rows = max(1, plan.max_tokens // (src_cap + tgt_cap))
+            shapes = f"packed: {rows} rows x ({src_cap} + {tgt_cap})"
+        batch = f"token budget {plan.max_tokens} ({source}; {shapes})"
         peak = budget_peak(shape, plan.max_tokens, src_cap=src_cap, tgt_cap=tgt_cap, **kw)
     print(f"model: {cfg.model_name_or_path} ({shape.num_params() / 1e9:.2f}B parameters)")
     print(

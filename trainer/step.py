@@ -25,12 +25,13 @@ def token_loss_sum(model, batch: dict):
     """Sum of target-token cross-entropies of `batch` (fp32), without HF's per-batch mean.
 
     `model` is the HF model, or a `Seq2SeqLMLoss` possibly wrapped by DDP (`.module`) or FSDP: what
-    distributed training wraps, so that its hooks see the whole step."""
+    distributed training wraps, so that its hooks see the whole step. Every key of the batch goes to the loss
+    module: a packed batch's segment ids and positions select the packed path (trainer.loss)."""
     from trainer.loss import Seq2SeqLMLoss
 
     if not isinstance(model, Seq2SeqLMLoss) and not isinstance(getattr(model, "module", None), Seq2SeqLMLoss):
         model = Seq2SeqLMLoss(model)
-    return model(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    return model(**batch)
 
 
 def accumulate_gradients(model, group: list[dict], split: int, stop=None, n_target: int | None = None):
@@ -129,6 +130,11 @@ def probe_memory(train_module, cfg: TrainConfig, plan: RunPlan, oom: OomBackoff,
             "attention_mask": torch.ones(rows, src, dtype=torch.long),
             "labels": torch.randint(3, 100, (rows, tgt), generator=g),
         }
+        if cfg.packing:  # the packed path, one record filling each row
+            batch["encoder_segment_ids"] = torch.ones(rows, src, dtype=torch.long)
+            batch["decoder_segment_ids"] = torch.ones(rows, tgt, dtype=torch.long)
+            batch["encoder_positions"] = torch.arange(src).expand(rows, src).contiguous()
+            batch["decoder_positions"] = torch.arange(tgt).expand(rows, tgt).contiguous()
         accumulate_with_oom_backoff(train_module, [to_device(batch, device)], oom, cfg, plan, step=0)
         train_module.zero_grad(set_to_none=True)
     memory.free_memory()

@@ -33,7 +33,7 @@ from torch.profiler import record_function
 from trainer import checkpoint as ckpt
 from trainer import disk, distributed, memory
 from trainer.config import ConfigError, TrainConfig
-from trainer.data import RecipeDataError, RecipeFileError, skipped_summary, stream_for, to_device
+from trainer.data import RecipeDataError, RecipeFileError, records_in, skipped_summary, stream_for, to_device
 from trainer.evaluation import EvalResult, evaluate
 from trainer.healthcheck import Heartbeat
 from trainer.jsonl import fsync_file
@@ -630,9 +630,10 @@ def save_after_error(run: Run, state: RunState, error: BaseException, collective
 
 
 def step_counts(group: list[dict]) -> StepCounts:
-    """Rows, real source and target tokens and padded positions of one step's loader batches (host copies)."""
+    """Records, real source and target tokens and padded positions of one step's loader batches (host
+    copies)."""
     return StepCounts(
-        samples=sum(len(b["input_ids"]) for b in group),
+        samples=sum(records_in(b) for b in group),
         source_tokens=sum(int(b["attention_mask"].sum()) for b in group),
         target_tokens=sum(int((b["labels"] != -100).sum()) for b in group),
         padded_tokens=sum(b["input_ids"].size + b["labels"].size for b in group),

@@ -2,40 +2,71 @@
 use std::path::PathBuf;
 
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
-use pyo3::create_exception;
-use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
-use recipe_core::plan::{PlanConfig, Split};
-use recipe_core::{Loader, LoaderConfig, LoaderError, State};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use recipe_core::{Loader, LoaderConfig, LoaderError, LoaderOptions, State};
+use serde_json::Value;
 
+mod errors;
 mod render;
 mod sample;
+mod signals;
 
-create_exception!(
-    _loader,
-    RecipeDataError,
-    PyValueError,
-    "A bad record (strict mode), bad template or settings."
-);
-create_exception!(
-    _loader,
-    RecipeFileError,
-    PyOSError,
-    "A missing, empty, unreadable or corrupt file."
-);
+use errors::to_py;
 
-fn to_py(e: LoaderError) -> PyErr {
-    match e {
-        LoaderError::File { .. } => RecipeFileError::new_err(e.to_string()),
-        LoaderError::Data { .. } | LoaderError::Config(_) => {
-            RecipeDataError::new_err(e.to_string())
-        }
-        LoaderError::Internal(_) => PyRuntimeError::new_err(e.to_string()),
+/// A keyword argument as the JSON-like value `LoaderOptions::set` reads; path-like objects become strings.
+fn to_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
+    if v.is_none() {
+        return Ok(Value::Null);
     }
+    if let Ok(b) = v.cast::<PyBool>() {
+        return Ok(Value::Bool(b.is_true()));
+    }
+    if v.cast::<PyInt>().is_ok() {
+        if let Ok(i) = v.extract::<i64>() {
+            return Ok(Value::from(i));
+        }
+        if let Ok(u) = v.extract::<u64>() {
+            return Ok(Value::from(u));
+        }
+        return Ok(Value::String(v.str()?.to_string())); // out of range: the option's check says so
+    }
+    if let Ok(f) = v.cast::<PyFloat>() {
+        return Ok(serde_json::Number::from_f64(f.value()).map_or(Value::Null, Value::Number));
+    }
+    if let Ok(s) = v.cast::<PyString>() {
+        return Ok(Value::String(s.to_string()));
+    }
+    if v.hasattr("__fspath__")? {
+        let os = v.py().import("os")?;
+        return Ok(Value::String(
+            os.call_method1("fspath", (v,))?.str()?.to_string(),
+        ));
+    }
+    if v.cast::<PyList>().is_ok() || v.cast::<PyTuple>().is_ok() {
+        let items: PyResult<Vec<Value>> = v.try_iter()?.map(|x| to_value(&x?)).collect();
+        return Ok(Value::Array(items?));
+    }
+    Ok(Value::String(v.repr()?.to_string()))
 }
 
-/// Streams padded batches of recipe data; see `trainer.data.RecipeStream` for the documented API.
+/// Logs what the loader gathered as warnings through Python's `logging` (logger `trainer.data`), so they get
+/// the application's handlers and secret masking.
+fn log_warnings(py: Python<'_>, warnings: Vec<String>) -> PyResult<()> {
+    if warnings.is_empty() {
+        return Ok(());
+    }
+    let log = py
+        .import("logging")?
+        .call_method1("getLogger", ("trainer.data",))?;
+    for w in warnings {
+        log.call_method1("warning", ("%s", w))?;
+    }
+    Ok(())
+}
+
+/// Streams padded batches of recipe data; see `trainer.data.RecipeStream` for the documented API and
+/// `LOADER_OPTIONS` for the keyword options.
 #[pyclass(module = "trainer._loader")]
 struct RecipeLoader {
     inner: Loader,
@@ -44,92 +75,51 @@ struct RecipeLoader {
 #[pymethods]
 impl RecipeLoader {
     #[new]
-    #[pyo3(signature = (paths, tokenizer, *, task = "ingredients-to-recipe", source_template = None,
-        target_template = None, max_source_length = 512, max_target_length = 512, batch_size = None,
-        max_tokens = None, pad_to_multiple_of = None, shuffle = false, seed = 0, epoch = 0, rank = 0,
-        world_size = 1, split = "all", eval_fraction = 0.0, strict = false, dedup = false, data_format = None,
-        num_threads = None, prefetch = 8, cache_dir = None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (paths, tokenizer, **options))]
     fn new(
         py: Python<'_>,
         paths: Vec<String>,
         tokenizer: PathBuf,
-        task: &str,
-        source_template: Option<String>,
-        target_template: Option<String>,
-        max_source_length: usize,
-        max_target_length: usize,
-        batch_size: Option<usize>,
-        max_tokens: Option<usize>,
-        pad_to_multiple_of: Option<usize>,
-        shuffle: bool,
-        seed: u64,
-        epoch: u64,
-        rank: usize,
-        world_size: usize,
-        split: &str,
-        eval_fraction: f64,
-        strict: bool,
-        dedup: bool,
-        data_format: Option<String>,
-        num_threads: Option<usize>,
-        prefetch: usize,
-        cache_dir: Option<PathBuf>,
+        options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let split = Split::parse(split).ok_or_else(|| {
-            RecipeDataError::new_err(format!("split must be all, train or eval, got {split:?}"))
-        })?;
+        let mut pairs = Vec::new();
+        for (k, v) in options.into_iter().flat_map(|d| d.iter()) {
+            pairs.push((k.extract::<String>()?, to_value(&v)?));
+        }
+        let options = LoaderOptions::from_pairs(pairs).map_err(to_py)?;
         let cfg = LoaderConfig {
             paths,
             tokenizer,
-            task: task.to_string(),
-            source_template,
-            target_template,
-            max_source_length,
-            max_target_length,
-            plan: PlanConfig {
-                batch_size,
-                max_tokens,
-                pad_to_multiple_of: pad_to_multiple_of.unwrap_or(1),
-                shuffle,
-                seed,
-                rank,
-                world_size,
-                split,
-                eval_fraction,
-                dedup,
-            },
-            epoch,
-            strict,
-            data_format,
-            num_threads,
-            prefetch,
-            cache_dir,
+            options,
         };
-        let inner = py.detach(|| Loader::new(cfg)).map_err(to_py)?;
+        // Indexing can take minutes: Ctrl-C (or a SIGTERM handler that raises) stops it.
+        let mut inner = signals::interruptible(py, |cancel| Loader::new_cancellable(cfg, cancel))?
+            .map_err(to_py)?;
+        log_warnings(py, inner.take_warnings())?;
         Ok(RecipeLoader { inner })
     }
 
-    /// The next batch as a dict of 2-D int64 arrays, or None at the end of the epoch (the stream then moves to
-    /// the next epoch).
+    /// The next batch as a dict of 2-D int64 arrays (packed batches add the segment ids and positions), or None
+    /// at the end of the epoch (the stream then moves to the next epoch).
     fn next_batch<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let inner = &mut self.inner;
         let Some(b) = py.detach(|| inner.next_batch()).map_err(to_py)? else {
             return Ok(None);
         };
         let d = PyDict::new(py);
-        let ids: Bound<'py, PyArray1<i64>> = b.input_ids.into_pyarray(py);
-        d.set_item("input_ids", ids.reshape([b.rows, b.source_len])?)?;
-        d.set_item(
-            "attention_mask",
-            b.attention_mask
-                .into_pyarray(py)
-                .reshape([b.rows, b.source_len])?,
-        )?;
-        d.set_item(
-            "labels",
-            b.labels.into_pyarray(py).reshape([b.rows, b.target_len])?,
-        )?;
+        let (rows, sl, tl) = (b.rows, b.source_len, b.target_len);
+        let put = |key: &str, v: Vec<i64>, width: usize| -> PyResult<()> {
+            d.set_item(key, v.into_pyarray(py).reshape([rows, width])?)
+        };
+        put("input_ids", b.input_ids, sl)?;
+        put("attention_mask", b.attention_mask, sl)?;
+        put("labels", b.labels, tl)?;
+        if let Some(s) = b.segments {
+            put("encoder_segment_ids", s.encoder_segment_ids, sl)?;
+            put("decoder_segment_ids", s.decoder_segment_ids, tl)?;
+            put("encoder_positions", s.encoder_positions, sl)?;
+            put("decoder_positions", s.decoder_positions, tl)?;
+        }
         Ok(Some(d))
     }
 
@@ -138,8 +128,11 @@ impl RecipeLoader {
         py.detach(|| inner.len())
     }
 
-    fn set_epoch(&mut self, epoch: u64) {
+    fn set_epoch(&mut self, epoch: i64) -> PyResult<()> {
+        let epoch = u64::try_from(epoch)
+            .map_err(|_| errors::config_error(format!("epoch must be >= 0, got {epoch}")))?;
         self.inner.set_epoch(epoch);
+        Ok(())
     }
 
     #[getter]
@@ -175,7 +168,7 @@ impl RecipeLoader {
     fn stats_json(&mut self, py: Python<'_>) -> PyResult<String> {
         let inner = &mut self.inner;
         let s = py.detach(|| inner.stats());
-        serde_json::to_string(&s).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+        serde_json::to_string(&s).map_err(|e| to_py(LoaderError::Internal(e.to_string())))
     }
 
     /// Token lengths `(source, target)` of the selected records, as 1-D arrays.
@@ -188,11 +181,19 @@ impl RecipeLoader {
     }
 }
 
+/// `LOADER_OPTIONS`: the keyword options of `RecipeLoader`, as a list of dicts (`name`, `type`: the Python
+/// annotation, `default`, `doc`), from the one declaration in `recipe_core::options`.
+fn options_table(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let json = serde_json::to_string(&LoaderOptions::table())
+        .map_err(|e| to_py(LoaderError::Internal(e.to_string())))?;
+    py.import("json")?.call_method1("loads", (json,))
+}
+
 #[pymodule]
 fn _loader(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RecipeLoader>()?;
-    m.add("RecipeDataError", m.py().get_type::<RecipeDataError>())?;
-    m.add("RecipeFileError", m.py().get_type::<RecipeFileError>())?;
+    m.add("LOADER_OPTIONS", options_table(m.py())?)?;
+    errors::register(m)?;
     sample::register(m)?;
     render::register(m)?;
     Ok(())

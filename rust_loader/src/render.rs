@@ -8,7 +8,7 @@ use recipe_core::formats::Format;
 use recipe_core::plan::Split;
 use recipe_core::records::{Prompter, ReadOptions, Rendered};
 
-use crate::{to_py, RecipeDataError};
+use crate::errors::{config_error, to_py};
 
 /// Renders recipes into prompts (sources) and references (targets) with the training loader's templates and
 /// list rules; with a tokenizer, also their token ids with the training lengths.
@@ -103,16 +103,16 @@ impl RecipeRenderer {
         let format = match data_format {
             None => None,
             Some(f) => Some(Format::parse(f).ok_or_else(|| {
-                RecipeDataError::new_err(format!(
+                config_error(format!(
                     "unknown data_format {f:?} (recipenlg-csv, foodcom-csv, jsonl)"
                 ))
             })?),
         };
         let split = Split::parse(split).ok_or_else(|| {
-            RecipeDataError::new_err(format!("split must be all, train or eval, got {split:?}"))
+            config_error(format!("split must be all, train or eval, got {split:?}"))
         })?;
         if split != Split::All && !(eval_fraction > 0.0 && eval_fraction < 1.0) {
-            return Err(RecipeDataError::new_err(format!(
+            return Err(config_error(format!(
                 "split {split} needs 0 < eval_fraction < 1, got {eval_fraction}"
             )));
         }

@@ -1,13 +1,21 @@
 //! The one error type of the loader.
 use thiserror::Error;
 
-/// Every failure the loader reports. The Python layer maps `File` to `RecipeFileError` (an `OSError`) and
-/// `Data`/`Config` to `RecipeDataError` (a `ValueError`).
+/// Every failure the loader reports. The Python layer maps each variant to its own exception class, all under
+/// `RecipeLoaderError`: `File` to `RecipeFileError` (an `OSError`, with `errno` when an I/O error caused it),
+/// `Data` to `RecipeDataError` (a `ValueError`), `Config` to `RecipeConfigError` (a `RecipeDataError`) and
+/// `Internal` to `RecipeInternalError` (a `RuntimeError`); `Cancelled` gives way to the Python exception that
+/// asked for it.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum LoaderError {
-    /// Missing path, empty glob, unreadable or corrupt file, unreadable tokenizer.
+    /// Missing path, empty glob, unreadable or corrupt file, unreadable tokenizer. `errno` is the operating
+    /// system's error number when an I/O error caused it.
     #[error("{path}: {reason}")]
-    File { path: String, reason: String },
+    File {
+        path: String,
+        reason: String,
+        errno: Option<i32>,
+    },
     /// A bad record (strict mode) or a file whose content cannot be used; `line` is 1-based, 0 when unknown.
     #[error("{}", fmt_data(.path, *.line, .reason))]
     Data {
@@ -15,12 +23,16 @@ pub enum LoaderError {
         line: u64,
         reason: String,
     },
-    /// Bad settings: unknown placeholder, conflicting options.
+    /// Bad settings: unknown option or placeholder, conflicting options, a resume state of other data.
     #[error("{0}")]
     Config(String),
     /// A bug: a worker panicked. Reported instead of crossing into Python as a panic.
     #[error("internal loader error: {0}")]
     Internal(String),
+    /// The caller stopped the pass (see [`crate::cancel`]); the Python binding raises the exception of the
+    /// signal handler that asked for it instead.
+    #[error("cancelled")]
+    Cancelled,
 }
 
 fn fmt_data(path: &str, line: u64, reason: &str) -> String {
@@ -32,10 +44,31 @@ fn fmt_data(path: &str, line: u64, reason: &str) -> String {
 }
 
 impl LoaderError {
+    /// A file error without an operating-system cause.
     pub fn file(path: impl std::fmt::Display, reason: impl std::fmt::Display) -> Self {
         LoaderError::File {
             path: path.to_string(),
             reason: reason.to_string(),
+            errno: None,
+        }
+    }
+    /// A file error caused by `err`, keeping its errno; `context` (may be empty) says what was being done.
+    /// A read stopped by [`crate::cancel::CancellableRead`] is [`LoaderError::Cancelled`].
+    pub fn io(path: impl std::fmt::Display, context: &str, err: &std::io::Error) -> Self {
+        if err
+            .get_ref()
+            .is_some_and(|e| e.is::<crate::cancel::Cancelled>())
+        {
+            return LoaderError::Cancelled;
+        }
+        LoaderError::File {
+            path: path.to_string(),
+            reason: if context.is_empty() {
+                err.to_string()
+            } else {
+                format!("{context}: {err}")
+            },
+            errno: err.raw_os_error(),
         }
     }
     pub fn data(path: impl std::fmt::Display, line: u64, reason: impl std::fmt::Display) -> Self {

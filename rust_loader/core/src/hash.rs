@@ -1,4 +1,10 @@
-//! Stable hashing and a seeded PRNG (hand-written so no dependency upgrade changes orders or splits).
+//! Stable hashing and a seeded PRNG (hand-written so no dependency upgrade changes orders or splits), and the
+//! content hash of data files (xxh3-64, a fixed specification: its values do not change with the crate's version).
+use std::io::Read;
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+
+use xxhash_rust::xxh3::Xxh3Default;
 
 /// FNV-1a 64 with a splitmix64 finaliser.
 pub fn hash_bytes(b: &[u8]) -> u64 {
@@ -24,6 +30,48 @@ pub fn hash_parts(parts: &[&[u8]]) -> u64 {
         buf.extend_from_slice(p);
     }
     hash_bytes(&buf)
+}
+
+/// Passes reads through and hashes every byte read (xxh3-64): the index pass hashes the file it scans for free.
+pub struct HashingReader<R> {
+    inner: R,
+    state: Xxh3Default,
+}
+
+impl<R: Read> HashingReader<R> {
+    pub fn new(inner: R) -> Self {
+        HashingReader {
+            inner,
+            state: Xxh3Default::new(),
+        }
+    }
+    /// The hash of the bytes read so far.
+    pub fn digest(&self) -> u64 {
+        self.state.digest()
+    }
+}
+
+impl<R: Read> Read for HashingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.state.update(&buf[..n]);
+        Ok(n)
+    }
+}
+
+/// xxh3-64 of a whole file, read in 1 MiB blocks; stops with [`crate::cancel::Cancelled`] once `stop` is set.
+pub fn hash_file(path: &Path, stop: &AtomicBool) -> std::io::Result<u64> {
+    let file = std::fs::File::open(path)?;
+    let mut r = HashingReader::new(crate::cancel::CancellableRead::new(file, stop));
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match r.read(&mut buf) {
+            Ok(0) => return Ok(r.digest()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// xoshiro256** (Blackman & Vigna) seeded with splitmix64: the one PRNG of the crate (epoch orders and the

@@ -7,25 +7,32 @@
 //!
 //! The index is cached as a small binary file keyed by (path, size, mtime, tokenizer.json hash, templates, max
 //! lengths, format): beside the data file as `.<name>.<key>.rlidx` when that directory is writable, else in the cache
-//! directory (`cache_dir`, else `$XDG_CACHE_HOME/recipe-trainer`, else `~/.cache/recipe-trainer`). A `.gz`/`.zst`
-//! file cannot be read at random offsets, so it is decompressed once, streaming, into the cache directory, and that
-//! copy is indexed and read; it is reused while the compressed file's size and mtime are unchanged.
+//! directory (`cache_dir`, else `$XDG_CACHE_HOME/recipe-trainer`, else `~/.cache/recipe-trainer`). The cache also
+//! holds the file's device, inode and ctime and the xxh3-64 of its bytes (computed during the scan): a cache whose
+//! key matches is used as is when the inode and ctime match too, else only when the file's hash still matches (a
+//! file rewritten with its size and mtime kept is indexed again). A compressed file cannot be read at random
+//! offsets, so it is decompressed once, streaming, into the cache directory, and that copy is indexed and read; it
+//! is reused while the compressed file's size, mtime, inode and ctime are unchanged.
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::cancel::{self, CancellableRead};
+use crate::compress::Compression;
 use crate::error::{LoaderError, Result};
 use crate::formats::{self, Columns, Format, Parsed, Skip, MAX_RECORD_BYTES};
-use crate::hash::{hash_parts, mix};
+use crate::hash::{hash_file, hash_parts, mix, HashingReader};
 use crate::render::Renderer;
+use crate::split::{read_line_bounded, CsvRecords};
 use crate::tokenize::Tok;
 
-const MAGIC: &[u8; 8] = b"RLIDX003";
+const MAGIC: &[u8; 8] = b"RLIDX004";
 const CHUNK: usize = 1024;
 /// Bad-record examples kept per file.
 pub const MAX_EXAMPLES: usize = 10;
@@ -68,6 +75,9 @@ pub struct FileIndex {
     pub examples: Vec<Example>,
     /// Whether this index came from the cache.
     pub cached: bool,
+    /// The data file's identity when it was indexed, and the xxh3-64 of its bytes.
+    pub identity: Identity,
+    pub content: u64,
 }
 
 impl FileIndex {
@@ -81,9 +91,8 @@ impl FileIndex {
     /// Reads and parses record `i` (an index into this file's valid records).
     pub fn read(&self, file: &File, i: usize) -> Result<Parsed> {
         let mut buf = vec![0u8; self.lens[i] as usize];
-        file.read_exact_at(&mut buf, self.offsets[i]).map_err(|e| {
-            LoaderError::file(self.data_path.display(), format!("cannot read record: {e}"))
-        })?;
+        file.read_exact_at(&mut buf, self.offsets[i])
+            .map_err(|e| LoaderError::io(self.data_path.display(), "cannot read record", &e))?;
         let parsed = match self.format {
             Format::Jsonl => formats::parse_jsonl(&buf),
             f => {
@@ -115,6 +124,8 @@ impl FileIndex {
 
 /// Settings that shape an index.
 pub struct IndexSettings<'a> {
+    /// Set by another thread to stop indexing (see [`crate::cancel`]).
+    pub cancel: &'a AtomicBool,
     pub tok: &'a Tok,
     pub renderer: &'a Renderer,
     pub max_source: usize,
@@ -136,14 +147,13 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
     let mut seen: std::collections::HashMap<(u64, u64), String> = std::collections::HashMap::new();
     for p in patterns {
         let literal = PathBuf::from(p);
-        let found = if literal.exists() || !p.contains(['*', '?', '[']) {
-            if !literal.exists() {
-                return Err(LoaderError::file(p, "no such file"));
+        let meta = std::fs::metadata(&literal);
+        let found = if meta.is_ok() || !p.contains(['*', '?', '[']) {
+            match meta {
+                Ok(m) if m.is_file() => vec![literal],
+                Ok(_) => return Err(LoaderError::file(p, "not a regular file")),
+                Err(e) => return Err(path_error(&literal, "", &e)),
             }
-            if !literal.is_file() {
-                return Err(LoaderError::file(p, "not a regular file"));
-            }
-            vec![literal]
         } else {
             // Hidden files only when the pattern's file name asks for them (`.*.csv`). (glob's own
             // require_literal_leading_dot drops every hidden entry, even for such a pattern.)
@@ -155,20 +165,30 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
             let mut found = Vec::new();
             for entry in entries {
                 let path = entry.map_err(|e| {
-                    LoaderError::file(
+                    LoaderError::io(
                         e.path().display(),
-                        format!("cannot read while expanding {p}: {}", e.error()),
+                        &format!("cannot read while expanding {p}"),
+                        e.error(),
                     )
                 })?;
                 let hidden = path
                     .file_name()
                     .is_some_and(|n| n.to_string_lossy().starts_with('.'));
-                if path.is_file() && (hidden_wanted || !hidden) {
-                    found.push(path);
+                if !hidden_wanted && hidden {
+                    continue;
+                }
+                match std::fs::metadata(&path) {
+                    Ok(m) if m.is_file() => found.push(path),
+                    Ok(_) => {} // a directory matched by the glob
+                    // A broken symlink or a loop: a file the user meant, not to be skipped silently.
+                    Err(e) => return Err(path_error(&path, "", &e)),
                 }
             }
             if found.is_empty() {
-                return Err(LoaderError::file(p, "glob matches no file"));
+                return Err(LoaderError::file(
+                    shown_path(Path::new(p)),
+                    "glob matches no file",
+                ));
             }
             found.sort();
             found
@@ -177,7 +197,7 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
             // Device and inode: the same file through a symlink, a hard link or another spelling of the path.
             let id = std::fs::metadata(&path)
                 .map(|m| (m.dev(), m.ino()))
-                .map_err(|e| LoaderError::file(path.display(), e))?;
+                .map_err(|e| LoaderError::io(path.display(), "", &e))?;
             if let Some(first) = seen.insert(id, p.clone()) {
                 return Err(LoaderError::file(
                     path.display(),
@@ -188,6 +208,50 @@ pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
         }
     }
     Ok(out)
+}
+
+/// `path` as the user gave it, with the directory a relative path was resolved against: `data/x.csv (resolved
+/// against /home/u/proj)`.
+pub fn shown_path(path: &Path) -> String {
+    match std::env::current_dir() {
+        Ok(cwd) if path.is_relative() => {
+            format!("{} (resolved against {})", path.display(), cwd.display())
+        }
+        _ => path.display().to_string(),
+    }
+}
+
+/// The operating system's number for "too many levels of symbolic links".
+#[cfg(any(target_os = "macos", target_os = "ios", target_os = "freebsd"))]
+const ELOOP: i32 = 62;
+#[cfg(not(any(target_os = "macos", target_os = "ios", target_os = "freebsd")))]
+const ELOOP: i32 = 40;
+
+/// The error for a path that cannot be opened: a symlink loop or a broken symlink said as such, a missing
+/// relative path with the directory it was resolved against; the errno kept. `context` (may be empty) says what
+/// was being done.
+pub fn path_error(path: &Path, context: &str, e: &std::io::Error) -> LoaderError {
+    let link = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+    let reason = if e.raw_os_error() == Some(ELOOP) {
+        "symlink loop (too many levels of symbolic links, ELOOP)".to_string()
+    } else if e.kind() == std::io::ErrorKind::NotFound && link {
+        let target =
+            std::fs::read_link(path).map_or_else(|_| "?".into(), |t| t.display().to_string());
+        format!("broken symlink: it points to {target}, which does not exist")
+    } else if e.kind() == std::io::ErrorKind::NotFound {
+        "no such file".to_string()
+    } else {
+        e.to_string()
+    };
+    LoaderError::File {
+        path: shown_path(path),
+        reason: if context.is_empty() {
+            reason
+        } else {
+            format!("{context}: {reason}")
+        },
+        errno: e.raw_os_error(),
+    }
 }
 
 /// The cache directory used when the data's directory is not writable.
@@ -204,29 +268,56 @@ pub fn cache_root(cache_dir: Option<&Path>) -> PathBuf {
     home.join(".cache").join("recipe-trainer")
 }
 
-#[derive(Clone, Copy, PartialEq)]
-enum Compression {
-    None,
-    Gzip,
-    Zstd,
+/// What the file system says about a file: the cache key's part (path, size, mtime) and what changes whenever
+/// the file's bytes are written, even when its size and mtime are kept or restored (`cp -p`, `rsync -t`): the
+/// inode (a new file) and the status-change time (ctime: set by the kernel on every write or rename, and no
+/// call sets it back).
+struct Stamp {
+    canon: String,
+    size: u64,
+    mtime: u128,
+    identity: Identity,
 }
 
-fn split_compression(path: &Path) -> (Compression, String) {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let lower = name.to_ascii_lowercase();
-    for (suffix, comp) in [(".gz", Compression::Gzip), (".zst", Compression::Zstd)] {
-        if lower.ends_with(suffix) {
-            return (comp, name[..name.len() - suffix.len()].to_string());
+/// Device, inode and ctime (seconds, nanoseconds) of a file.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Identity {
+    dev: u64,
+    ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
+}
+
+impl Identity {
+    fn of(meta: &std::fs::Metadata) -> Identity {
+        Identity {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            ctime: meta.ctime(),
+            ctime_nsec: meta.ctime_nsec(),
         }
     }
-    (Compression::None, name)
+    fn to_bytes(self) -> [u8; 32] {
+        let mut b = [0u8; 32];
+        b[..8].copy_from_slice(&self.dev.to_le_bytes());
+        b[8..16].copy_from_slice(&self.ino.to_le_bytes());
+        b[16..24].copy_from_slice(&self.ctime.to_le_bytes());
+        b[24..].copy_from_slice(&self.ctime_nsec.to_le_bytes());
+        b
+    }
+    fn from_bytes(b: &[u8; 32]) -> Identity {
+        let u = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        Identity {
+            dev: u(0),
+            ino: u(8),
+            ctime: u(16) as i64,
+            ctime_nsec: u(24) as i64,
+        }
+    }
 }
 
-fn file_identity(path: &Path) -> Result<(String, u64, u128)> {
-    let meta = std::fs::metadata(path).map_err(|e| LoaderError::file(path.display(), e))?;
+fn stamp(path: &Path) -> Result<Stamp> {
+    let meta = std::fs::metadata(path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
     let canon = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     let mtime = meta
         .modified()
@@ -234,7 +325,12 @@ fn file_identity(path: &Path) -> Result<(String, u64, u128)> {
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map(|d| d.as_nanos())
         .unwrap_or(0);
-    Ok((canon.display().to_string(), meta.len(), mtime))
+    Ok(Stamp {
+        canon: canon.display().to_string(),
+        size: meta.len(),
+        mtime,
+        identity: Identity::of(&meta),
+    })
 }
 
 /// Writes via a temporary file and rename, so a reader never sees half a file.
@@ -255,31 +351,34 @@ fn write_atomic(
     res
 }
 
-fn decompress(path: &Path, comp: Compression, stem: &str, root: &Path) -> Result<PathBuf> {
-    let (canon, size, mtime) = file_identity(path)?;
-    let key = hash_parts(&[canon.as_bytes(), &size.to_le_bytes(), &mtime.to_le_bytes()]);
+/// The decompressed copy of `path`, made once per version of the compressed file: its key has the inode and
+/// ctime too, so a compressed file rewritten with the same size and mtime gets a new copy (and `chmod` one more
+/// decompression).
+fn decompress(
+    path: &Path,
+    comp: Compression,
+    stem: &str,
+    root: &Path,
+    stop: &AtomicBool,
+) -> Result<PathBuf> {
+    let st = stamp(path)?;
+    let key = hash_parts(&[
+        st.canon.as_bytes(),
+        &st.size.to_le_bytes(),
+        &st.mtime.to_le_bytes(),
+        &st.identity.to_bytes(),
+    ]);
     let dest = root.join(format!("{stem}.{key:016x}.data"));
     if dest.is_file() {
         return Ok(dest);
     }
-    std::fs::create_dir_all(root).map_err(|e| {
-        LoaderError::file(
-            root.display(),
-            format!("cannot create cache directory: {e}"),
-        )
-    })?;
-    let src = File::open(path).map_err(|e| LoaderError::file(path.display(), e))?;
-    let kind = if comp == Compression::Gzip {
-        "gzip"
-    } else {
-        "zstd"
-    };
+    std::fs::create_dir_all(root)
+        .map_err(|e| LoaderError::io(root.display(), "cannot create cache directory", &e))?;
+    let src = File::open(path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
+    let kind = comp.name();
     let mut failed_on_input = false;
     let res = write_atomic(&dest, |out| {
-        let mut reader: Box<dyn Read> = match comp {
-            Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(BufReader::new(src))),
-            _ => Box::new(zstd::stream::read::Decoder::new(src)?),
-        };
+        let mut reader = CancellableRead::new(comp.reader(src)?, stop);
         let mut buf = vec![0u8; 1 << 20];
         loop {
             let n = match reader.read(&mut buf) {
@@ -296,13 +395,15 @@ fn decompress(path: &Path, comp: Compression, stem: &str, root: &Path) -> Result
     });
     match res {
         Ok(()) => Ok(dest),
-        Err(e) if failed_on_input => Err(LoaderError::file(
+        Err(e) if failed_on_input => Err(LoaderError::io(
             path.display(),
-            format!("corrupt or truncated {kind} file: {e}"),
+            &format!("corrupt or truncated {kind} file"),
+            &e,
         )),
-        Err(e) => Err(LoaderError::file(
+        Err(e) => Err(LoaderError::io(
             dest.display(),
-            format!("cannot write decompressed copy: {e}"),
+            "cannot write decompressed copy",
+            &e,
         )),
     }
 }
@@ -316,7 +417,7 @@ fn csv_reader<R: Read>(r: R) -> csv::Reader<R> {
 }
 
 fn read_header(data_path: &Path, shown: &Path) -> Result<Vec<String>> {
-    let f = File::open(data_path).map_err(|e| LoaderError::file(shown.display(), e))?;
+    let f = File::open(data_path).map_err(|e| LoaderError::io(shown.display(), "", &e))?;
     let mut rdr = csv_reader(f);
     let h = rdr.headers().map_err(|e| {
         LoaderError::data(
@@ -370,21 +471,22 @@ struct Entry {
     hash: u64,
 }
 
-/// Builds the index of one file, or loads it from the cache.
-pub fn index_file(path: &Path, s: &IndexSettings) -> Result<FileIndex> {
-    let meta = std::fs::metadata(path).map_err(|e| LoaderError::file(path.display(), e))?;
+/// Builds the index of one file, or loads it from the cache. What the user should know but that does not stop
+/// the loader (a cache that could not be written) is pushed to `warnings`; the Python layer logs it.
+pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) -> Result<FileIndex> {
+    let meta = std::fs::metadata(path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
     if meta.len() == 0 {
         return Err(LoaderError::file(path.display(), "empty file"));
     }
     let root = cache_root(s.cache_dir.as_deref());
-    let (comp, stem) = split_compression(path);
+    let (comp, stem) = Compression::split(path);
     let data_path = if comp == Compression::None {
         path.to_path_buf()
     } else {
-        decompress(path, comp, &stem, &root)?
+        decompress(path, comp, &stem, &root, s.cancel)?
     };
     let first_byte =
-        first_content_byte(&data_path).map_err(|e| LoaderError::file(path.display(), e))?;
+        first_content_byte(&data_path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
     let Some(first_byte) = first_byte else {
         return Err(LoaderError::file(path.display(), "empty file"));
     };
@@ -430,12 +532,12 @@ pub fn index_file(path: &Path, s: &IndexSettings) -> Result<FileIndex> {
             Some(Columns::from_header(f, &h).map_err(|e| LoaderError::data(path.display(), 1, e))?)
         }
     };
-    let (canon, size, mtime) = file_identity(path)?;
+    let st = stamp(path)?;
     let key = hash_parts(&[
         MAGIC,
-        canon.as_bytes(),
-        &size.to_le_bytes(),
-        &mtime.to_le_bytes(),
+        st.canon.as_bytes(),
+        &st.size.to_le_bytes(),
+        &st.mtime.to_le_bytes(),
         &s.tok.file_hash.to_le_bytes(),
         s.renderer.source.text.as_bytes(),
         s.renderer.target.text.as_bytes(),
@@ -474,8 +576,12 @@ pub fn index_file(path: &Path, s: &IndexSettings) -> Result<FileIndex> {
         skipped: BTreeMap::new(),
         examples: vec![],
         cached: false,
+        identity: Identity::default(),
+        content: 0,
     };
-    if candidates.iter().any(|c| load_cache(c, &mut idx).is_ok()) {
+    // Taken before the scan: a write during it changes the ctime, so the next run checks the content again.
+    let now = stamp(&idx.data_path)?.identity;
+    if reuse_cache(&candidates, &mut idx, now, s.cancel, warnings)? {
         idx.cached = true;
         if s.strict {
             if let Some(ex) = idx.examples.first() {
@@ -488,21 +594,51 @@ pub fn index_file(path: &Path, s: &IndexSettings) -> Result<FileIndex> {
         }
     } else {
         scan(&mut idx, s)?;
+        idx.identity = now;
         if idx.is_empty() && idx.skipped.is_empty() {
             return Err(LoaderError::file(path.display(), "empty file: no records"));
         }
         if !candidates.iter().any(|c| save_cache(c, &idx).is_ok()) {
-            log_warn(&format!(
-                "could not write the index cache for {}",
-                path.display()
+            warnings.push(format!(
+                "could not write the index cache of {} (beside it or in {}): the next run indexes it again",
+                path.display(),
+                root.display()
             ));
         }
     }
     Ok(idx)
 }
 
-fn log_warn(msg: &str) {
-    eprintln!("recipe_core warning: {msg}");
+/// Loads the first valid cache among `candidates` into `idx` if it describes the file as it is now: the same
+/// inode and ctime as when it was indexed (no read needed), or else the same content hash (one read of the file;
+/// the cache is then rewritten with the new identity so the next run needs none). A cache of other content
+/// (the file rewritten with its size and mtime kept) is refused with a warning, and the file indexed again.
+fn reuse_cache(
+    candidates: &[PathBuf],
+    idx: &mut FileIndex,
+    now: Identity,
+    stop: &AtomicBool,
+    warnings: &mut Vec<String>,
+) -> Result<bool> {
+    let Some(cache) = candidates.iter().find(|c| load_cache(c, idx).is_ok()) else {
+        return Ok(false);
+    };
+    if idx.identity == now {
+        return Ok(true);
+    }
+    let content = hash_file(&idx.data_path, stop)
+        .map_err(|e| LoaderError::io(idx.path.display(), "read error", &e))?;
+    if content == idx.content {
+        idx.identity = now;
+        let _ = save_cache(cache, idx); // if it cannot be written, the next run hashes again
+        return Ok(true);
+    }
+    warnings.push(format!(
+        "{} changed since it was indexed, though its size and modification time are the same: indexing it \
+         again (a resume from a checkpoint of the old content will be refused)",
+        idx.path.display()
+    ));
+    Ok(false)
 }
 
 fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
@@ -516,8 +652,11 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
     idx.skipped.clear();
     idx.examples.clear();
     let shown = idx.path.display().to_string();
-    let f = File::open(&idx.data_path).map_err(|e| LoaderError::file(&shown, e))?;
-    let io_err = |e: std::io::Error| LoaderError::file(&shown, format!("read error: {e}"));
+    let file = File::open(&idx.data_path).map_err(|e| LoaderError::io(&shown, "", &e))?;
+    // The content hash of what is indexed, computed on the way (both readers below read to the end).
+    let mut hashing = HashingReader::new(CancellableRead::new(file, s.cancel));
+    let f = &mut hashing;
+    let io_err = |e: std::io::Error| LoaderError::io(&shown, "read error", &e);
     match idx.format {
         Format::Jsonl => {
             let mut r = BufReader::with_capacity(1 << 20, f);
@@ -566,24 +705,23 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
             }
         }
         Format::RecipeNlg | Format::FoodCom => {
-            let mut rdr = CsvScanner::new(f);
+            let mut rdr = CsvRecords::new(f);
             rdr.next_record().map_err(io_err)?; // the header, read by `read_header`
             loop {
                 let mut chunk = Vec::with_capacity(CHUNK);
                 while chunk.len() < CHUNK {
-                    let Some(raw) = rdr.next_record().map_err(io_err)? else {
+                    let Some(rec) = rdr.next_record().map_err(io_err)? else {
                         break;
                     };
-                    if let RawData::Csv(rec) = &raw.data {
-                        let blank = rec.len() == 1
-                            && rec
-                                .get(0)
-                                .is_some_and(|f| f.iter().all(u8::is_ascii_whitespace));
-                        if blank && raw.len as usize <= MAX_RECORD_BYTES {
-                            continue;
-                        }
+                    if rec.is_blank() {
+                        continue;
                     }
-                    chunk.push(raw);
+                    chunk.push(Raw {
+                        start: rec.start,
+                        len: rec.len,
+                        line: rec.line,
+                        data: RawData::Csv(rec.fields),
+                    });
                 }
                 if chunk.is_empty() {
                     break;
@@ -592,138 +730,12 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
             }
         }
     }
+    idx.content = hashing.digest();
     Ok(())
 }
 
-/// Splits CSV input into records with `csv_core` (the parser under the `csv` crate, same dialect), keeping at
-/// most `MAX_RECORD_BYTES` of a record: an unclosed quote that swallows the rest of the file costs no memory.
-/// It sees every byte, so a record's byte range and first line are exact whatever the line ends.
-struct CsvScanner<R> {
-    input: BufReader<R>,
-    core: csv_core::Reader,
-    pos: u64,
-    newlines: u64,
-    pending_cr: bool,
-    out: Vec<u8>,
-    ends: Vec<usize>,
-    done: bool,
-}
-
-impl<R: Read> CsvScanner<R> {
-    fn new(r: R) -> Self {
-        CsvScanner {
-            input: BufReader::with_capacity(1 << 20, r),
-            core: csv_core::Reader::new(),
-            pos: 0,
-            newlines: 0,
-            pending_cr: false,
-            out: vec![0; 4096],
-            ends: vec![0; 64],
-            done: false,
-        }
-    }
-
-    /// The next record (fields empty when it is over the limit: `len` says so), or None at the end.
-    fn next_record(&mut self) -> std::io::Result<Option<Raw>> {
-        use csv_core::ReadRecordResult::*;
-        if self.done {
-            return Ok(None);
-        }
-        let (start, newlines_before) = (self.pos, self.newlines);
-        // Line ends before the record's first byte of content: blank lines, or the end of the previous
-        // record's line (csv_core ends a record at `\r`, so a CRLF's `\n` is read with the next one).
-        let (mut leading, mut in_prefix) = (0u64, true);
-        let (mut outlen, mut endlen, mut over) = (0, 0, false);
-        loop {
-            let input = match self.input.fill_buf() {
-                Ok(b) => b,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            };
-            let (res, nin, nout, nend) =
-                self.core
-                    .read_record(input, &mut self.out[outlen..], &mut self.ends[endlen..]);
-            for &b in &input[..nin] {
-                // A line ends at `\n`, or at a `\r` that no `\n` follows (old Mac files).
-                let line_end = (b == b'\n' || self.pending_cr) as u64;
-                self.pending_cr = b == b'\r';
-                if in_prefix {
-                    leading += line_end;
-                    in_prefix = b == b'\r' || b == b'\n';
-                }
-                self.newlines += line_end;
-            }
-            self.input.consume(nin);
-            self.pos += nin as u64;
-            outlen += nout;
-            endlen += nend;
-            match res {
-                InputEmpty => {}
-                OutputFull if self.out.len() > MAX_RECORD_BYTES => (over, outlen) = (true, 0),
-                OutputFull => self.out.resize(self.out.len() * 2, 0),
-                OutputEndsFull if over => endlen = 0,
-                OutputEndsFull => self.ends.resize(self.ends.len() * 2, 0),
-                Record => break,
-                End => {
-                    self.done = true;
-                    return Ok(None);
-                }
-            }
-        }
-        let len = self.pos - start;
-        let mut rec = csv::ByteRecord::new();
-        if !over {
-            let mut from = 0;
-            for &end in &self.ends[..endlen] {
-                rec.push_field(&self.out[from..end]);
-                from = end;
-            }
-        }
-        Ok(Some(Raw {
-            data: RawData::Csv(rec),
-            start,
-            len: if over {
-                len.max(MAX_RECORD_BYTES as u64 + 1)
-            } else {
-                len
-            },
-            line: 1 + newlines_before + leading,
-        }))
-    }
-}
-
-/// Reads one line (through its `\n`) and keeps at most `limit` bytes of it in `buf`, so an over-long line (a whole
-/// JSON array on one line, say) costs no memory; returns the line's full length, 0 at the end.
-fn read_line_bounded(
-    r: &mut impl BufRead,
-    buf: &mut Vec<u8>,
-    limit: usize,
-) -> std::io::Result<usize> {
-    let mut total = 0;
-    loop {
-        let avail = match r.fill_buf() {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if avail.is_empty() {
-            return Ok(total);
-        }
-        let (used, done) = match avail.iter().position(|&b| b == b'\n') {
-            Some(i) => (i + 1, true),
-            None => (avail.len(), false),
-        };
-        let keep = used.min(limit.saturating_sub(buf.len()));
-        buf.extend_from_slice(&avail[..keep]);
-        r.consume(used);
-        total += used;
-        if done {
-            return Ok(total);
-        }
-    }
-}
-
 fn process_chunk(idx: &mut FileIndex, s: &IndexSettings, chunk: Vec<Raw>) -> Result<()> {
+    cancel::check(s.cancel)?;
     let format = idx.format;
     let cols = idx.columns.clone();
     let results: Vec<std::result::Result<Entry, Skip>> = chunk
@@ -796,7 +808,7 @@ struct CacheMeta {
 /// Every value of the cache: a damaged cache whose offsets still fit the data would otherwise read the wrong
 /// records.
 fn cache_checksum(idx: &FileIndex, meta: &[u8]) -> u64 {
-    let mut h = hash_parts(&[meta]);
+    let mut h = hash_parts(&[meta, &idx.identity.to_bytes(), &idx.content.to_le_bytes()]);
     for i in 0..idx.len() {
         h = mix(h ^ idx.offsets[i]);
         h = mix(h ^ (((idx.lens[i] as u64) << 32) | idx.lines[i] as u64));
@@ -839,6 +851,8 @@ fn save_cache(dest: &Path, idx: &FileIndex) -> std::io::Result<()> {
         })?;
         w.write_all(&(meta.len() as u64).to_le_bytes())?;
         w.write_all(&meta)?;
+        w.write_all(&idx.identity.to_bytes())?;
+        w.write_all(&idx.content.to_le_bytes())?;
         w.write_all(&cache_checksum(idx, &meta).to_le_bytes())?;
         w.flush()
     })
@@ -897,6 +911,10 @@ fn load_cache(src: &Path, idx: &mut FileIndex) -> std::io::Result<()> {
     let m = m as usize;
     let mut meta = vec![0u8; m];
     r.read_exact(&mut meta)?;
+    let mut identity = [0u8; 32];
+    r.read_exact(&mut identity)?;
+    idx.identity = Identity::from_bytes(&identity);
+    idx.content = read_u64(&mut r)?;
     if read_u64(&mut r)? != cache_checksum(idx, &meta) {
         return Err(bad());
     }

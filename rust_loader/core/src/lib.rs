@@ -1,15 +1,21 @@
 //! recipe_core: reading recipe dumps, rendering, tokenizing and batching, without Python.
 
+pub mod cancel;
+pub mod compress;
 pub mod error;
 pub mod formats;
 pub mod hash;
 pub mod index;
+pub mod options;
+pub mod pack;
 pub mod plan;
 pub mod records;
 pub mod render;
 pub mod sample;
+pub mod split;
 pub mod stream;
 pub mod tokenize;
 
 pub use error::LoaderError;
+pub use options::LoaderOptions;
 pub use stream::{Batch, Loader, LoaderConfig, State, Stats};

@@ -10,12 +10,19 @@
 //!   source length, then packed greedily so that `rows × (longest source + longest target)` (after
 //!   `pad_to_multiple_of`) stays within `max_tokens`; a record over the budget alone gets its own batch (counted).
 //!   The batch list is then shuffled (seeded) when `shuffle` is on.
+//! - `pack` (packed rows): the order is packed into rows of `source_len` encoder and `target_len` decoder tokens
+//!   ([`crate::pack`]), consecutive rows into micro-batches of exactly `rows` rows (the last one of the epoch
+//!   padded with empty rows); the micro-batch list is then shuffled (seeded) when `shuffle` is on.
 //! - Sharding: the global batch list is cut to a multiple of `world_size`; rank `r` gets batches `r, r+W, ...`.
 use std::collections::HashMap;
 
-use crate::hash::{mix, Rng};
+use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+use crate::hash::{mix, Rng};
+use crate::pack;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Split {
     All,
     Train,
@@ -43,10 +50,21 @@ impl Split {
     }
 }
 
+/// The fixed shape of every packed micro-batch of a run: `rows` rows of `source_len` encoder and `target_len`
+/// decoder tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct PackShape {
+    pub rows: usize,
+    pub source_len: usize,
+    pub target_len: usize,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanConfig {
     pub batch_size: Option<usize>,
     pub max_tokens: Option<usize>,
+    /// Packed rows instead of padded batches (then `batch_size`/`max_tokens` are what decided the shape).
+    pub pack: Option<PackShape>,
     pub pad_to_multiple_of: usize,
     pub shuffle: bool,
     pub seed: u64,
@@ -98,11 +116,13 @@ fn round_up(n: usize, m: usize) -> usize {
     }
 }
 
-/// One rank's batches for one epoch: `batches[k]` is a range into `order`.
+/// One rank's batches for one epoch: `batches[k]` is a range into `order`. Packed, batch `k` has exactly
+/// `shape.rows` rows, whose ends (into `order`) are `row_ends[k * rows..(k + 1) * rows]`; a padding row is empty.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Plan {
     pub order: Vec<u32>,
     pub batches: Vec<(u32, u32)>,
+    pub row_ends: Vec<u32>,
     /// Batches (global, before sharding) holding a single record over `max_tokens`.
     pub oversize: u64,
     /// Global batches dropped so that every rank gets the same count.
@@ -113,6 +133,19 @@ impl Plan {
     pub fn batch(&self, k: usize) -> &[u32] {
         let (a, b) = self.batches[k];
         &self.order[a as usize..b as usize]
+    }
+
+    /// The rows of packed batch `k` (`rows` of them: the shape's).
+    pub fn rows(&self, k: usize, rows: usize) -> Vec<&[u32]> {
+        let mut start = self.batches[k].0 as usize;
+        self.row_ends[k * rows..(k + 1) * rows]
+            .iter()
+            .map(|&end| {
+                let row = &self.order[start..end as usize];
+                start = end as usize;
+                row
+            })
+            .collect()
     }
 }
 
@@ -126,6 +159,9 @@ pub fn make_plan(selected: &[u32], src: &[u16], tgt: &[u16], cfg: &PlanConfig, e
     let mut batches: Vec<(u32, u32)> = Vec::new();
     let mut oversize = 0u64;
     let pad = cfg.pad_to_multiple_of.max(1);
+    if let Some(shape) = cfg.pack {
+        return packed_plan(order, src, tgt, cfg, shape, &mut rng);
+    }
     if let Some(budget) = cfg.max_tokens {
         let total: usize = order
             .iter()
@@ -205,31 +241,73 @@ pub fn make_plan(selected: &[u32], src: &[u16], tgt: &[u16], cfg: &PlanConfig, e
     Plan {
         order,
         batches: mine,
+        row_ends: Vec::new(),
         oversize,
         dropped_batches,
     }
 }
 
-/// Share of real tokens in the padded batches of `plan`.
-pub fn real_token_share(plan: &Plan, src: &[u16], tgt: &[u16], pad: usize) -> f64 {
+/// The packed plan: rows packed from `order`, `shape.rows` consecutive rows per micro-batch, the micro-batches
+/// shuffled, then sharded; `order` is rebuilt as this rank's records, batch after batch, row after row.
+fn packed_plan(
+    order: Vec<u32>,
+    src: &[u16],
+    tgt: &[u16],
+    cfg: &PlanConfig,
+    shape: PackShape,
+    rng: &mut Rng,
+) -> Plan {
+    let rows = pack::pack(&order, src, tgt, shape.source_len, shape.target_len);
+    drop(order);
+    let r = shape.rows.max(1);
+    let mut ids: Vec<u32> = (0..rows.len().div_ceil(r) as u32).collect();
+    if cfg.shuffle {
+        rng.shuffle(&mut ids);
+    }
+    let w = cfg.world_size.max(1);
+    let keep = ids.len() / w * w;
+    let mut plan = Plan {
+        dropped_batches: (ids.len() - keep) as u64,
+        ..Plan::default()
+    };
+    for &b in ids[..keep].iter().skip(cfg.rank).step_by(w) {
+        let start = plan.order.len() as u32;
+        for j in b as usize * r..(b as usize + 1) * r {
+            if j < rows.len() {
+                plan.order.extend_from_slice(rows.row(j));
+            }
+            plan.row_ends.push(plan.order.len() as u32);
+        }
+        plan.batches.push((start, plan.order.len() as u32));
+    }
+    plan
+}
+
+/// Share of real tokens in the padded (or packed, with `pack`) batches of `plan`.
+pub fn real_token_share(
+    plan: &Plan,
+    src: &[u16],
+    tgt: &[u16],
+    pad: usize,
+    pack: Option<PackShape>,
+) -> f64 {
     let (mut real, mut total) = (0usize, 0usize);
     for k in 0..plan.batches.len() {
         let b = plan.batch(k);
-        let ms = b
-            .iter()
-            .map(|&i| src[i as usize] as usize)
-            .max()
-            .unwrap_or(0);
-        let mt = b
-            .iter()
-            .map(|&i| tgt[i as usize] as usize)
-            .max()
-            .unwrap_or(0);
-        total += b.len() * (round_up(ms, pad.max(1)) + round_up(mt, pad.max(1)));
         real += b
             .iter()
             .map(|&i| src[i as usize] as usize + tgt[i as usize] as usize)
             .sum::<usize>();
+        total += match pack {
+            Some(shape) => shape.rows * (shape.source_len + shape.target_len),
+            None => {
+                let longest = |lens: &[u16]| {
+                    let m = b.iter().map(|&i| lens[i as usize] as usize).max();
+                    round_up(m.unwrap_or(0), pad.max(1))
+                };
+                b.len() * (longest(src) + longest(tgt))
+            }
+        };
     }
     if total == 0 {
         1.0
@@ -257,6 +335,7 @@ mod tests {
         PlanConfig {
             batch_size: None,
             max_tokens: Some(4096),
+            pack: None,
             pad_to_multiple_of: 8,
             shuffle: true,
             seed: 3,
@@ -293,7 +372,7 @@ mod tests {
             }
         }
         assert!(seen.iter().all(|&x| x));
-        let share = real_token_share(&p, &s, &t, 8);
+        let share = real_token_share(&p, &s, &t, 8, None);
         assert!(share >= 0.95, "{share}");
         assert_eq!(p, make_plan(&sel, &s, &t, &cfg(), 0));
         assert_ne!(p, make_plan(&sel, &s, &t, &cfg(), 1));

@@ -15,15 +15,17 @@
 //! `\r` end a line); JSONL one object per line.
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read};
+use std::io::BufReader;
 use std::path::Path;
 
+use crate::compress::Compression;
 use crate::error::{LoaderError, Result};
 use crate::formats::{self, Columns, Field, Format, Parsed, Recipe, Skip, MAX_RECORD_BYTES};
 use crate::hash::hash_parts;
-use crate::index::{expand_paths, Example, MAX_EXAMPLES};
+use crate::index::{expand_paths, path_error, Example, MAX_EXAMPLES};
 use crate::plan::{is_eval, Split};
 use crate::render::Renderer;
+use crate::split::{read_line_bounded, CsvRecords};
 use crate::tokenize::Tok;
 
 /// One usable record: its place, its prompt and, where the record has one, its reference.
@@ -192,18 +194,14 @@ impl Prompter {
     }
 }
 
-/// The format of `path` from its extension (under a `.gz`/`.zst`), and whether it is compressed.
-fn format_of(path: &Path) -> (Option<&'static str>, Option<Format>) {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().to_ascii_lowercase())
-        .unwrap_or_default();
-    let (compression, stem) = match () {
-        _ if name.ends_with(".gz") => (Some("gzip"), &name[..name.len() - 3]),
-        _ if name.ends_with(".zst") => (Some("zstd"), &name[..name.len() - 4]),
-        _ => (None, &name[..]),
-    };
-    let format = match Path::new(stem).extension().and_then(|e| e.to_str()) {
+/// The format of `path` from its extension (under a compression suffix, see [`Compression::split`]), and its
+/// compression.
+fn format_of(path: &Path) -> (Compression, Option<Format>) {
+    let (compression, stem) = Compression::split(path);
+    let ext = Path::new(&stem)
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase());
+    let format = match ext.as_deref() {
         Some("jsonl" | "json" | "ndjson") => Some(Format::Jsonl),
         Some("csv") => Some(Format::RecipeNlg), // which CSV: from the header
         _ => None,
@@ -211,29 +209,20 @@ fn format_of(path: &Path) -> (Option<&'static str>, Option<Format>) {
     (compression, format)
 }
 
-fn open(path: &Path, compression: Option<&str>) -> Result<Box<dyn Read>> {
-    let f = File::open(path).map_err(|e| LoaderError::file(path.display(), e))?;
-    Ok(match compression {
-        Some("gzip") => Box::new(flate2::read::MultiGzDecoder::new(BufReader::new(f))),
-        Some(_) => {
-            Box::new(zstd::stream::read::Decoder::new(f).map_err(|e| {
-                LoaderError::file(path.display(), format!("corrupt zstd file: {e}"))
-            })?)
-        }
-        None => Box::new(f),
-    })
-}
-
 fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet) -> Result<()> {
     let shown = path.display().to_string();
-    let meta = std::fs::metadata(path).map_err(|e| LoaderError::file(&shown, e))?;
+    let meta = std::fs::metadata(path).map_err(|e| path_error(path, "", &e))?;
     if meta.len() == 0 {
         return Err(LoaderError::file(&shown, "empty file"));
     }
     let (compression, by_ext) = format_of(path);
     let io_err = |e: std::io::Error| match compression {
-        Some(kind) => LoaderError::file(&shown, format!("corrupt or truncated {kind} file: {e}")),
-        None => LoaderError::file(&shown, format!("read error: {e}")),
+        Compression::None => LoaderError::io(&shown, "read error", &e),
+        kind => LoaderError::io(
+            &shown,
+            &format!("corrupt or truncated {} file", kind.name()),
+            &e,
+        ),
     };
     let format = opts.format.or(by_ext).ok_or_else(|| {
         LoaderError::file(
@@ -241,7 +230,8 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
             "cannot tell the format from the extension (.csv, .jsonl, .json, optionally .gz/.zst); pass data_format",
         )
     })?;
-    let input = open(path, compression)?;
+    let file = File::open(path).map_err(|e| path_error(path, "", &e))?;
+    let input = compression.reader(file).map_err(io_err)?;
     let (mut seen, mut file_examples) = (0u64, 0);
     // `prompt`: the record read leniently where the training parser refused it (a JSONL line without
     // directions), still usable as a prompt.
@@ -321,10 +311,11 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
         Format::RecipeNlg | Format::FoodCom => {
             let mut rdr = CsvRecords::new(input);
             let header = rdr.next_record().map_err(io_err)?;
-            let Some((header, _, _)) = header else {
+            let Some(header) = header else {
                 return Err(LoaderError::file(&shown, "empty file"));
             };
             let header: Vec<String> = header
+                .fields
                 .iter()
                 .enumerate()
                 .map(|(i, h)| {
@@ -348,23 +339,19 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
             };
             let cols = Columns::from_header(format, &header)
                 .map_err(|e| LoaderError::data(&shown, 1, e))?;
-            while let Some((rec, len, line)) = rdr.next_record().map_err(io_err)? {
-                let blank = rec.len() == 1
-                    && rec
-                        .get(0)
-                        .is_some_and(|f| f.iter().all(u8::is_ascii_whitespace));
-                if blank && len <= MAX_RECORD_BYTES as u64 {
+            while let Some(rec) = rdr.next_record().map_err(io_err)? {
+                if rec.is_blank() {
                     continue;
                 }
-                let parsed = if len > MAX_RECORD_BYTES as u64 {
+                let parsed = if rec.over_long() {
                     Err(Skip::new(
                         "over_long",
-                        format!("record of {len} bytes (limit {MAX_RECORD_BYTES})"),
+                        format!("record of {} bytes (limit {MAX_RECORD_BYTES})", rec.len),
                     ))
                 } else {
-                    formats::parse_csv(&rec, format, &cols)
+                    formats::parse_csv(&rec.fields, format, &cols)
                 };
-                take(line, parsed, None);
+                take(rec.line, parsed, None);
             }
         }
     }
@@ -372,124 +359,6 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
         return Err(LoaderError::file(&shown, "empty file: no records"));
     }
     Ok(())
-}
-
-/// Reads one line (through its `\n`), keeping at most `limit` bytes of it in `buf`; returns the line's full
-/// length, 0 at the end (as the loader's first pass reads JSONL).
-fn read_line_bounded(
-    r: &mut impl BufRead,
-    buf: &mut Vec<u8>,
-    limit: usize,
-) -> std::io::Result<usize> {
-    let mut total = 0;
-    loop {
-        let avail = match r.fill_buf() {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if avail.is_empty() {
-            return Ok(total);
-        }
-        let (used, done) = match avail.iter().position(|&b| b == b'\n') {
-            Some(i) => (i + 1, true),
-            None => (avail.len(), false),
-        };
-        let keep = used.min(limit.saturating_sub(buf.len()));
-        buf.extend_from_slice(&avail[..keep]);
-        r.consume(used);
-        total += used;
-        if done {
-            return Ok(total);
-        }
-    }
-}
-
-/// CSV records with the loader's boundaries and lines (see the module doc): `(fields, raw length, first
-/// line)`, the fields empty when the record is over [`MAX_RECORD_BYTES`].
-struct CsvRecords<R> {
-    input: BufReader<R>,
-    core: csv_core::Reader,
-    newlines: u64,
-    pending_cr: bool,
-    out: Vec<u8>,
-    ends: Vec<usize>,
-    done: bool,
-}
-
-impl<R: Read> CsvRecords<R> {
-    fn new(r: R) -> Self {
-        CsvRecords {
-            input: BufReader::with_capacity(1 << 20, r),
-            core: csv_core::Reader::new(),
-            newlines: 0,
-            pending_cr: false,
-            out: vec![0; 4096],
-            ends: vec![0; 64],
-            done: false,
-        }
-    }
-
-    fn next_record(&mut self) -> std::io::Result<Option<(csv::ByteRecord, u64, u64)>> {
-        use csv_core::ReadRecordResult::*;
-        if self.done {
-            return Ok(None);
-        }
-        let newlines_before = self.newlines;
-        // Line ends before the record's first content byte: blank lines, or the `\n` of the previous
-        // record's `\r\n` (csv_core ends a record at the `\r`).
-        let (mut leading, mut in_prefix) = (0u64, true);
-        let (mut outlen, mut endlen, mut over, mut len) = (0, 0, false, 0u64);
-        loop {
-            let input = match self.input.fill_buf() {
-                Ok(b) => b,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            };
-            let (res, nin, nout, nend) =
-                self.core
-                    .read_record(input, &mut self.out[outlen..], &mut self.ends[endlen..]);
-            for &b in &input[..nin] {
-                let line_end = (b == b'\n' || self.pending_cr) as u64;
-                self.pending_cr = b == b'\r';
-                if in_prefix {
-                    leading += line_end;
-                    in_prefix = b == b'\r' || b == b'\n';
-                }
-                self.newlines += line_end;
-            }
-            self.input.consume(nin);
-            len += nin as u64;
-            outlen += nout;
-            endlen += nend;
-            match res {
-                InputEmpty => {}
-                OutputFull if self.out.len() > MAX_RECORD_BYTES => (over, outlen) = (true, 0),
-                OutputFull => self.out.resize(self.out.len() * 2, 0),
-                OutputEndsFull if over => endlen = 0,
-                OutputEndsFull => self.ends.resize(self.ends.len() * 2, 0),
-                Record => break,
-                End => {
-                    self.done = true;
-                    return Ok(None);
-                }
-            }
-        }
-        let mut rec = csv::ByteRecord::new();
-        if !over {
-            let mut from = 0;
-            for &end in &self.ends[..endlen] {
-                rec.push_field(&self.out[from..end]);
-                from = end;
-            }
-        }
-        let len = if over {
-            len.max(MAX_RECORD_BYTES as u64 + 1)
-        } else {
-            len
-        };
-        Ok(Some((rec, len, 1 + newlines_before + leading)))
-    }
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ use std::io::{self, BufWriter, Write};
 use std::path::Path;
 use std::sync::OnceLock;
 
+use crate::compress::Compression;
 use crate::hash::Rng;
 
 /// Output layout of [`write_sample`].
@@ -42,25 +43,6 @@ impl SampleFormat {
             "foodcom-csv" => Ok(Self::FoodComCsv),
             "jsonl" => Ok(Self::Jsonl),
             other => Err(SampleError::BadFormat(other.to_string())),
-        }
-    }
-}
-
-/// Compression picked from the output file's suffix.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Compression {
-    None,
-    Gzip,
-    Zstd,
-}
-
-impl Compression {
-    /// `.gz` is gzip, `.zst`/`.zstd` is zstd, anything else is plain text.
-    pub fn from_path(path: &Path) -> Self {
-        match path.extension().and_then(|e| e.to_str()) {
-            Some("gz") => Self::Gzip,
-            Some("zst") | Some("zstd") => Self::Zstd,
-            _ => Self::None,
         }
     }
 }
@@ -96,7 +78,8 @@ impl std::error::Error for SampleError {
     }
 }
 
-/// Writes `n` recipes generated from `seed` to `path`, compressed when the name ends in `.gz` or `.zst`.
+/// Writes `n` recipes generated from `seed` to `path`, compressed as its name says ([`Compression::split`]:
+/// `.gz`, `.zst`, `.zstd`, any case), so the loader reads back what was written.
 pub fn write_sample_file(
     path: &Path,
     n: u64,

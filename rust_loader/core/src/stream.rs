@@ -1,5 +1,5 @@
 //! The stream: worker threads build the batches of the epoch plan in order (read at offsets, parse, render,
-//! tokenize, pad) into a bounded reorder buffer; the consumer receives them in plan order.
+//! tokenize, pad or pack) into a bounded reorder buffer; the consumer receives them in plan order.
 //!
 //! Resume state is `(epoch, batches consumed in that epoch, fingerprint of data + settings)`: resuming recomputes
 //! the plan from the index and starts at that batch, so nothing skipped is read or tokenized again.
@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -14,37 +15,27 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{LoaderError, Result};
-use crate::formats::Format;
 use crate::hash::{hash_parts, mix};
 use crate::index::{self, Example, FileIndex, IndexSettings};
-use crate::plan::{self, Plan, PlanConfig};
+use crate::options::LoaderOptions;
+use crate::plan::{self, PackShape, Plan, PlanConfig};
 use crate::render::Renderer;
 use crate::tokenize::Tok;
 
 /// Part of the resume fingerprint: bumped whenever the same settings would give another epoch plan (v2: the
-/// xoshiro256** PRNG shared with the sample generator), so an older state is refused instead of misapplied.
-const PLAN_VERSION: &[u8] = b"plan-v2";
+/// xoshiro256** PRNG shared with the sample generator; v3: packed rows), so an older state is refused instead of
+/// misapplied.
+const PLAN_VERSION: &[u8] = b"plan-v3";
 
 /// Everything that configures a [`Loader`].
 #[derive(Clone, Debug)]
 pub struct LoaderConfig {
     pub paths: Vec<String>,
     pub tokenizer: PathBuf,
-    pub task: String,
-    pub source_template: Option<String>,
-    pub target_template: Option<String>,
-    pub max_source_length: usize,
-    pub max_target_length: usize,
-    pub plan: PlanConfig,
-    pub epoch: u64,
-    pub strict: bool,
-    pub data_format: Option<String>,
-    pub num_threads: Option<usize>,
-    pub prefetch: usize,
-    pub cache_dir: Option<PathBuf>,
+    pub options: LoaderOptions,
 }
 
-/// One padded batch, row-major.
+/// One padded or packed batch, row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
     pub rows: usize,
@@ -54,6 +45,19 @@ pub struct Batch {
     pub attention_mask: Vec<i64>,
     pub labels: Vec<i64>,
     pub real_tokens: usize,
+    /// Packed batches only.
+    pub segments: Option<Segments>,
+}
+
+/// What a packed batch adds (see docs/loader.md): per position, the segment (1, 2, ... in placement order within
+/// the row; 0 on padding) and the position inside the segment (0 on padding), for the encoder rows (`rows x
+/// source_len`) and the decoder rows (`rows x target_len`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Segments {
+    pub encoder_segment_ids: Vec<i64>,
+    pub decoder_segment_ids: Vec<i64>,
+    pub encoder_positions: Vec<i64>,
+    pub decoder_positions: Vec<i64>,
 }
 
 /// Resume position.
@@ -76,6 +80,8 @@ pub struct Stats {
     pub batches_per_epoch: u64,
     pub oversize_batches: u64,
     pub dropped_batches: u64,
+    /// The shape of every batch when packing.
+    pub packed_shape: Option<PackShape>,
     pub epoch: u64,
     pub position: u64,
     pub files: Vec<String>,
@@ -91,6 +97,7 @@ struct Ctx {
     renderer: Renderer,
     pad_id: i64,
     pad_multiple: usize,
+    pack: Option<PackShape>,
 }
 
 impl Ctx {
@@ -99,30 +106,112 @@ impl Ctx {
         (f, (id - self.starts[f]) as usize)
     }
 
-    fn build(&self, ids: &[u32], handles: &mut [Option<File>]) -> Result<Batch> {
-        let mut rows: Vec<(Vec<u32>, Vec<u32>)> = Vec::with_capacity(ids.len());
-        for &id in ids {
-            let (f, i) = self.locate(id);
-            let fi = &self.files[f];
-            if handles[f].is_none() {
-                handles[f] = Some(
-                    File::open(&fi.data_path)
-                        .map_err(|e| LoaderError::file(fi.data_path.display(), e))?,
-                );
-            }
-            let parsed = fi.read(handles[f].as_ref().expect("opened"), i)?;
-            let (s, t) = self
-                .renderer
-                .render(&parsed)
-                .map_err(|s| LoaderError::data(fi.path.display(), fi.lines[i] as u64, s.detail))?;
-            let enc = self
-                .tok
-                .encode(&s, &t)
-                .map_err(|e| LoaderError::data(fi.path.display(), fi.lines[i] as u64, e))?;
-            rows.push(enc);
+    /// Reads, renders and tokenizes record `id`.
+    fn encode(&self, id: u32, handles: &mut [Option<File>]) -> Result<(Vec<u32>, Vec<u32>)> {
+        let (f, i) = self.locate(id);
+        let fi = &self.files[f];
+        if handles[f].is_none() {
+            handles[f] = Some(
+                File::open(&fi.data_path)
+                    .map_err(|e| LoaderError::io(fi.data_path.display(), "", &e))?,
+            );
         }
-        Ok(pad_batch(&rows, self.pad_id, self.pad_multiple))
+        let parsed = fi.read(handles[f].as_ref().expect("opened"), i)?;
+        let line = fi.lines[i] as u64;
+        let (s, t) = self
+            .renderer
+            .render(&parsed)
+            .map_err(|s| LoaderError::data(fi.path.display(), line, s.detail))?;
+        let (s, t) = self
+            .tok
+            .encode(&s, &t)
+            .map_err(|e| LoaderError::data(fi.path.display(), line, e))?;
+        // Packed rows are planned from the index's lengths: a record that tokenizes otherwise now was changed.
+        if (s.len(), t.len())
+            != (
+                self.src_len[id as usize] as usize,
+                self.tgt_len[id as usize] as usize,
+            )
+        {
+            return Err(LoaderError::data(
+                fi.path.display(),
+                line,
+                "record changed since it was indexed (other token lengths)",
+            ));
+        }
+        Ok((s, t))
     }
+
+    /// Batch `k` of `plan`.
+    fn build(&self, plan: &Plan, k: usize, handles: &mut [Option<File>]) -> Result<Batch> {
+        match self.pack {
+            None => {
+                let rows: Result<Vec<_>> = plan
+                    .batch(k)
+                    .iter()
+                    .map(|&id| self.encode(id, handles))
+                    .collect();
+                Ok(pad_batch(&rows?, self.pad_id, self.pad_multiple))
+            }
+            Some(shape) => {
+                let mut rows = Vec::with_capacity(shape.rows);
+                for row in plan.rows(k, shape.rows) {
+                    let records: Result<Vec<_>> =
+                        row.iter().map(|&id| self.encode(id, handles)).collect();
+                    rows.push(records?);
+                }
+                Ok(pack_batch(&rows, shape, self.pad_id))
+            }
+        }
+    }
+}
+
+/// Lays out packed rows (each a list of `(source ids, target ids)` records) as a batch of `shape`: a record's
+/// source and target under the same segment id (1, 2, ... from the left), positions restarting at 0 per segment,
+/// padding (segment 0) with the pad id, attention mask 0 and label -100; rows past `rows.len()` are padding.
+pub fn pack_batch(rows: &[Vec<(Vec<u32>, Vec<u32>)>], shape: PackShape, pad_id: i64) -> Batch {
+    let (n, sl, tl) = (shape.rows, shape.source_len, shape.target_len);
+    let mut b = Batch {
+        rows: n,
+        source_len: sl,
+        target_len: tl,
+        input_ids: vec![pad_id; n * sl],
+        attention_mask: vec![0; n * sl],
+        labels: vec![-100; n * tl],
+        real_tokens: 0,
+        segments: None,
+    };
+    let mut seg = Segments {
+        encoder_segment_ids: vec![0; n * sl],
+        decoder_segment_ids: vec![0; n * tl],
+        encoder_positions: vec![0; n * sl],
+        decoder_positions: vec![0; n * tl],
+    };
+    for (r, records) in rows.iter().enumerate() {
+        let (mut at_s, mut at_t) = (r * sl, r * tl);
+        for (j, (s, t)) in records.iter().enumerate() {
+            assert!(
+                at_s + s.len() <= (r + 1) * sl && at_t + t.len() <= (r + 1) * tl,
+                "a packed row over its capacity"
+            );
+            for (p, &id) in s.iter().enumerate() {
+                b.input_ids[at_s + p] = id as i64;
+                b.attention_mask[at_s + p] = 1;
+                seg.encoder_segment_ids[at_s + p] = j as i64 + 1;
+                seg.encoder_positions[at_s + p] = p as i64;
+            }
+            for (p, &id) in t.iter().enumerate() {
+                b.labels[at_t + p] = id as i64;
+                seg.decoder_segment_ids[at_t + p] = j as i64 + 1;
+                seg.decoder_positions[at_t + p] = p as i64;
+            }
+            at_s += s.len();
+            at_t += t.len();
+            b.real_tokens += s.len() + t.len();
+        }
+    }
+    b.segments = Some(seg);
+    b
 }
 
 /// Pads `(source ids, target ids)` rows: input_ids with `pad_id`, attention_mask 0/1, labels with -100, to the
@@ -166,6 +255,7 @@ pub fn pad_batch(rows: &[(Vec<u32>, Vec<u32>)], pad_id: i64, multiple: usize) ->
         attention_mask,
         labels,
         real_tokens: real,
+        segments: None,
     }
 }
 
@@ -196,11 +286,10 @@ impl Pipeline {
                 std::thread::spawn(move || {
                     let mut files: Vec<Option<File>> = (0..ctx.files.len()).map(|_| None).collect();
                     for k in job_rx.iter() {
-                        let r =
-                            catch_unwind(AssertUnwindSafe(|| ctx.build(plan.batch(k), &mut files)))
-                                .unwrap_or_else(|p| {
-                                    Err(LoaderError::Internal(panic_message("worker", &p)))
-                                });
+                        let r = catch_unwind(AssertUnwindSafe(|| ctx.build(&plan, k, &mut files)))
+                            .unwrap_or_else(|p| {
+                                Err(LoaderError::Internal(panic_message("worker", &p)))
+                            });
                         if res_tx.send((k, r)).is_err() {
                             break;
                         }
@@ -330,6 +419,7 @@ pub struct Loader {
     threads: usize,
     prefetch: usize,
     fingerprint: String,
+    warnings: Vec<String>,
     yielded: u64,
     yielded_batches: u64,
     real: u64,
@@ -340,70 +430,40 @@ impl Loader {
     /// Validates settings, indexes every file (or loads cached indexes) and computes the selection. A bug that
     /// panics here is returned as [`LoaderError::Internal`].
     pub fn new(c: LoaderConfig) -> Result<Loader> {
-        catch_unwind(AssertUnwindSafe(|| Loader::build(c)))
+        Loader::new_cancellable(c, &AtomicBool::new(false))
+    }
+
+    /// [`Loader::new`] that another thread can stop by setting `cancel`: it then returns
+    /// [`LoaderError::Cancelled`] within one chunk of records (or one MiB read), having written no index cache.
+    pub fn new_cancellable(c: LoaderConfig, cancel: &AtomicBool) -> Result<Loader> {
+        catch_unwind(AssertUnwindSafe(|| Loader::build(c, cancel)))
             .unwrap_or_else(|p| Err(LoaderError::Internal(panic_message("indexing", &p))))
     }
 
-    fn build(c: LoaderConfig) -> Result<Loader> {
-        let p = &c.plan;
-        if p.batch_size.is_some() == p.max_tokens.is_some() {
-            return Err(LoaderError::Config(
-                "give exactly one of batch_size and max_tokens".into(),
-            ));
-        }
-        if p.batch_size == Some(0) || p.max_tokens == Some(0) {
-            return Err(LoaderError::Config(
-                "batch_size/max_tokens must be positive".into(),
-            ));
-        }
-        if p.world_size == 0 || p.rank >= p.world_size {
-            return Err(LoaderError::Config(format!(
-                "rank {} must be < world_size {}",
-                p.rank, p.world_size
-            )));
-        }
-        if !(0.0..1.0).contains(&p.eval_fraction) {
-            return Err(LoaderError::Config(
-                "eval_fraction must be in [0, 1)".into(),
-            ));
-        }
-        for (n, v) in [
-            ("max_source_length", c.max_source_length),
-            ("max_target_length", c.max_target_length),
-        ] {
-            if v == 0 || v > u16::MAX as usize {
-                return Err(LoaderError::Config(format!(
-                    "{n} must be in 1..=65535, got {v}"
-                )));
-            }
-        }
-        let format = match &c.data_format {
-            None => None,
-            Some(f) => Some(Format::parse(f).ok_or_else(|| {
-                LoaderError::Config(format!(
-                    "unknown data_format {f:?} (recipenlg-csv, foodcom-csv, jsonl)"
-                ))
-            })?),
-        };
+    fn build(c: LoaderConfig, cancel: &AtomicBool) -> Result<Loader> {
+        let o = &c.options;
+        o.check()?;
         let renderer = Renderer::new(
-            &c.task,
-            c.source_template.as_deref(),
-            c.target_template.as_deref(),
+            &o.task,
+            o.source_template.as_deref(),
+            o.target_template.as_deref(),
         )?;
         let paths = index::expand_paths(&c.paths)?;
-        let tok = Tok::load(&c.tokenizer, c.max_source_length, c.max_target_length)?;
+        let tok = Tok::load(&c.tokenizer, o.max_source_length, o.max_target_length)?;
         let settings = IndexSettings {
+            cancel,
             tok: &tok,
             renderer: &renderer,
-            max_source: c.max_source_length,
-            max_target: c.max_target_length,
-            format,
-            cache_dir: c.cache_dir.clone(),
-            strict: c.strict,
+            max_source: o.max_source_length,
+            max_target: o.max_target_length,
+            format: o.format()?,
+            cache_dir: o.cache_dir.clone(),
+            strict: o.strict,
         };
         let mut files = Vec::new();
+        let mut warnings = Vec::new();
         for path in &paths {
-            files.push(index::index_file(path, &settings)?);
+            files.push(index::index_file(path, &settings, &mut warnings)?);
         }
         let total: usize = files.iter().map(|f| f.len()).sum();
         if total > u32::MAX as usize {
@@ -421,9 +481,11 @@ impl Loader {
             tgt_len.append(&mut f.tgt_len);
             hashes.append(&mut f.hashes);
         }
-        let (selected, duplicates) = plan::select(&hashes, &c.plan);
+        // The packed shape comes from all records, whatever the split: train and eval get the same one.
+        let plan_cfg = o.plan_config(o.pack_shape(&src_len, &tgt_len)?);
+        let (selected, duplicates) = plan::select(&hashes, &plan_cfg);
         if selected.is_empty() {
-            return Err(no_usable_records(&paths, &files, total, c.plan.split));
+            return Err(no_usable_records(&paths, &files, total, plan_cfg.split));
         }
         let fingerprint = format!(
             "{:016x}",
@@ -431,12 +493,12 @@ impl Loader {
                 PLAN_VERSION,
                 &content_hash(&src_len, &tgt_len, &hashes).to_le_bytes(),
                 &tok.file_hash.to_le_bytes(),
-                format!("{:?}", c.plan).as_bytes()
+                format!("{plan_cfg:?}").as_bytes()
             ])
         );
         drop(hashes);
         let pad_id = tok.pad_id as i64;
-        let threads = c
+        let threads = o
             .num_threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
         Ok(Loader {
@@ -448,23 +510,31 @@ impl Loader {
                 tok,
                 renderer,
                 pad_id,
-                pad_multiple: c.plan.pad_to_multiple_of,
+                pad_multiple: plan_cfg.pad_to_multiple_of,
+                pack: plan_cfg.pack,
             }),
-            cfg: c.plan,
+            cfg: plan_cfg,
             selected,
             duplicates,
-            epoch: c.epoch,
+            epoch: o.epoch,
             pos: 0,
             plan: None,
             pipe: None,
             threads,
-            prefetch: c.prefetch.max(1),
+            prefetch: o.prefetch,
             fingerprint,
+            warnings,
             yielded: 0,
             yielded_batches: 0,
             real: 0,
             total: 0,
         })
+    }
+
+    /// Warnings gathered since the last call (a cache that could not be written, a file re-indexed), for the
+    /// caller to log.
+    pub fn take_warnings(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.warnings)
     }
 
     /// The plan of the current epoch (computed once per epoch).
@@ -557,8 +627,8 @@ impl Loader {
         if s.fingerprint != self.fingerprint {
             return Err(LoaderError::Config(format!(
                 "cannot resume: the saved data position belongs to other data or loader settings (the records' \
-                 text or token lengths, batch size or token budget, seed, split, dedup, rank or world size; \
-                 fingerprint {} != {})",
+                 text or token lengths, batch size or token budget, packing and its row shape, seed, split, dedup, \
+                 rank or world size; fingerprint {} != {})",
                 s.fingerprint, self.fingerprint
             )));
         }
@@ -602,6 +672,7 @@ impl Loader {
                 &ctx.src_len,
                 &ctx.tgt_len,
                 self.cfg.pad_to_multiple_of,
+                self.cfg.pack,
             )
         };
         Stats {
@@ -614,6 +685,7 @@ impl Loader {
             batches_per_epoch: plan.batches.len() as u64,
             oversize_batches: plan.oversize,
             dropped_batches: plan.dropped_batches,
+            packed_shape: self.cfg.pack,
             epoch: self.epoch,
             position: self.pos as u64,
             files: ctx

@@ -1,0 +1,131 @@
+"""Packing in the training path: `packing: true` trains on the loader's packed rows, and a packed step's loss
+is the loss of the same records unpacked (same weights), through the trainer's own step and OOM split."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from transformers import T5ForConditionalGeneration
+
+from trainer import memory
+from trainer.config import TrainConfig
+from trainer.data import records_in, resolve_tokenizer_file, stream_for, to_device
+from trainer.step import token_loss_sum
+from trainer.train import TRAIN_LOG, train
+
+ACCUMULATION = 2
+
+
+@pytest.fixture(scope="module")
+def model_without_dropout(tiny_model_dir, tmp_path_factory):
+    """The tiny model with dropout off, so that a training step's loss is a function of weights and data."""
+    out = tmp_path_factory.mktemp("tiny-no-dropout") / "model"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"dropout_rate": 0.0}))
+    return out
+
+
+def _cfg(model_dir, sample_csv, out, **kw) -> TrainConfig:
+    values = dict(
+        model_name_or_path=str(model_dir),
+        dtype="float32",
+        train_files=[str(sample_csv)],
+        max_source_length=64,
+        max_target_length=96,
+        per_device_train_batch_size=3,  # packed: rows per micro-batch
+        packing=True,
+        gradient_accumulation_steps=ACCUMULATION,
+        learning_rate=1e-3,
+        warmup_steps=0,
+        max_steps=3,
+        logging_steps=1,
+        eval_steps=1000,
+        save_steps=1000,
+        save_final=False,
+        gradient_checkpointing=False,
+        output_dir=str(out),
+        report_to="none",
+        progress_bar=False,
+        discord_progress_minutes=-1,
+    )
+    values.update(kw)
+    return TrainConfig.from_dict(values)
+
+
+def unpacked(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """The records of a packed batch as an unpacked batch: one record per row, right-padded."""
+    records = []
+    for r in range(len(batch["input_ids"])):
+        for seg in range(1, int(batch["encoder_segment_ids"][r].max()) + 1):
+            src = batch["input_ids"][r][batch["encoder_segment_ids"][r] == seg]
+            tgt = batch["labels"][r][batch["decoder_segment_ids"][r] == seg]
+            records.append((src, tgt))
+    src_len = max(len(s) for s, _ in records)
+    tgt_len = max(len(t) for _, t in records)
+    out = {
+        "input_ids": torch.full((len(records), src_len), pad_id),
+        "attention_mask": torch.zeros(len(records), src_len, dtype=torch.long),
+        "labels": torch.full((len(records), tgt_len), -100),
+    }
+    for i, (s, t) in enumerate(records):
+        out["input_ids"][i, : len(s)] = torch.as_tensor(s)
+        out["attention_mask"][i, : len(s)] = 1
+        out["labels"][i, : len(t)] = torch.as_tensor(t)
+    return out
+
+
+def test_a_packed_step_has_the_loss_of_its_records_unpacked(model_without_dropout, sample_csv, tmp_path):
+    cfg = _cfg(model_without_dropout, sample_csv, tmp_path / "out")
+    assert train(cfg) == 0
+    logged = [json.loads(line) for line in (tmp_path / "out" / TRAIN_LOG).read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in logged if "loss" in r}
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
+
+    # Step 1 with the initial weights: the run's first loader batches, packed, and their records unpacked.
+    stream = stream_for(cfg, resolve_tokenizer_file(cfg.model_name_or_path), "train")
+    group = [b for b, _ in zip(stream, range(ACCUMULATION), strict=False)]
+    assert "encoder_segment_ids" in group[0]
+    assert sum(records_in(b) for b in group) > sum(len(b["input_ids"]) for b in group)  # rows hold several
+    model = T5ForConditionalGeneration.from_pretrained(model_without_dropout, dtype=torch.float32)
+    with torch.no_grad():
+        packed_sum = sum(token_loss_sum(model, to_device(b, torch.device("cpu"))) for b in group)
+        unpacked_sum = sum(token_loss_sum(model, unpacked(b)) for b in group)
+        # The OOM back-off's halves: the same rows, every key sliced alike, the same loss.
+        halves_sum = sum(
+            token_loss_sum(model, to_device(half, torch.device("cpu")))
+            for b in group
+            for half in memory.split_batch(b, 2)
+        )
+    n_target = sum(int((b["labels"] != -100).sum()) for b in group)
+    torch.testing.assert_close(packed_sum, unpacked_sum, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(halves_sum, packed_sum, rtol=1e-5, atol=1e-5)
+    assert losses[1] == pytest.approx(float(unpacked_sum) / n_target, rel=1e-4)
+
+
+def test_split_batch_slices_packed_rows_without_trimming():
+    rows, src, tgt = 5, 16, 24
+    batch = {
+        "input_ids": np.arange(rows * src).reshape(rows, src),
+        "attention_mask": np.ones((rows, src), dtype=np.int64),
+        "labels": np.full((rows, tgt), -100),
+        "encoder_segment_ids": np.zeros((rows, src), dtype=np.int64),
+        "decoder_segment_ids": np.zeros((rows, tgt), dtype=np.int64),
+        "encoder_positions": np.zeros((rows, src), dtype=np.int64),
+        "decoder_positions": np.zeros((rows, tgt), dtype=np.int64),
+    }
+    batch["encoder_segment_ids"][:, :4] = 1  # every row's tail is padding: an unpacked batch would be trimmed
+    batch["attention_mask"][:, 4:] = 0
+    batch["labels"][:, :3] = 7
+    batch["decoder_segment_ids"][:, :3] = 1
+    pieces = memory.split_batch(batch, 2)
+    assert [len(p["input_ids"]) for p in pieces] == [2, 3]
+    for p, lo in zip(pieces, (0, 2), strict=True):
+        assert set(p) == set(batch)
+        for key, value in p.items():
+            np.testing.assert_array_equal(value, batch[key][lo : lo + len(value)])  # same columns, same rows
