@@ -3,7 +3,7 @@
     python3 bench/convergence.py --out results/convergence      # GPU: ~8 min on an H100 capped at 32 GiB
     python3 bench/convergence.py --tiny --out /tmp/convergence  # CPU: tiny shapes through the same code
 
-Every speed lever must leave the loss per trained token where it was. Three runs, each in its own process, on
+Every speed lever must leave the loss per trained token where it was. Four runs, each in its own process, on
 the same data, tokenizer and initial weights:
 
 - reference: Hugging Face `Seq2SeqTrainer`, AdamW (torch fused), fp32 weights with bf16 autocast
@@ -13,14 +13,15 @@ the same data, tokenizer and initial weights:
 - ours: `python -m trainer train` with the rtx5090 preset's settings (configs/flan-t5-xl-rtx5090.yaml:
   Adafactor, Kahan-compensated bf16 weights, lr 1e-3 constant, 32k-token micro-batches x 2);
 - ours_adamw: the same command with AdamW on bf16 weights with Kahan-compensated updates (torch-optimi),
-  the reference's learning rate and warmup.
+  the reference's learning rate and warmup;
+- ours_packed: the preset with packed rows (`packing: true`: several records per row, no padding).
 
 Model: FLAN-T5-base's shape (d_model 768, d_ff 2048 gated-GELU, 12+12 layers, 12 heads x 64, vocab 32128),
-random init (seed 0, saved once in bf16 and loaded by all three, the LM head untied and scaled so the first
+random init (seed 0, saved once in bf16 and loaded by all four, the LM head untied and scaled so the first
 logits are ~N(0, 1)). Data: `--records` generated recipes (trainer.sample.write_sample), a Unigram tokenizer
 trained on the first `--tokenizer-records` of them with T5's special tokens (asked for 32k pieces; the
 generator's vocabulary stops the trainer earlier, the count is printed), rendered and tokenized by the
-trainer's Rust loader for all three runs; `--eval-fraction` of the records (by content hash) held out.
+trainer's Rust loader for all four runs; `--eval-fraction` of the records (by content hash) held out.
 
 The reference trains until it has seen `--target-tokens` target tokens (or `--max-reference-s` seconds);
 ours then train on that many target tokens plus `--ours-margin`, so that they can show whether they reach
@@ -66,6 +67,7 @@ RUNS = {
     "reference": "HF Seq2SeqTrainer, AdamW, fp32 + bf16 autocast",
     "ours": "ours, rtx5090 preset (Adafactor, Kahan bf16, lr 1e-3)",
     "ours_adamw": "ours, AdamW, Kahan bf16",
+    "ours_packed": "ours, rtx5090 preset, packed rows",
 }
 
 
@@ -114,7 +116,7 @@ def save_tokenizer(tok, model_dir: Path) -> int:
 
 
 def write_initial_weights(config, model_dir: Path) -> int:
-    """Random weights (seed 0) saved in bf16 for all three runs; returns the parameter count. The LM head gets
+    """Random weights (seed 0) saved in bf16 for every run; returns the parameter count. The LM head gets
     its own weight scaled by d_model**-0.5 (initial logits ~N(0, 1), as trainer/tiny_model.py explains),
     and config.json says it is untied, as FLAN-T5's does."""
     import torch
@@ -186,6 +188,8 @@ def ours_config(prep: dict, args, work: Path, name: str) -> dict:
     )
     if args.tiny:  # CPU: fp32 (Kahan has nothing to compensate), small batches
         values.update(dtype="float32", max_tokens=1024, gradient_accumulation_steps=2)
+    if name == "ours_packed":
+        values.update(packing=True)
     if name == "ours_adamw":
         values.update(
             optimizer="adamw",
@@ -609,7 +613,7 @@ def tail(path: Path, n: int = 15) -> str:
 
 @dataclasses.dataclass
 class Setup:
-    """What the three runs share: data, model, tokenizer, the loader's view of it, the batch plans."""
+    """What the runs share: data, model, tokenizer, the loader's view of it, the batch plans."""
 
     prep: dict
     cfg: object  # our TrainConfig (the preset's batching), for the loader
@@ -693,10 +697,13 @@ def run_ours(name: str, setup: Setup, args, work: Path, target_tokens: float, ti
     `target_tokens`; its train log's steps and evaluations (those it logged, when stopped by `timeout`)."""
     import yaml
 
-    at_target = setup.plan.steps_for(target_tokens)
     values = ours_config(setup.prep, args, work, name)
+    plan = setup.plan
+    if values.get("packing"):  # packed steps carry more target tokens: their own plan
+        plan = plan_steps(loader_config(values), setup.tokenizer_file, target_tokens * (1 + args.ours_margin))
+    at_target = plan.steps_for(target_tokens)
     values.update(
-        max_steps=setup.plan.steps_for(target_tokens * (1 + args.ours_margin)),
+        max_steps=plan.steps_for(target_tokens * (1 + args.ours_margin)),
         eval_steps=max(1, round(at_target / args.evals)),
     )
     if name == "ours_adamw":
@@ -798,7 +805,9 @@ def main() -> int:
     parser.add_argument("--evals", type=int, default=8, help="evaluations per run (about)")
     parser.add_argument("--adamw-lr", type=float, default=5e-4, help="AdamW's lr, the reference's and ours")
     parser.add_argument("--gpu-memory-gib", type=float, default=32.0)
-    parser.add_argument("--runs", default="reference,ours,ours_adamw", help=f"of {', '.join(RUNS)}")
+    parser.add_argument(
+        "--runs", default="reference,ours,ours_adamw,ours_packed", help=f"of {', '.join(RUNS)}"
+    )
     parser.add_argument("--budget-s", type=float, default=480, help="stop any run still going after this (s)")
     parser.add_argument("--work", help="keep the data, models and logs here (default: a temporary dir)")
     parser.add_argument("--reference", help=argparse.SUPPRESS)  # internal: the HF run's spec file
