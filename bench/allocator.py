@@ -1,6 +1,8 @@
 """The CUDA caching allocator's settings for the rtx5090 preset, chosen by numbers.
 
-    python3 bench/allocator.py --out results/allocator       # GPU: ~8 min on an H100 capped at 32 GiB
+    # GPU, an H100 capped at 32 GiB: about 2.5 minutes per candidate, so two calls into one --out folder
+    python3 bench/allocator.py --out results/allocator --candidates default,expandable,expandable_gc0.8
+    python3 bench/allocator.py --out results/allocator --candidates split128_round16_gc0.7,cuda_malloc_async
     python3 bench/allocator.py --tiny --out /tmp/allocator   # CPU: the same code at a tiny shape
 
 Each candidate PYTORCH_CUDA_ALLOC_CONF runs in its own process (set before CUDA starts) on the rtx5090
@@ -159,7 +161,7 @@ def train_step(model, optimizer, group: list[dict], max_grad_norm: float) -> Non
     import torch
 
     from trainer import distributed
-    from trainer.train import accumulate_gradients
+    from trainer.step import accumulate_gradients
 
     accumulate_gradients(model, group, 1)
     distributed.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -465,9 +467,15 @@ def main() -> int:
             f"{name}: {r['process_s']:.0f} s {json.dumps({k: v for k, v in r.items() if k != 'search'})}",
             flush=True,
         )
+    # Results accumulate in --out: one call per few candidates fits a 10-minute job limit, one table for all.
+    saved = Path(args.out) / "allocator.json"
+    earlier = json.loads(saved.read_text()) if saved.exists() else []
+    ran_now = {r["candidate"] for r in results}
+    results = [r for r in earlier if r["candidate"] not in ran_now] + results
+    results.sort(key=lambda r: list(CANDIDATES).index(r["candidate"]))
     print()
     print_tables(results, args.tiny)
-    (Path(args.out) / "allocator.json").write_text(json.dumps(results, indent=2) + "\n")
+    saved.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {Path(args.out) / 'allocator.json'}; {time.perf_counter() - started:.0f} s in all")
     return 0 if all("real_tok_s" in r for r in results) else 1
 

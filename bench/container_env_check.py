@@ -415,10 +415,18 @@ def check(root: Path, gpu: bool, timeout: float, report: Report, package: Path) 
                 rc = 124
         out = log_path.read_bytes().decode("utf-8", "replace")
         train_log = output_dir / "train_log.jsonl"
-        steps = len(train_log.read_text().splitlines()) if train_log.exists() else 0
+        rows = [json.loads(line) for line in train_log.read_text().splitlines()] if train_log.exists() else []
+        steps = sum("loss" in row for row in rows)  # the log's other rows are evaluations
         ok = rc == 0 and steps == MAX_STEPS
         report.check(
             ok, f"run {run}", f"`{' '.join(argv[:4])}`: exit {rc}, {steps}/{MAX_STEPS} optimizer steps"
+        )
+        # The data folder is read-only in the image: the loader's index cache must go to a writable place, or
+        # every start indexes the data again (minutes on millions of recipes).
+        report.check(
+            "could not write the index cache" not in out,
+            f"run {run}: data index cache written",
+            "the loader's cache under XDG_CACHE_HOME" if "could not write" not in out else "not writable",
         )
         if not ok:
             print(f"--- run {run}, last lines ---\n" + "\n".join(out.splitlines()[-40:]), flush=True)

@@ -164,7 +164,12 @@ def origin(name: str, modules: dict[str, str]) -> str:
 
 
 def jit_modules() -> dict[str, str]:
-    return {fn.fn.__name__: getattr(fn, "module", "?") for fn in jit_functions()}
+    # Some JIT objects (torch.compile's own wrappers) hold no Python function.
+    return {
+        fn.fn.__name__: getattr(fn, "module", "?")
+        for fn in jit_functions()
+        if getattr(getattr(fn, "fn", None), "__name__", None)
+    }
 
 
 @triton.jit
