@@ -57,16 +57,16 @@ def load_generation_records(
     held out by eval_fraction. `template` is the run's (`PromptTemplate.from_config` of the config it trains
     with); `needed` False (a rank that does not generate): none are read."""
     from trainer.evaluate import sample_records
-    from trainer.generate import read_records
 
     if not needed or cfg.eval_generation_records == 0 or not (cfg.eval_files or cfg.eval_fraction > 0):
         return []
     renderer = template.renderer(tokenizer_file)
+    # Skipped records are not said again: the loader's streams over the same files have reported them.
     if cfg.eval_files:
-        records = read_records(renderer, cfg.eval_files, cfg.data_format)
+        records, _, _ = renderer.read(list(cfg.eval_files), data_format=cfg.data_format)
     else:
         split = {"split": "eval", "eval_fraction": cfg.eval_fraction}
-        records = read_records(renderer, cfg.train_files, cfg.data_format, **split)
+        records, _, _ = renderer.read(list(cfg.train_files), data_format=cfg.data_format, **split)
     with_reference = [r for r in records if r["target_ids"] is not None]
     chosen = sample_records(with_reference, cfg.eval_generation_records, cfg.seed)
     log.info(
