@@ -40,8 +40,17 @@ def _every_event(r: Reporter) -> None:
     r.progress(step=10, total=100, loss=2.5, tokens_per_s=12345.6, eta_s=3725, memory_gib=3.2)
     r.evaluated(
         step=20,
-        eval_loss=1.75,
-        generations=[{"ingredients": "eggs, flour", "generated": "Mix.", "reference": "Bake."}],
+        metrics={"eval_loss": 1.75, "eval_rougeL": 23.456, "eval_ingredient_coverage": 0.8, "eval_bleu": 9.1},
+        samples=[
+            {
+                "prompt": "Write a recipe with: eggs; flour",
+                "generated": "Mix.",
+                "reference": "Bake.",
+                "rougeL": 0.0,
+            }
+        ],
+        best={"metric": "eval_rougeL", "value": 23.456, "step": 20, "path": "/out/checkpoint-20"},
+        early_stopping=(0, 3),
     )
     r.checkpoint_saved(step=20, path="/out/checkpoint-20")
     r.oom_backoff(step=21, micro_batch="4 rows", accumulation=8)
@@ -81,6 +90,13 @@ def test_every_event_arrives_within_limits(discord_server, monkeypatch, tmp_path
     progress = {f["name"]: f["value"] for f in payloads[1]["embeds"][0]["fields"]}
     assert progress["Step"].startswith("10 / 100") and progress["ETA"] == "1h 2m"
     assert progress["Loss"] == "2.5000" and progress["GPU memory"] == "3.2 GiB"
+    evaluation = {f["name"]: f["value"] for f in payloads[2]["embeds"][0]["fields"]}
+    assert evaluation["Eval loss"] == "1.75" and evaluation["ROUGE-L"] == "23.46"
+    assert evaluation["Ingredient coverage"] == "0.8" and evaluation["BLEU"] == "9.1"
+    assert evaluation["Best"] == "rougeL 23.46 at step 20 (new)"
+    assert evaluation["Early stopping"] == "0 of 3 evaluations without improvement"
+    assert evaluation["Sample 1: prompt"] == "Write a recipe with: eggs; flour"
+    assert evaluation["Sample 1: generated (ROUGE-L 0.0)"] == "Mix."
     crash = payloads[6]["embeds"][0]
     assert "ValueError: loss exploded" in crash["description"] and "Traceback" in crash["description"]
     finished = {f["name"]: f["value"] for f in payloads[8]["embeds"][0]["fields"]}
@@ -112,8 +128,8 @@ def test_huge_payloads_are_truncated_to_discord_limits(discord_server, monkeypat
         r.crashed(e)
     r.evaluated(
         step=1,
-        eval_loss=float("nan"),
-        generations=[{"ingredients": huge, "generated": "🥕" * 5000, "reference": huge}] * 10,
+        metrics={"eval_loss": float("nan"), "eval_rougeL": 1.0},
+        samples=[{"prompt": huge, "generated": "🥕" * 5000, "reference": huge, "rougeL": 1.0}] * 10,
     )
     r.close(timeout=10)
     # The server answers 400 to anything over Discord's limits, as Discord does.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from trainer.config import GENERATION_METRICS
 from trainer.prompt import PromptTemplate, parse_recipe
 from trainer.recipe_metrics import (
     core_words,
@@ -107,6 +108,7 @@ def test_generation_metrics_perfect_and_partial() -> None:
     assert m["bleu"] == pytest.approx(100.0) and m["chrf"] == pytest.approx(100.0)
     assert m["ingredient_coverage"] == 1.0 and m["invented_ingredients"] == 0.0
     assert m["structure"] == 1.0 and m["repetition"] == 0.0 and m["length_ratio"] == 1.0
+    assert sorted(m) == sorted(GENERATION_METRICS)  # what metric_for_best_model may name
 
     # Two records: one without a reference (text metrics over the other only), one off-template generation.
     off = "pancakes pancakes pancakes pancakes pancakes"

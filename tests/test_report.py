@@ -19,13 +19,15 @@ import yaml
 from discord_server import dead_webhook_url, discord_server, files_containing, limit_violations  # noqa: F401
 
 from trainer.config import TrainConfig
-from trainer.metrics import FAST_TEST_ENV, GENERATION_COLUMNS
+from trainer.metrics import FAST_TEST_ENV, SAMPLE_COLUMNS
+from trainer.prompt import TEMPLATE_FILE
 from trainer.redact import SECRET_ENV_VARS
 from trainer.report import Reporter
 
 
 def read_wandb_run(run_dir: Path, timeout: float = 10.0) -> dict:
-    """Read an offline W&B run from its `run-<id>.wandb` file: run id, config, history rows, summary.
+    """Read an offline W&B run from its `run-<id>.wandb` file: run id, config, history rows, summary, logged
+    artifacts (name, type, aliases, metadata, files: artifact path -> the staged copy wandb sync uploads).
 
     wandb's service process may still be writing the file for a moment after `run.finish()` returns, so this
     waits (up to `timeout`) for the run's exit record.
@@ -68,7 +70,7 @@ def _parse_wandb_file(run_dir: Path) -> dict:
             pending += chunk
         elif kind == 4:
             records.append(pending + chunk)
-    out: dict = {"run_id": None, "config": {}, "history": [], "summary": {}, "exited": False}
+    out: dict = {"run_id": None, "config": {}, "history": [], "summary": {}, "artifacts": [], "exited": False}
 
     def key(item) -> str:
         return item.key or "/".join(item.nested_key)
@@ -86,6 +88,17 @@ def _parse_wandb_file(run_dir: Path) -> dict:
             out["history"].append({key(i): json.loads(i.value_json) for i in record.history.item})
         elif kind == "summary":
             out["summary"].update({key(i): json.loads(i.value_json) for i in record.summary.update})
+        elif kind == "artifact":
+            a = record.artifact
+            out["artifacts"].append(
+                {
+                    "name": a.name,
+                    "type": a.type,
+                    "aliases": list(a.aliases),
+                    "metadata": json.loads(a.metadata or "{}"),
+                    "files": {e.path: e.local_path for e in a.manifest.contents},
+                }
+            )
         elif kind == "exit":
             out["exited"] = True
     return out
@@ -125,10 +138,10 @@ def test_no_api_key_logs_offline_and_says_so_once(wandb_env, caplog):
             r.log_metrics({"train/loss": 3.0 - step, "train/lr": 1e-4 * step, "train/grad_norm": 0.5}, step)
         r.evaluated(
             step=3,
-            eval_loss=0.75,
-            generations=[
-                {"ingredients": "eggs, milk", "generated": "Whisk.", "reference": "Whisk well."},
-                {"ingredients": "rice", "generated": "Boil.", "reference": "Simmer."},
+            metrics={"eval_loss": 0.75, "eval_rougeL": 21.5, "eval_ingredient_coverage": 0.5},
+            samples=[
+                {"prompt": "eggs, milk", "generated": "Whisk.", "reference": "Whisk well.", "rougeL": 66.7},
+                {"prompt": "rice", "generated": "Boil.", "reference": "Simmer.", "structure": False},
             ],
         )
         r.oom_backoff(step=3, micro_batch="2 rows", accumulation=16)
@@ -144,13 +157,17 @@ def test_no_api_key_logs_offline_and_says_so_once(wandb_env, caplog):
     assert run["config"]["run_name"] == "unit-run" and run["config"]["learning_rate"] == 1e-4
     losses = {row["train/global_step"]: row["train/loss"] for row in run["history"] if "train/loss" in row}
     assert losses == {1: 2.0, 2: 1.0, 3: 0.0}
-    assert run["summary"]["eval/loss"] == 0.75
+    assert run["summary"]["eval/loss"] == 0.75 and run["summary"]["eval/rougeL"] == 21.5
+    assert run["summary"]["eval/ingredient_coverage"] == 0.5
     assert run["summary"]["train/oom_backoffs"] == 1 and run["summary"]["train/skipped_nan_steps"] == 2
     assert run["summary"]["final_loss"] == 0.5
     # The generations table: written as a wandb Table file with the agreed columns.
     table = json.loads((run_dir / "files" / run["summary"]["eval/generations/path"]).read_text())
-    assert table["columns"] == GENERATION_COLUMNS
-    assert table["data"] == [[3, "eggs, milk", "Whisk.", "Whisk well."], [3, "rice", "Boil.", "Simmer."]]
+    assert table["columns"] == SAMPLE_COLUMNS
+    assert table["data"] == [
+        [3, "eggs, milk", "Whisk.", "Whisk well.", 66.7, None, None, None],
+        [3, "rice", "Boil.", "Simmer.", None, None, None, False],
+    ]
 
 
 def test_resume_continues_the_same_run(wandb_env):
@@ -194,8 +211,8 @@ def test_secrets_stay_out_of_config_run_dir_and_messages(wandb_env, monkeypatch,
         r.log_metrics({"train/loss": 1.0}, 1)
         r.evaluated(
             step=1,
-            eval_loss=1.0,
-            generations=[{"ingredients": secrets["WANDB_API_KEY"], "generated": "x", "reference": "y"}],
+            metrics={"eval_loss": 1.0},
+            samples=[{"prompt": secrets["WANDB_API_KEY"], "generated": "x", "reference": "y"}],
         )
         try:
             raise ConnectionError(
@@ -215,6 +232,96 @@ def test_secrets_stay_out_of_config_run_dir_and_messages(wandb_env, monkeypatch,
         assert value not in sent, f"{name} sent to Discord"
         assert value not in caplog.text, f"{name} in the logs"
     assert discord_server.token not in sent and discord_server.token not in caplog.text
+
+
+MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", TEMPLATE_FILE}
+
+
+def test_a_run_logs_eval_metrics_samples_and_model_artifacts_offline(
+    wandb_env, monkeypatch, tiny_model_dir, sample_csv
+):
+    from trainer.train import train
+
+    monkeypatch.setenv("WANDB_LOG_MODEL", "checkpoint")
+    out = wandb_env / "run"
+    cfg = TrainConfig.from_dict(
+        {
+            "model_name_or_path": str(tiny_model_dir),
+            "dtype": "float32",
+            "train_files": [str(sample_csv)],
+            "max_source_length": 64,
+            "max_target_length": 96,
+            "per_device_train_batch_size": 8,
+            "eval_fraction": 0.05,
+            "eval_max_batches": 1,
+            "max_steps": 4,
+            "eval_steps": 2,
+            "save_steps": 2,
+            "eval_generation_records": 4,
+            "num_eval_generations": 2,
+            "generation_max_new_tokens": 8,
+            "gradient_checkpointing": False,
+            # The loss falls, so "greater is better" keeps step 2 as the best and puts it in final/.
+            "metric_for_best_model": "eval_loss",
+            "greater_is_better": True,
+            "load_best_model_at_end": True,
+            "output_dir": str(out),
+            "report_to": "wandb",
+            "run_name": "artifacts",
+            "wandb_project": "unit",
+            "progress_bar": False,
+            "discord_progress_minutes": -1,
+        }
+    )
+    assert train(cfg) == 0
+    (run_dir,) = _run_dirs(out)
+    run = read_wandb_run(run_dir)
+    evals = {row["train/global_step"]: row for row in run["history"] if "eval/loss" in row}
+    assert sorted(evals) == [2, 4]
+    assert all(
+        {"eval/rougeL", "eval/bleu", "eval/ingredient_coverage", "eval/structure"} <= set(r)
+        for r in evals.values()
+    )
+    tables = [row["eval/generations/path"] for row in run["history"] if "eval/generations/path" in row]
+    assert len(tables) == 2
+    table = json.loads((run_dir / "files" / tables[0]).read_text())
+    assert table["columns"] == SAMPLE_COLUMNS and len(table["data"]) == 2
+    assert all(row[1].startswith("Write a recipe with these ingredients: ") for row in table["data"])
+
+    # WANDB_LOG_MODEL=checkpoint: each checkpoint, then final/, as versions of one model artifact, with the
+    # model's files only (no optimizer or resume state), kept in the offline run for `wandb sync`.
+    artifacts = [a for a in run["artifacts"] if a["type"] == "model"]  # the tables are artifacts too
+    assert [a["name"] for a in artifacts] == ["model-artifacts"] * 3
+    assert [sorted(a["aliases"]) for a in artifacts] == [
+        ["best", "checkpoint_global_step_2", "latest"],
+        ["checkpoint_global_step_4", "latest"],
+        ["best", "final_model", "latest"],
+    ]
+    for a in artifacts:
+        assert set(a["files"]) >= MODEL_FILES, sorted(a["files"])
+        assert not {"trainer_state.json", "scheduler.pt", "rng.pt"} & set(a["files"])
+        assert all(Path(staged).is_file() for staged in a["files"].values())
+    assert "README.md" in artifacts[2]["files"] and artifacts[2]["metadata"]["best_global_step"] == 2
+    assert artifacts[2]["metadata"]["eval_loss"] == evals[4]["eval/loss"]  # the last evaluation's metrics
+
+
+@pytest.mark.parametrize(
+    ("value", "logged"), [("end", ["final"]), ("false", []), (None, []), ("true", ["final"])]
+)
+def test_wandb_log_model_end_logs_only_the_final_model(wandb_env, monkeypatch, tiny_model_dir, value, logged):
+    if value is not None:
+        monkeypatch.setenv("WANDB_LOG_MODEL", value)
+    out = wandb_env / "run"
+    r = Reporter(_cfg(out))
+    r.checkpoint_saved(step=1, path=str(tiny_model_dir))
+    r.model_saved(step=1, path=str(tiny_model_dir))
+    r.close()
+    run = read_wandb_run(_run_dirs(out)[0])
+    assert [
+        ("final" if "final_model" in a["aliases"] else "checkpoint")
+        for a in run["artifacts"]
+        if a["type"] == "model"
+    ] == logged
 
 
 def test_wandb_failures_never_stop_training(wandb_env, caplog):
@@ -431,6 +538,12 @@ def test_a_real_run_reports_every_event_to_discord_and_wandb(
     assert all(limit_violations(p) == [] for p in discord_server.payloads)
     started = {f["name"]: f["value"] for f in discord_server.payloads[0]["embeds"][0]["fields"]}
     assert started["Planned steps"] == str(RUN_STEPS) and started["Model"] == str(tiny_model_dir)
+    evaluation = next(
+        p["embeds"][0] for p in discord_server.payloads if p["embeds"][0]["title"] == "Evaluation"
+    )
+    evaluation = {f["name"]: f["value"] for f in evaluation["fields"]}
+    assert {"Eval loss", "ROUGE-L", "BLEU", "Ingredient coverage", "Sample 1: prompt"} <= set(evaluation)
+    assert evaluation["Sample 1: prompt"].startswith("Write a recipe with these ingredients: ")
 
     # W&B, offline: the run directory read back with wandb's own record format.
     (run_dir,) = sorted((out / "wandb").glob("offline-run-*"))
@@ -448,6 +561,8 @@ def test_a_real_run_reports_every_event_to_discord_and_wandb(
         "train/oom_backoffs",
         "train/skipped_nan_steps",
         "eval/loss",
+        "eval/rougeL",
+        "eval/ingredient_coverage",
     } <= logged, sorted(logged)
     tables = [row for row in run["history"] if "eval/generations/_type" in row]
     assert len(tables) == 2 and all(row["eval/generations/_type"] == "table-file" for row in tables)

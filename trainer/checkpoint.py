@@ -11,12 +11,15 @@ next run once it holds output_dir's lock (`remove_stale_temporaries`). Contents:
   by 2 ranks resumes on 1, 4, or with the other strategy. This is what resume loads the optimizer from.
 - `model.safetensors` + `config.json`: the whole model via save_pretrained (rank 0, FSDP shards gathered), so
   any checkpoint loads with `from_pretrained` (the best one, for evaluation); resume builds the model from it.
+- `tokenizer.json` and `recipe_template.json` (the prompt template, trainer.prompt): with the two above, the
+  checkpoint generates on its own (`trainer generate --model <output_dir>/checkpoint-<step>`).
 - `scheduler.pt`; `rng.pt` (python, numpy, torch, cuda) and `rng-<rank>.pt` for the other ranks.
-- `trainer_state.json`: step, loader position, world size, config, W&B run id, OOM-adjusted micro-batch, eval
-  losses (trainer.run_state.RunState.trainer_state).
+- `trainer_state.json`: step, loader position, world size, config, W&B run id, OOM-adjusted micro-batch, the
+  best evaluation and the early-stopping count (trainer.run_state.RunState.trainer_state).
 
 Also here: finding the checkpoint to resume from, where its loader position puts this run's ranks, what in
-the config changed since it was written, and `final/` (the finished model, written whole).
+the config changed since it was written, and `final/` (the finished model, written whole: weights, tokenizer,
+prompt template and model card, the weights those of the best checkpoint with load_best_model_at_end).
 
 Several ranks: every rank calls `save_checkpoint` (it is collective); the output directory must be one shared
 filesystem for all of them (a multi-node run needs a network filesystem there).
@@ -47,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer import disk, distributed
 from trainer.config import ConfigError
+from trainer.prompt import save_prompt_template
 from trainer.redact import redact_obj
 
 log = logging.getLogger(__name__)
@@ -80,13 +84,15 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     tokenizer_file: str | Path | None = None,
     rng: dict[str, Any] | None = None,
+    prompt_config=None,
 ) -> Path:
     """Write checkpoint-<step> atomically and return its path (an existing one for `step` is replaced).
 
     `model` is the HF model (not its DDP/FSDP wrapper: its parameter names are the checkpoint's keys). Under
     torchrun every rank calls this; rank 0 writes the shared files. `rng`: the RNG states to store (default:
     the current ones); the loop passes those of the step boundary, since a step interrupted by a signal has
-    already drawn dropout masks."""
+    already drawn dropout masks. `prompt_config`: the config the model trains with, whose prompt template
+    (`recipe_template.json`) goes beside the tokenizer, so that the checkpoint generates on its own."""
     output_dir = Path(output_dir)
     rank = distributed.rank()
     final = output_dir / f"checkpoint-{step}"
@@ -110,6 +116,8 @@ def save_checkpoint(
         if rank == 0:
             if tokenizer_file is not None:
                 shutil.copy(tokenizer_file, tmp / "tokenizer.json")
+            if prompt_config is not None:
+                save_prompt_template(tmp, prompt_config)
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             state = dict(trainer_state, step=step)
             with open(tmp / MARKER, "w", encoding="utf-8") as f:  # written last: the completion marker
@@ -348,9 +356,22 @@ def saved_config(cfg) -> dict[str, Any]:
     return redact_obj(cfg.to_dict())
 
 
-def save_final_model(model, model_name_or_path: str, tokenizer_file: str, final: Path) -> None:
+def save_final_model(
+    model,
+    model_name_or_path: str,
+    tokenizer_file: str,
+    final: Path,
+    *,
+    prompt_config=None,
+    card=None,
+    weights_from: Path | None = None,
+) -> None:
     """`final/`: the whole model and its tokenizer, written beside it and renamed into place, so that a run
-    stopped or failing half-way leaves no partial final/ (the next run writes it). Collective under FSDP."""
+    stopped or failing half-way leaves no partial final/ (the next run writes it). Collective under FSDP.
+
+    `weights_from`: a checkpoint whose weights final/ takes instead of `model`'s (load_best_model_at_end),
+    hard-linked (copied on a filesystem without links); the same on every rank. `prompt_config`: the config
+    trained with, for `recipe_template.json`; `card`: a trainer.model_card.ModelCardInfo for README.md."""
     is_main = distributed.rank() == 0
     tmp = final.with_name(final.name + ".tmp")
     if is_main and tmp.exists():
@@ -358,13 +379,37 @@ def save_final_model(model, model_name_or_path: str, tokenizer_file: str, final:
     distributed.barrier()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # this rank's, under FSDP
     with disk.removed_on_failure(tmp, needed_bytes=weights, remove=is_main):
-        save_pretrained(model, tmp)  # rank 0 writes the whole model (FSDP: gathered)
+        if weights_from is None:
+            save_pretrained(model, tmp)  # rank 0 writes the whole model (FSDP: gathered)
+        elif is_main:
+            _link_weights(Path(weights_from), tmp)
         if is_main:
             _copy_tokenizer(model_name_or_path, tokenizer_file, tmp)
+            if prompt_config is not None:
+                save_prompt_template(tmp, prompt_config)
+            if card is not None:
+                from trainer.model_card import write_model_card
+
+                write_model_card(tmp, card)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
             log.info("saved the final model and its tokenizer in %s", final)
+
+
+def _link_weights(checkpoint: Path, out: Path) -> None:
+    """The model files save_pretrained wrote into `checkpoint` (config, generation config, safetensors and
+    their index), hard-linked into `out`: no second copy on disk, and rotating the checkpoint away later
+    leaves them."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = ["config.json", "generation_config.json", "model.safetensors.index.json"]
+    files = [checkpoint / n for n in names if (checkpoint / n).is_file()]
+    files += sorted(checkpoint.glob("*.safetensors"))
+    for src in files:
+        try:
+            os.link(src, out / src.name)
+        except OSError:
+            shutil.copy2(src, out / src.name)
 
 
 def _copy_tokenizer(model_name_or_path: str, tokenizer_file: str, out: Path) -> None:

@@ -23,6 +23,24 @@ DataFormat = Literal["recipenlg-csv", "foodcom-csv", "jsonl"]
 DATA_FORMATS: tuple[str, ...] = typing.get_args(DataFormat)  # the recipe file formats the loader reads
 
 
+# What an evaluation reports (HF names: eval_<name>): the loss, and the scores of generated recipes
+# (trainer.recipe_metrics.generation_metrics; tests/test_recipe_metrics.py checks that the names agree).
+GENERATION_METRICS: tuple[str, ...] = (
+    "rouge1",
+    "rouge2",
+    "rougeL",
+    "bleu",
+    "chrf",
+    "ingredient_coverage",
+    "invented_ingredients",
+    "structure",
+    "repetition",
+    "length_ratio",
+)
+EVAL_METRICS: tuple[str, ...] = ("loss", *GENERATION_METRICS)
+LOWER_IS_BETTER = frozenset({"loss", "invented_ingredients", "repetition"})
+
+
 class ConfigError(ValueError):
     """A config file or override that cannot be used; raised before anything heavy loads."""
 
@@ -62,6 +80,9 @@ class TrainConfig:
     strict_data: bool = False  # raise on the first bad record instead of skipping and counting it
     dedup: bool = False
     eval_fraction: float = 0.01  # held out by record hash, never trained on
+    # A held-out set of its own (paths or globs): evaluated on instead; eval_fraction is then not used and
+    # every record of train_files is trained on.
+    eval_files: list[str] = field(default_factory=list)
     eval_max_batches: int = 50
     loader_threads: int | None = None
     make_demo_data: bool = False  # create sample recipes and the tiny model if missing (quickstart only)
@@ -103,8 +124,23 @@ class TrainConfig:
     save_steps: int = 500
     save_total_limit: int = 3
     resume: str = "auto"  # "auto" (newest valid checkpoint in output_dir), "never", or a checkpoint path
-    num_eval_generations: int = 3
-    generation_max_new_tokens: int = 256
+    # Each evaluation generates for this many held-out records (a fixed sample, drawn with `seed`) and
+    # scores them as `trainer evaluate` does (eval/rougeL, eval/ingredient_coverage, ...); 0: eval loss only.
+    eval_generation_records: int = 64
+    num_eval_generations: int = 3  # of those, shown in the log, Discord and the W&B table
+    # None: the model's generation_config, else max_target_length (as `trainer generate`).
+    generation_max_new_tokens: int | None = None
+    generation_num_beams: int | None = None  # None: the model's generation_config (greedy for FLAN-T5)
+    # The best checkpoint: by which evaluation metric (HF's names, with or without "eval_"), in which
+    # direction (None: lower for loss, invented_ingredients, repetition; higher for the others), and whether
+    # final/ holds its weights rather than the last step's.
+    metric_for_best_model: str = "eval_loss"
+    greater_is_better: bool | None = None
+    load_best_model_at_end: bool = False
+    # Stop after this many evaluations in a row without an improvement of the metric by more than the
+    # threshold (HF's EarlyStoppingCallback); None: never.
+    early_stopping_patience: int | None = None
+    early_stopping_threshold: float = 0.0
     progress_bar: bool = True
     profile_steps: int = (
         0  # > 0: torch.profiler over this many optimizer steps, report in output_dir/profile/
@@ -142,6 +178,11 @@ class TrainConfig:
             "empty_cache_steps": 0,
             "save_total_limit": 0,
             "max_oom_halvings": 0,
+            "eval_generation_records": 0,
+            "num_eval_generations": 0,
+            "generation_max_new_tokens": 1,
+            "generation_num_beams": 1,
+            "early_stopping_patience": 1,
         }
         for name, low in at_least.items():
             value = getattr(self, name)
@@ -163,9 +204,11 @@ class TrainConfig:
             )
         if self.max_time is not None:
             parse_duration(self.max_time, "max_time")  # a clear error now, not when the loop reads it
+        self._check_best_model_keys()
         # `~` in a path means the home directory, as in a shell.
         self.output_dir = os.path.expanduser(self.output_dir)
         self.train_files = [os.path.expanduser(f) for f in self.train_files]
+        self.eval_files = [os.path.expanduser(f) for f in self.eval_files]
         if self.model_name_or_path.startswith("~"):
             self.model_name_or_path = os.path.expanduser(self.model_name_or_path)
         if self.resume not in ("auto", "never"):
@@ -175,6 +218,43 @@ class TrainConfig:
     def max_time_s(self) -> float | None:
         """max_time in seconds, or None for no time budget."""
         return None if self.max_time is None else parse_duration(self.max_time, "max_time")
+
+    def _check_best_model_keys(self) -> None:
+        name = self.metric_for_best_model.removeprefix("eval_")
+        if name not in EVAL_METRICS:
+            raise ConfigError(
+                f"metric_for_best_model {self.metric_for_best_model!r} is not an evaluation metric; choose "
+                f"one of {', '.join(EVAL_METRICS)} (with or without eval_)"
+            )
+        if name in GENERATION_METRICS and self.eval_generation_records == 0:
+            raise ConfigError(
+                f"metric_for_best_model {self.metric_for_best_model!r} is a generation metric, but "
+                "eval_generation_records is 0 (no generation at evaluation): raise it or choose eval_loss"
+            )
+        if name == "length_ratio" and self.greater_is_better is None:
+            raise ConfigError(
+                "metric_for_best_model length_ratio has no better direction (1.0 is the reference's length): "
+                "set greater_is_better, or choose another metric"
+            )
+        if not (math.isfinite(self.early_stopping_threshold) and self.early_stopping_threshold >= 0):
+            raise ConfigError(f"early_stopping_threshold must be >= 0, got {self.early_stopping_threshold}")
+        evaluates = bool(self.eval_files) or self.eval_fraction > 0
+        for key in ("load_best_model_at_end", "early_stopping_patience"):
+            if getattr(self, key) and not evaluates:
+                raise ConfigError(f"{key} needs evaluations: set eval_fraction > 0 or eval_files")
+
+    @property
+    def best_metric_key(self) -> str:
+        """metric_for_best_model as the evaluation's metrics name it: "eval_loss", "eval_rougeL", ..."""
+        return "eval_" + self.metric_for_best_model.removeprefix("eval_")
+
+    @property
+    def best_is_greater(self) -> bool:
+        """greater_is_better, or its default for the metric: lower is better for a loss and for the metrics
+        that count faults (HF's default says higher for every name not ending in "loss")."""
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        return self.best_metric_key.removeprefix("eval_") not in LOWER_IS_BETTER
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -185,7 +185,9 @@ def generate_ids(
     costs = [beams * (len(p) + new_tokens) for p in prompts]
     device = next(model.parameters()).device
     out: list[list[int]] = [[] for _ in prompts]
-    with torch.inference_mode():
+    # no_grad, not inference_mode: the training loop generates with FSDP2-sharded models, whose unsharding
+    # fails under inference mode (pytorch/pytorch#197327).
+    with torch.no_grad():
         for batch in plan_batches(costs, max_batch_tokens):
             width = max(len(prompts[i]) for i in batch)
             ids = torch.full((len(batch), width), pad_id, dtype=torch.long)

@@ -590,11 +590,13 @@ class RunPlan:
 
     def applied_to(self, cfg):
         """A copy of `cfg` with the planned values filled in: the config the run trains with, as checkpoints
-        store it, and what `data.stream_for` (which takes the batching from a config) reads."""
+        store it, and what `data.stream_for` (which takes the batching from a config) reads. With eval_files
+        nothing of train_files is held out: eval_fraction is 0 there."""
         return dataclasses.replace(
             cfg,
             max_tokens=self.max_tokens,
             decoder_blocks_without_checkpointing=self.decoder_blocks_without_checkpointing,
+            eval_fraction=0.0 if cfg.eval_files else cfg.eval_fraction,
         )
 
 

@@ -3,12 +3,20 @@
 `WandbLogger` wraps one W&B run. `wandb` is imported lazily (it is slow to import). Without an API key (and
 not logged in) the run is offline, said once. Any failure in init or log is logged once and W&B is switched
 off for the rest of the run; training goes on.
+
+Model artifacts follow `WANDB_LOG_MODEL` as in Hugging Face's WandbCallback (`log_model_mode`): `end` logs
+final/ at the end, `checkpoint` also each checkpoint as it is saved. An artifact holds the model's files
+(weights, config, tokenizer, prompt template, model card: `MODEL_FILE_PATTERNS`), never the optimizer or the
+trainer state. Offline, wandb keeps a staged copy of each file in `WANDB_DATA_DIR` (default
+~/.local/share/wandb) until `wandb sync` uploads it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 from trainer.redact import redact, redact_obj
@@ -17,7 +25,32 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PROJECT = "recipe-t5"
 STEP_KEY = "train/global_step"
-GENERATION_COLUMNS = ["step", "ingredients", "generated", "reference"]
+SAMPLE_COLUMNS = [
+    "step",
+    "prompt",
+    "generated",
+    "reference",
+    "rougeL",
+    "ingredient_coverage",
+    "invented_ingredients",
+    "structure",
+]
+LOG_MODEL_ENV = "WANDB_LOG_MODEL"
+LOG_MODEL_MODES = ("false", "end", "checkpoint")
+# A model directory's files that make up a model artifact: what from_pretrained, `trainer generate` and a
+# reader need; not dcp/ (optimizer states), trainer_state.json, scheduler.pt or rng*.pt (resume state).
+MODEL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "spiece.model",
+    "recipe_template.json",
+    "README.md",
+)
 # Set (with WANDB_MODE=offline) by the test suite to skip wandb's system-metrics sampler and machine
 # metadata, which cost seconds per run. Real runs keep system metrics: they are what the user watches.
 FAST_TEST_ENV = "TRAINER_WANDB_FAST_TEST"
@@ -45,6 +78,32 @@ def has_wandb_credentials() -> bool:
         return netrc.netrc(os.environ.get("NETRC")).authenticators(name) is not None
     except Exception:
         return False
+
+
+def log_model_mode() -> str:
+    """WANDB_LOG_MODEL as Hugging Face reads it: "false" (unset), "end" or "checkpoint". "true" (or 1, yes,
+    on) means "end", as in transformers 4.x (transformers 5 ignores it); anything else is "false", said."""
+    raw = os.environ.get(LOG_MODEL_ENV, "").strip()
+    value = raw.lower() or "false"
+    if value in LOG_MODEL_MODES:
+        return value
+    if value in ("true", "1", "yes", "on"):
+        logger.info("%s=%s read as `end` (the final model); use end or checkpoint", LOG_MODEL_ENV, raw)
+        return "end"
+    logger.warning("%s=%r is not false, end or checkpoint: no model is logged to W&B", LOG_MODEL_ENV, raw)
+    return "false"
+
+
+def model_files(model_dir: str | os.PathLike[str]) -> list[Path]:
+    """The files of `model_dir` a model artifact holds (`MODEL_FILE_PATTERNS`), sorted."""
+    found = {p for pattern in MODEL_FILE_PATTERNS for p in Path(model_dir).glob(pattern) if p.is_file()}
+    return sorted(found)
+
+
+def artifact_name(run_name: str | None, run_id: str) -> str:
+    """`model-<run name>` (`model-<run id>` without one), as Hugging Face names it; characters W&B refuses in
+    an artifact name become "-"."""
+    return "model-" + re.sub(r"[^\w.-]", "-", run_name or run_id)
 
 
 def clean_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -178,23 +237,35 @@ class WandbLogger:
         except Exception as e:
             self._fail("log", e)
 
-    def log_generations(
-        self, step: int, generations: list[dict[str, str]], key: str = "eval/generations"
-    ) -> None:
-        if self.run is None or not generations:
+    def log_samples(self, step: int, samples: list[dict[str, Any]], key: str = "eval/generations") -> None:
+        """A table of generated recipes (SAMPLE_COLUMNS): prompt, generated, reference and their scores."""
+        if self.run is None or not samples:
             return
         try:
-            table = self._wandb.Table(columns=GENERATION_COLUMNS)
-            for g in generations:
-                table.add_data(
-                    step,
-                    redact(g.get("ingredients", "")),
-                    redact(g.get("generated", "")),
-                    redact(g.get("reference", "")),
-                )
+            table = self._wandb.Table(columns=SAMPLE_COLUMNS)
+            for sample in samples:
+                row = [step] + [sample.get(column) for column in SAMPLE_COLUMNS[1:]]
+                table.add_data(*(redact(v) if isinstance(v, str) else v for v in row))
             self.run.log({key: table, STEP_KEY: step})
         except Exception as e:
             self._fail("log", e)
+
+    def log_model(
+        self, model_dir: str | os.PathLike[str], name: str, aliases: list[str], metadata: dict[str, Any]
+    ) -> bool:
+        """Log the model files of `model_dir` (`model_files`) as a version of the model artifact `name`, with
+        `aliases` and `metadata` (redacted). Returns whether it was logged."""
+        if self.run is None:
+            return False
+        try:
+            artifact = self._wandb.Artifact(name=name, type="model", metadata=redact_obj(metadata))
+            for path in model_files(model_dir):
+                artifact.add_file(str(path), name=path.name)
+            self.run.log_artifact(artifact, aliases=aliases)
+            return True
+        except Exception as e:
+            self._fail("log_artifact", e)
+            return False
 
     def set_summary(self, values: dict[str, Any]) -> None:
         if self.run is None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.prompt import PromptTemplate, template_parts
+from trainer.redact import redact
 
 __all__ = ["ModelCardInfo", "model_card", "write_model_card"]
 
@@ -26,7 +27,9 @@ EXAMPLE = {"title": "Lemon Pancakes", "ingredients": ["2 eggs", "1 cup flour", "
 class ModelCardInfo:
     """What the card says about a run. `model_path` is where the model is to be used from (final/, not the
     temporary directory it is written to); `metrics` are the last logged values by name ("train/loss",
-    "eval/loss", "eval/rougeL", ...)."""
+    "eval/loss", "eval/rougeL", ...), of the evaluation at `last_eval_step`; `best_metrics` those of the best
+    evaluation (at `best_step`, by `metric_for_best_model`); `weights_step`: the step whose weights the
+    directory holds (default: the last, `steps`)."""
 
     model_path: str
     base_model: str
@@ -40,6 +43,11 @@ class ModelCardInfo:
     wall_time_s: float
     hardware: str  # e.g. "1x NVIDIA GeForce RTX 5090" or "CPU"
     metrics: dict[str, float] = field(default_factory=dict)
+    last_eval_step: int | None = None
+    best_metrics: dict[str, float] = field(default_factory=dict)
+    best_step: int | None = None
+    metric_for_best_model: str | None = None
+    weights_step: int | None = None
 
 
 def _duration(seconds: float) -> str:
@@ -70,7 +78,7 @@ def model_card(info: ModelCardInfo) -> str:
     t = info.template
     prompt, options = example_prompt(t)
     command = shlex.join(["trainer", "generate", "--model", info.model_path, *options])
-    metric_rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(info.metrics.items()))
+    metrics_table = _metrics_table(info)
     files = ", ".join(f"`{f}`" for f in info.train_files) or "-"
     read = info.train_records + info.eval_records + info.skipped_records
     records = (
@@ -135,16 +143,39 @@ print(tokenizer.decode(out[0], skip_special_tokens=True))
 
 ## Final metrics
 
-| metric | value |
-|---|---|
-{metric_rows or "| - | - |"}
+{metrics_table}
 """
 
 
+def _value(metrics: dict[str, float], name: str) -> str:
+    return f"{metrics[name]:.4g}" if name in metrics else "-"
+
+
+def _metrics_table(info: ModelCardInfo) -> str:
+    """The weights' step, then a table of the last evaluation's metrics and, when one was kept, the best's."""
+    weights = info.weights_step if info.weights_step is not None else info.steps
+    if info.best_step is not None and weights == info.best_step:
+        which = f"the best evaluation by `{info.metric_for_best_model}`"
+        holds = f"This directory holds the weights of step {weights:,} of {info.steps:,}, {which}."
+    else:
+        holds = f"This directory holds the weights of step {weights:,}, the last."
+    names = sorted(info.metrics.keys() | info.best_metrics.keys())
+    if not names:
+        return holds + "\n\n| metric | value |\n|---|---|\n| - | - |"
+    last = f"last (step {info.last_eval_step:,})" if info.last_eval_step is not None else "last"
+    if info.best_step is None:
+        rows = [f"| `{n}` | {_value(info.metrics, n)} |" for n in names]
+        return "\n".join([holds, "", f"| metric | {last} |", "|---|---|", *rows])
+    rows = [f"| `{n}` | {_value(info.metrics, n)} | {_value(info.best_metrics, n)} |" for n in names]
+    header = f"| metric | {last} | best (step {info.best_step:,}) |"
+    return "\n".join([holds, "", header, "|---|---|---|", *rows])
+
+
 def write_model_card(model_dir: str | os.PathLike[str], info: ModelCardInfo) -> Path:
-    """Write README.md (the model card) into `model_dir`; returns its path."""
+    """Write README.md (the model card) into `model_dir`; returns its path. Secrets in it (a token in a data
+    path) are masked, as in the log."""
     path = Path(model_dir) / CARD_FILE
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(model_card(info), encoding="utf-8")
+    tmp.write_text(redact(model_card(info)), encoding="utf-8")
     os.replace(tmp, path)
     return path

@@ -12,9 +12,11 @@ messages go through a bounded queue to a background thread (trainer.notify). Onl
 
 W&B metrics (plotted against `train/global_step`, which the Reporter adds): those of
 `trainer.step_meter.LoggedStep.metrics` (train/loss, train/lr, train/grad_norm, train/tokens_per_s,
-train/samples_per_s, train/real_token_share, gpu/memory_*_gib), eval/loss and the eval/generations table
+train/samples_per_s, train/real_token_share, gpu/memory_*_gib), each evaluation's metrics as eval/<name>
+(eval/loss, eval/rougeL, eval/ingredient_coverage, ...) and the eval/generations table of generated recipes
 (`evaluated`), train/oom_backoffs (`oom_backoff`) and train/skipped_nan_steps (`nan_skipped`). System metrics
-(GPU utilisation, power, CPU) come from wandb itself.
+(GPU utilisation, power, CPU) come from wandb itself. Model artifacts (`checkpoint_saved`, `model_saved`)
+follow WANDB_LOG_MODEL (trainer.metrics.log_model_mode).
 """
 
 from __future__ import annotations
@@ -43,6 +45,15 @@ logger = logging.getLogger(__name__)
 TRACEBACK_CHARS = 3500  # what a crash message keeps of the traceback: the end, where the error is
 TRACEBACK_LINE_CHARS = 400
 _GENERATIONS_IN_DISCORD = 3
+# Discord's evaluation message: the metrics shown, with their labels.
+_DISCORD_METRICS = (
+    ("eval_loss", "Eval loss"),
+    ("eval_rougeL", "ROUGE-L"),
+    ("eval_bleu", "BLEU"),
+    ("eval_ingredient_coverage", "Ingredient coverage"),
+    ("eval_invented_ingredients", "Invented ingredients"),
+    ("eval_structure", "Structure ok"),
+)
 
 
 def _never_raise(method):
@@ -70,6 +81,11 @@ def _num(value: float | None, fmt: str = ".4f") -> str:
         return format(value, fmt)
     except (TypeError, ValueError):
         return str(value)
+
+
+def _best(best: dict[str, Any]) -> str:
+    """RunState.best in words: `rougeL 23.41 at step 1,500`."""
+    return f"{best['metric'].removeprefix('eval_')} {_num(best['value'], '.4g')} at step {best['step']:,}"
 
 
 def _rate(value: float | None) -> str:
@@ -102,12 +118,18 @@ class Reporter:
         self._closed = False
         self._name = cfg.run_name or os.path.basename(os.path.normpath(cfg.output_dir or "run"))
         self._host = socket.gethostname()
+        self._last_metrics: dict[str, float] = {}  # of the last evaluation, for artifact metadata
+        self._log_model = "false"
         # Idempotent; here too so that no entry point can forget it (log handlers added later need their own
         # call, which the CLI makes after configuring logging).
         install_log_redaction()
         if not is_main:
             return
         self._setup_wandb(cfg, run_id)
+        if self._wandb is not None:
+            from trainer.metrics import log_model_mode
+
+            self._log_model = log_model_mode()
         self._setup_discord()
         atexit.register(self._close_at_exit)
 
@@ -255,21 +277,41 @@ class Reporter:
         self._notify("progress", "Progress", "", fields, priority=Priority.PROGRESS)
 
     @_never_raise
-    def evaluated(self, *, step: int, eval_loss: float, generations: list[dict[str, str]]) -> None:
-        self._wandb_log({"eval/loss": eval_loss}, step)
+    def evaluated(
+        self,
+        *,
+        step: int,
+        metrics: dict[str, float],
+        samples: list[dict[str, Any]],
+        best: dict[str, Any] | None = None,
+        early_stopping: tuple[int, int] | None = None,
+    ) -> None:
+        """An evaluation: its metrics (HF names, eval_loss, eval_rougeL, ...) to W&B as eval/<name> with the
+        samples' table, and Discord's evaluation message. `best`: the best evaluation so far (RunState.best);
+        `early_stopping`: (evaluations without improvement, patience) when early stopping is on."""
+        self._last_metrics = dict(metrics)
+        self._wandb_log({"eval/" + k.removeprefix("eval_"): v for k, v in metrics.items()}, step)
         if self._wandb is not None:
-            self._wandb.log_generations(step, generations)
-        fields: list[tuple[str, Any, bool]] = [
-            ("Step", f"{step:,}", True),
-            ("Eval loss", _num(eval_loss), True),
-        ]
-        for i, g in enumerate(generations[:_GENERATIONS_IN_DISCORD], 1):
-            fields.append((f"Sample {i}: ingredients", g.get("ingredients", "") or "-", False))
-            fields.append((f"Sample {i}: generated", g.get("generated", "") or "-", False))
+            self._wandb.log_samples(step, samples)
+        fields: list[tuple[str, Any, bool]] = [("Step", f"{step:,}", True)]
+        fields += [(label, _num(metrics[k], ".4g"), True) for k, label in _DISCORD_METRICS if k in metrics]
+        if best is not None:
+            new = " (new)" if best["step"] == step else ""
+            fields.append(("Best", _best(best) + new, False))
+        if early_stopping is not None:
+            count, patience = early_stopping
+            fields.append(("Early stopping", f"{count} of {patience} evaluations without improvement", False))
+        for i, sample in enumerate(samples[:_GENERATIONS_IN_DISCORD], 1):
+            rouge = sample.get("rougeL")
+            score = f" (ROUGE-L {rouge:.1f})" if isinstance(rouge, (int, float)) else ""
+            fields.append((f"Sample {i}: prompt", sample.get("prompt", "") or "-", False))
+            fields.append((f"Sample {i}: generated{score}", sample.get("generated", "") or "-", False))
         self._notify("evaluated", "Evaluation", "", fields, priority=Priority.NORMAL)
 
     @_never_raise
-    def checkpoint_saved(self, *, step: int, path: str) -> None:
+    def checkpoint_saved(self, *, step: int, path: str, best: bool = False) -> None:
+        """A checkpoint was written; with WANDB_LOG_MODEL=checkpoint its model files go to W&B as a version of
+        the run's model artifact (aliases latest, checkpoint_global_step_<step>, and best when `best`)."""
         self._notify(
             "checkpoint",
             "Checkpoint saved",
@@ -277,6 +319,31 @@ class Reporter:
             [("Step", f"{step:,}", True), ("Path", path, False)],
             priority=Priority.NORMAL,
         )
+        if self._log_model == "checkpoint":
+            aliases = ["latest", f"checkpoint_global_step_{step}"] + (["best"] if best else [])
+            self._log_model_artifact(path, aliases, {"step": step, "best": best})
+
+    @_never_raise
+    def model_saved(self, *, step: int, path: str, best: dict[str, Any] | None = None) -> None:
+        """final/ was written; with WANDB_LOG_MODEL=end or checkpoint its files go to W&B (alias final_model,
+        and best when `best`, the best evaluation, is what final/ holds)."""
+        if self._log_model not in ("end", "checkpoint"):
+            return
+        aliases = ["latest", "final_model"] + (["best"] if best is not None else [])
+        metadata: dict[str, Any] = {"step": step, "final_model": True}
+        if best is not None:
+            metadata.update(best_global_step=best["step"], best_metric=best["value"], metric=best["metric"])
+        self._log_model_artifact(path, aliases, metadata)
+
+    def _log_model_artifact(self, path: str, aliases: list[str], metadata: dict[str, Any]) -> None:
+        if self._wandb is None or not self._wandb.run_id:
+            return
+        from trainer.metrics import artifact_name
+
+        name = artifact_name(self.cfg.run_name, self._wandb.run_id)
+        metadata = {"base_model": self.cfg.model_name_or_path, **metadata, **self._last_metrics}
+        if self._wandb.log_model(path, name, aliases, metadata):
+            logger.info("W&B: logged %s as model artifact %s (%s)", path, name, ", ".join(aliases))
 
     @_never_raise
     def oom_backoff(self, *, step: int, micro_batch: str, accumulation: int) -> None:
@@ -377,23 +444,30 @@ class Reporter:
         model_dir: str,
         stopped_by: str | None = None,
         steps: str | None = None,
+        best: dict[str, Any] | None = None,
     ) -> None:
-        """The run ended as planned; `stopped_by` "max_time": at its time budget, before its last step
-        (`steps`: how far it got, in words)."""
+        """The run finished at its last step, or `stopped_by` "early_stopping", or "max_time": at its time
+        budget, before its last step (`steps`: how far it got, in words); `best`: the best evaluation."""
         fields = [
             ("Final loss", _num(final_loss), True),
             ("Duration", format_duration(duration_s), True),
-            ("Model", model_dir, False),
         ]
         title = f"Training finished: {self._name}"
         if stopped_by == "max_time":
             title = f"Training finished, time budget reached: {self._name}"
             fields.insert(0, ("Steps", steps or "n/a", True))
+        if stopped_by == "early_stopping":
+            fields.append(("Stopped by", "early stopping", True))
+        if best is not None:
+            fields.append(("Best", _best(best), True))
+        fields.append(("Model", model_dir, False))
         self._notify("finished", title, "", fields, priority=Priority.CRITICAL)
         if self._wandb is not None:
-            summary = {"final_loss": final_loss, "duration_s": duration_s}
+            summary: dict[str, Any] = {"final_loss": final_loss, "duration_s": duration_s}
             if stopped_by:
                 summary["stopped_by"] = stopped_by
+            if best is not None:
+                summary.update(best_metric=best["value"], best_global_step=best["step"])
             self._wandb.set_summary(summary)
 
     @_never_raise

@@ -38,7 +38,13 @@ class RunState:
     step: int = 0  # optimizer steps completed
     start_step: int = 0  # the step this process started at (not saved: each process has its own)
     saved_step: int | None = None  # the step of the newest checkpoint (the one resumed from included)
-    best: dict[str, Any] | None = None  # the best evaluation so far: {"eval_loss", "path", "step"}
+    # The best evaluation so far by metric_for_best_model: {"metric": "eval_loss", "value", "step", "path",
+    # "metrics": every metric of that evaluation}. Checkpoints before metric_for_best_model hold
+    # {"eval_loss", "path", "step"}, read as such.
+    best: dict[str, Any] | None = None
+    # Evaluations in a row without an improvement over `best` by more than early_stopping_threshold (HF's
+    # EarlyStoppingCallback.early_stopping_patience_counter).
+    early_stopping_patience_counter: int = 0
     nan_skipped: int = 0  # steps whose update was skipped for a NaN/inf loss or gradient
     consecutive_nan: int = 0  # such steps in a row (not saved: a resumed run counts anew)
     oom: OomBackoff = field(default_factory=OomBackoff)
@@ -47,24 +53,42 @@ class RunState:
     rng: dict[str, Any] | None = None  # RNG states at the last step boundary (saved in rng.pt, not JSON)
     wandb_run_id: str | None = None
     last_loss: float | None = None  # the last finite training loss
-    train_seconds: float = 0.0  # the run's training time (steps, evaluations, checkpoints) over all restarts
+    # The whole run's real (non-padding) tokens trained on and training seconds, all processes so far (HF's
+    # num_input_tokens_seen), as of the last `count_progress`; and what earlier processes had (not saved).
+    num_input_tokens_seen: int = 0
+    train_seconds: float = 0.0
+    tokens_before: int = 0
+    seconds_before: float = 0.0
 
     @classmethod
     def from_trainer_state(cls, saved: dict[str, Any]) -> RunState:
         """The state a checkpoint's `trainer_state.json` holds; the process starts at its step."""
         step = int(saved["step"])
+        best = saved.get("best")
+        if best is not None and "metric" not in best:  # saved before metric_for_best_model
+            best = {
+                "metric": "eval_loss",
+                "value": best["eval_loss"],
+                "step": best["step"],
+                "path": best["path"],
+            }
+        tokens, seconds = int(saved.get("num_input_tokens_seen", 0)), float(saved.get("train_seconds", 0.0))
         return cls(
             step=step,
             start_step=step,
             saved_step=step,
-            best=saved.get("best"),
+            best=best,
+            early_stopping_patience_counter=int(saved.get("early_stopping_patience_counter", 0)),
+            num_input_tokens_seen=tokens,
+            train_seconds=seconds,
+            tokens_before=tokens,
+            seconds_before=seconds,
             nan_skipped=int(saved.get("nan_skipped", 0)),
             oom=OomBackoff(int(saved.get("oom_split", 1)), int(saved.get("oom_halvings", 0))),
             loader=saved.get("loader"),
             world_size=int(saved.get("world_size", 1)),
             wandb_run_id=saved.get("wandb_run_id"),
             last_loss=saved.get("last_loss"),
-            train_seconds=float(saved.get("train_seconds", 0.0)),
         )
 
     def trainer_state(self, config: dict[str, Any], micro_batch: str) -> dict[str, Any]:
@@ -79,14 +103,60 @@ class RunState:
             "oom_halvings": self.oom.halvings,
             "micro_batch": micro_batch,
             "best": self.best,
+            "early_stopping_patience_counter": self.early_stopping_patience_counter,
             "nan_skipped": self.nan_skipped,
             "last_loss": self.last_loss,
+            "num_input_tokens_seen": self.num_input_tokens_seen,
             "train_seconds": self.train_seconds,
         }
 
-    def is_best(self, eval_loss: float) -> bool:
-        """Whether `eval_loss` beats every evaluation so far (lower is better)."""
-        return math.isfinite(eval_loss) and (self.best is None or eval_loss < self.best["eval_loss"])
+    def count_progress(self, tokens: int, seconds: float) -> None:
+        """Bring the run's totals up to date with what this process has trained: `tokens` real tokens in
+        `seconds` (the step meter's counts)."""
+        self.num_input_tokens_seen = self.tokens_before + tokens
+        self.train_seconds = self.seconds_before + seconds
+
+    def track_evaluation(
+        self, metrics: dict[str, float], key: str, greater_is_better: bool, threshold: float, path: str
+    ) -> bool:
+        """Take an evaluation's `metrics` into the best and the early-stopping count, as Hugging Face's
+        Trainer does; returns whether it is the new best (its checkpoint, at `path`, is then the one to keep).
+
+        `key` is metric_for_best_model as the metrics name it ("eval_rougeL"). Early stopping first
+        (EarlyStoppingCallback.check_metric_value): the count resets at the first evaluation and when the
+        value beats the best so far by more than `threshold`, else it grows (NaN included). Then the best
+        (Trainer._determine_best_metric): a finite value beyond the best so far is the new best, however small
+        the step. Metrics without `key` change nothing. A best by another metric (metric_for_best_model
+        changed on resume) is forgotten, with a warning."""
+        if self.best is not None and self.best["metric"] != key:
+            log.warning(
+                "metric_for_best_model is now %s; the best so far (step %d) was by %s: tracking anew",
+                key,
+                self.best["step"],
+                self.best["metric"],
+            )
+            self.best, self.early_stopping_patience_counter = None, 0
+        value = metrics.get(key)
+        if value is None:
+            return False
+        previous = self.best["value"] if self.best is not None else None
+
+        def beats(a: float, b: float) -> bool:
+            return a > b if greater_is_better else a < b
+
+        if previous is None or (beats(value, previous) and abs(value - previous) > threshold):
+            self.early_stopping_patience_counter = 0
+        else:
+            self.early_stopping_patience_counter += 1
+        if math.isfinite(value) and (previous is None or beats(value, previous)):
+            self.best = {"metric": key, "value": value, "step": self.step, "path": path}
+            self.best["metrics"] = dict(metrics)
+            return True
+        return False
+
+    def early_stopping_due(self, patience: int | None) -> bool:
+        """Whether `patience` evaluations in a row have not improved the metric (None: early stopping off)."""
+        return patience is not None and self.early_stopping_patience_counter >= patience
 
 
 def read_wandb_run_id(output_dir: str | Path) -> str | None:

@@ -34,12 +34,13 @@ from trainer import checkpoint as ckpt
 from trainer import disk, distributed, memory
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import RecipeDataError, RecipeFileError, records_in, skipped_summary, stream_for, to_device
-from trainer.evaluation import EvalResult, evaluate
+from trainer.evaluation import EvalResult, eval_batch_tokens, evaluate, load_generation_records, metrics_line
 from trainer.healthcheck import Heartbeat
 from trainer.jsonl import fsync_file
 from trainer.memory_plan import RunPlan, plan_run
 from trainer.model_files import ModelFiles, check_model_dir
 from trainer.profiling import StepProfiler
+from trainer.prompt import PromptTemplate
 from trainer.report import Reporter
 from trainer.run_lock import describe_holder, lock_holder, lock_output_dir
 from trainer.run_state import RunState, count_start, read_wandb_run_id, write_wandb_run_id
@@ -82,13 +83,17 @@ class ModelIntact:
 
 @dataclass
 class Data:
-    """The run's data: tokenizer, train and held-out streams, and the step plan derived from them."""
+    """The run's data: tokenizer, prompt template, train and held-out streams, the held-out records each
+    evaluation generates for, and the step plan derived from them."""
 
     tokenizer_file: str
+    template: PromptTemplate
     train_stream: Any
     eval_stream: Any | None
+    generation_records: list[dict]  # empty on ranks that do not generate (DDP: all but rank 0)
     total_steps: int
     records: int  # usable records, held-out ones included
+    eval_records: int  # of them, held out (from eval_files, or train_files' eval_fraction)
     skipped: int
     effective_batch: str  # in words, e.g. "16 rows x 2 accumulation"
 
@@ -243,9 +248,20 @@ def check_paths(cfg: TrainConfig) -> None:
         raise ConfigError(f"output_dir {cfg.output_dir}: {existing} is not writable")
 
 
-def open_stream(cfg: TrainConfig, plan: RunPlan, tokenizer_file: str, split: str, rank: int, world_size: int):
-    # data.stream_for takes the batching from a config: it gets the config with the plan's budget applied.
-    return stream_for(plan.applied_to(cfg), tokenizer_file, split, rank=rank, world_size=world_size)
+def open_stream(
+    cfg: TrainConfig,
+    plan: RunPlan,
+    tokenizer_file: str,
+    split: str,
+    rank: int,
+    world_size: int,
+    paths: list[str] | None = None,
+):
+    # data.stream_for takes the batching from a config: it gets the config with the plan's budget applied
+    # (and eval_fraction 0 with eval_files).
+    return stream_for(
+        plan.applied_to(cfg), tokenizer_file, split, paths=paths, rank=rank, world_size=world_size
+    )
 
 
 def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Data:
@@ -256,19 +272,39 @@ def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Da
     tokenizer_file = str(resolve_tokenizer_file(cfg.model_name_or_path))
     train_stream = open_stream(cfg, plan, tokenizer_file, "train", rank, world_size)
     eval_stream = None
-    if cfg.eval_fraction > 0:
+    if cfg.eval_files:
+        eval_stream = open_stream(cfg, plan, tokenizer_file, "eval", rank, world_size, paths=cfg.eval_files)
+    elif cfg.eval_fraction > 0:
         eval_stream = open_stream(cfg, plan, tokenizer_file, "eval", rank, world_size)
     stats = train_stream.stats()
-    usable = stats["records"] + (eval_stream.stats()["records"] if eval_stream is not None else 0)
-    log.info(
-        "data: %d records for training, %d held out for evaluation, from %s",
-        stats["records"],
-        usable - stats["records"],
-        ", ".join(cfg.train_files),
-    )
-    skips = skipped_summary(stats, usable)
+    eval_stats = eval_stream.stats() if eval_stream is not None else None
+    held_out = eval_stats["records"] if eval_stats is not None else 0
+    if cfg.eval_files:
+        log.info(
+            "data: %d records for training from %s (eval_files given: nothing of them is held out, "
+            "eval_fraction is not used), %d for evaluation from %s",
+            stats["records"],
+            ", ".join(cfg.train_files),
+            held_out,
+            ", ".join(cfg.eval_files),
+        )
+    else:
+        log.info(
+            "data: %d records for training, %d held out for evaluation, from %s",
+            stats["records"],
+            held_out,
+            ", ".join(cfg.train_files),
+        )
+    skips = skipped_summary(stats, stats["records"] + (0 if cfg.eval_files else held_out))
     if skips:
         log.warning("data: %s", skips)
+    if cfg.eval_files and (eval_skips := skipped_summary(eval_stats, held_out)):
+        log.warning("eval data: %s", eval_skips)
+    skipped = sum(stats["skipped"].values()) + (sum(eval_stats["skipped"].values()) if cfg.eval_files else 0)
+    template = PromptTemplate.from_config(plan.applied_to(cfg))
+    # Rank 0 scores the generations; under FSDP every rank runs them (trainer.evaluation).
+    generates = rank == 0 or cfg.distributed_strategy == "fsdp"
+    records = load_generation_records(cfg, template, tokenizer_file, needed=generates)
     accum = cfg.gradient_accumulation_steps
     batches_per_epoch = len(train_stream)
     if cfg.max_steps > 0:
@@ -295,24 +331,30 @@ def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Da
     )
     return Data(
         tokenizer_file=tokenizer_file,
+        template=template,
         train_stream=train_stream,
         eval_stream=eval_stream,
+        generation_records=records,
         total_steps=total_steps,
-        records=usable,
-        skipped=sum(stats["skipped"].values()),
+        records=stats["records"] + held_out,
+        eval_records=held_out,
+        skipped=skipped,
         effective_batch=effective,
     )
 
 
 def already_finished(cfg: TrainConfig, data: Data, state: RunState, resume_from: Path) -> bool:
-    """Whether the run resumed from `resume_from` has nothing left to do: it is at its last step, or its time
-    budget is spent, and final/ is written (or not wanted). Says so in the log."""
+    """Whether the run resumed from `resume_from` has nothing left to do: it is at its last step, stopped
+    early, or its time budget is spent, and final/ is written (or not wanted). Says so in the log."""
     if not ((Path(cfg.output_dir) / "final").is_dir() or not cfg.save_final):
         return False  # final/ is missing: the rerun writes it
     budget = cfg.max_time_s
     if state.step >= data.total_steps:
         why = f"is at step {state.step} of {data.total_steps}"
         how = "raise max_steps to train on"
+    elif state.early_stopping_due(cfg.early_stopping_patience):
+        why = f"stopped early at step {state.step} of {data.total_steps} (early_stopping_patience)"
+        how = "raise early_stopping_patience to train on"
     elif budget is not None and state.train_seconds >= budget:
         why = (
             f"is at step {state.step} of {data.total_steps}, its time budget (max_time {cfg.max_time}) spent"
@@ -416,6 +458,7 @@ def start_reporting(
     fresh = cfg.resume == "never"
     run_id = state.wandb_run_id or (None if fresh else read_wandb_run_id(output_dir))
     reporter = Reporter(cfg, is_main=is_main, run_id=run_id)
+    files = cfg.train_files + cfg.eval_files
     state.wandb_run_id = reporter.run_id
     attempt = 1
     if is_main:
@@ -426,7 +469,7 @@ def start_reporting(
             log.info("restart %d of the run in %s", attempt - 1, output_dir)
     reporter.started(
         model=cfg.model_name_or_path,
-        data=f"{', '.join(cfg.train_files)} ({data.records:,} records, {data.skipped:,} skipped)",
+        data=f"{', '.join(files)} ({data.records:,} records, {data.skipped:,} skipped)",
         effective_batch=data.effective_batch,
         planned_steps=data.total_steps,
         data_counts={"records": data.records, "skipped_records": data.skipped},
@@ -586,15 +629,20 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
             )
             run.progress.show(logged)
             run.reporter.log_step(logged)
-        # A checkpoint first, then the evaluation: an evaluation that fails leaves the step saved.
+        # The last step is saved before its evaluation, so an evaluation that fails leaves it saved. Other
+        # evaluations come first, as in Seq2SeqTrainer: the checkpoint of their step holds their result (the
+        # best so far, the early-stopping count); an evaluation that fails saves the step on its way out.
         last_step = state.step == data.total_steps
         at_eval = data.eval_stream is not None and (state.step % cfg.eval_steps == 0 or last_step)
-        at_save = state.step % cfg.save_steps == 0 or (last_step and at_eval and cfg.save_final)
-        if at_save and state.saved_step != state.step:
+        if last_step and at_eval and cfg.save_final and state.saved_step != state.step:
             save(run, state)
         if at_eval:
             last_eval, evaluated_at = evaluate_and_track(run, state), state.step
             empty_cache.after_evaluation()
+        if state.step % cfg.save_steps == 0 and state.saved_step != state.step:
+            save(run, state)
+        if state.early_stopping_due(cfg.early_stopping_patience):  # the same on every rank
+            break
     return last_eval
 
 
@@ -677,24 +725,55 @@ def stop_for_nan(run: Run, state: RunState) -> None:
 
 
 def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
-    """Evaluate, log the metrics (train log, W&B, Discord), and keep the best checkpoint: a new best eval loss
-    is saved at once, so that the best checkpoint exists."""
+    """Evaluate, log the metrics (train log, W&B, Discord), keep the best checkpoint by metric_for_best_model
+    (a new best is saved at once, so that the best checkpoint exists) and count evaluations without
+    improvement for early stopping."""
+    cfg = run.cfg
     result = evaluate(
         run.model,
         run.data.eval_stream,
+        run.data.generation_records,
         run.device,
-        run.cfg,
+        cfg,
+        run.data.template,
         run.data.tokenizer_file,
         distributed.unwrap(run.train_module),
+        max_batch_tokens=eval_batch_tokens(run.plan.applied_to(cfg), state.oom.split),
     )
-    log.info("step %d: eval loss %.4f", state.step, result.loss)
+    log.info("step %d: %s", state.step, metrics_line(result.metrics))
     run.meter.evaluated(state.step, result.metrics)
-    run.reporter.evaluated(step=state.step, eval_loss=result.loss, generations=result.generations)
-    if state.is_best(result.loss):
-        path = run.output_dir / f"checkpoint-{state.step}"
-        state.best = {"eval_loss": result.loss, "path": str(path), "step": state.step}
-        if state.saved_step != state.step:
-            save(run, state)
+    key = cfg.best_metric_key
+    if key not in result.metrics:
+        log.warning(
+            "step %d: metric_for_best_model %s is not among this evaluation's metrics (%s): no best is kept",
+            state.step,
+            key,
+            ", ".join(result.metrics),
+        )
+    path = str(run.output_dir / f"checkpoint-{state.step}")
+    new_best = state.track_evaluation(
+        result.metrics, key, cfg.best_is_greater, cfg.early_stopping_threshold, path
+    )
+    patience = cfg.early_stopping_patience
+    run.reporter.evaluated(
+        step=state.step,
+        metrics=result.metrics,
+        samples=result.samples,
+        best=state.best,
+        early_stopping=(state.early_stopping_patience_counter, patience) if patience else None,
+    )
+    if new_best and state.saved_step != state.step:
+        save(run, state)
+    if state.early_stopping_due(patience):
+        log.info(
+            "early stopping: %d evaluations in a row without %s improving by more than %g on the best "
+            "(%.4g at step %d)",
+            state.early_stopping_patience_counter,
+            key,
+            cfg.early_stopping_threshold,
+            state.best["value"] if state.best else float("nan"),
+            state.best["step"] if state.best else 0,
+        )
     return result
 
 
@@ -702,7 +781,7 @@ def save(run: Run, state: RunState) -> Path:
     """Write checkpoint-<step> of `state` (collective), then remove the checkpoints past save_total_limit
     (never the best)."""
     cfg = run.cfg
-    state.train_seconds = run.meter.train_seconds
+    state.count_progress(run.meter.run.tokens, run.meter.elapsed_s)
     if run.is_main:
         fsync_file(run.output_dir / TRAIN_LOG)  # on the disk up to the checkpoint, whatever happens next
     with run.intact.changing():  # a save that failed is not tried again after the error
@@ -717,6 +796,7 @@ def save(run: Run, state: RunState) -> Path:
             trainer_state=state.trainer_state(
                 ckpt.saved_config(run.plan.applied_to(cfg)), run.plan.micro_batch(state.oom.split)
             ),
+            prompt_config=run.plan.applied_to(cfg),
         )
     state.saved_step = state.step
     if run.is_main:
@@ -725,7 +805,8 @@ def save(run: Run, state: RunState) -> Path:
         if removed:
             names = ", ".join(p.name for p in removed)
             log.info("removed %s (save_total_limit %d)", names, cfg.save_total_limit)
-    run.reporter.checkpoint_saved(step=state.step, path=str(path))
+    is_best = state.best is not None and state.best["step"] == state.step
+    run.reporter.checkpoint_saved(step=state.step, path=str(path), best=is_best)
     return path
 
 
@@ -734,11 +815,11 @@ def save(run: Run, state: RunState) -> Path:
 
 def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
     """Stopped by a signal: a checkpoint of the last completed step, and exit code 128 + the signal.
-    Else the final checkpoint and final/ (when save_final), the run summary, and exit code 0."""
+    Else (the last step, or early stopping) the final checkpoint and final/ (when save_final: the best
+    checkpoint's weights with load_best_model_at_end, the prompt template, the model card), the run summary,
+    and exit code 0."""
     cfg, output_dir = run.cfg, run.output_dir
     duration = run.meter.elapsed_s  # the training, without the final saves
-    # The loop ended before the last step without a signal: the time budget is spent.
-    out_of_time = not run.stop and state.step < run.data.total_steps
     if run.stop:
         path = output_dir / f"checkpoint-{state.step}"
         if state.saved_step != state.step:
@@ -750,11 +831,29 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
             "stopped by %s at step %d; the same command resumes the run", run.stop.signal_name, state.step
         )
         return 128 + getattr(signal, run.stop.signal_name)
+    stopped_by = None  # the last step
+    if state.early_stopping_due(cfg.early_stopping_patience):
+        stopped_by = "early_stopping"
+    elif state.step < run.data.total_steps:  # the loop ended early without a signal: the time budget is spent
+        stopped_by = "max_time"
     final = output_dir / "final"  # written whole, then renamed into place: it exists only when complete
+    best_weights = best_checkpoint_for_final(cfg, state)
+    final_step = state.best["step"] if best_weights is not None else state.step
     if cfg.save_final:
         if state.saved_step != state.step:
             save(run, state)
-        ckpt.save_final_model(run.model, cfg.model_name_or_path, run.data.tokenizer_file, final)
+        state.count_progress(run.meter.run.tokens, run.meter.elapsed_s)
+        ckpt.save_final_model(
+            run.model,
+            cfg.model_name_or_path,
+            run.data.tokenizer_file,
+            final,
+            prompt_config=run.plan.applied_to(cfg),
+            card=model_card_info(run, state, final, last_eval, final_step),
+            weights_from=best_weights,
+        )
+        final_is_best = state.best is not None and state.best["step"] == final_step
+        run.reporter.model_saved(step=final_step, path=str(final), best=state.best if final_is_best else None)
     from trainer.model import LAST_LOAD
 
     summary: dict[str, Any] = {
@@ -764,30 +863,96 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         "load_weight_gib": LAST_LOAD.get("weight_bytes", 0) / memory.GIB,
         "load_peak_gib": LAST_LOAD["peak_bytes"] / memory.GIB if LAST_LOAD.get("peak_bytes") else None,
         "train_seconds": run.meter.train_seconds,  # over all restarts, as max_time counts it
+        "stopped_by": stopped_by,
+        # Hugging Face's TrainerState names; final_model_step: whose weights final/ holds.
+        "metric_for_best_model": cfg.best_metric_key,
+        "best_metric": state.best["value"] if state.best else None,
+        "best_global_step": state.best["step"] if state.best else None,
+        "best_model_checkpoint": state.best["path"] if state.best else None,
+        "final_model_step": final_step if cfg.save_final else None,
     }
-    if out_of_time:
-        summary["stopped_by"] = "max_time"
     if run.device.type == "cuda":
         summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(run.device) / memory.GIB
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(run.device) / memory.GIB
     run.meter.write_summary(state.step, duration, summary)
-    for g in (last_eval.generations if last_eval is not None else [])[:1]:
+    for sample in (last_eval.samples if last_eval is not None else [])[:1]:
         log.info(
             "a recipe generated for held-out ingredients:\n  input: %s\n  generated: %s",
-            g["ingredients"],
-            g["generated"],
+            sample["prompt"],
+            sample["generated"],
         )
     loss = f"{state.last_loss:.4f}" if state.last_loss is not None else "n/a"
-    model = f"the model is in {final}" if cfg.save_final else "no model saved (save_final: false)"
+    if not cfg.save_final:
+        model = "no model saved (save_final: false)"
+    elif best_weights is not None:
+        model = f"the model is in {final}, with the weights of the best checkpoint ({best_weights.name})"
+    else:
+        model = f"the model is in {final}"
     steps = f"{state.step} steps"
-    if out_of_time:
+    if stopped_by == "max_time":
         steps = f"time budget reached (max_time {cfg.max_time}): {state.step} of {run.data.total_steps} steps"
+    elif stopped_by == "early_stopping":
+        steps = f"early stopping: {state.step} of {run.data.total_steps} steps"
     log.info("finished: %s in %.0f s, final loss %s; %s", steps, duration, loss, model)
     run.reporter.finished(
         final_loss=state.last_loss,
         duration_s=duration,
         model_dir=str(final),
-        stopped_by="max_time" if out_of_time else None,
+        stopped_by=stopped_by,
         steps=f"{state.step:,} of {run.data.total_steps:,}",
+        best=state.best,
     )
     return 0
+
+
+def best_checkpoint_for_final(cfg: TrainConfig, state: RunState) -> Path | None:
+    """With load_best_model_at_end: the best checkpoint, whose weights final/ takes, when it is not the last
+    step's (None: final/ takes the model as it is). A best checkpoint that is gone is said, and the last
+    step's weights are used."""
+    if not cfg.load_best_model_at_end or state.best is None or state.best["step"] == state.step:
+        return None
+    path = Path(state.best["path"])
+    if not ckpt.is_complete(path):
+        log.warning(
+            "load_best_model_at_end: the best checkpoint %s is gone; final/ holds the last step's", path
+        )
+        return None
+    return path
+
+
+def model_card_info(run: Run, state: RunState, final: Path, last_eval: EvalResult | None, final_step: int):
+    """What final/'s model card says about this run (trainer.model_card)."""
+    from trainer.model_card import ModelCardInfo
+
+    cfg = run.cfg
+    if run.device.type == "cuda":
+        hardware = f"{distributed.world_size()}x {torch.cuda.get_device_name(run.device)}"
+    else:
+        hardware = f"{distributed.world_size()}x CPU" if distributed.world_size() > 1 else "CPU"
+
+    def named(metrics: dict[str, float]) -> dict[str, float]:
+        return {"eval/" + k.removeprefix("eval_"): v for k, v in metrics.items()}
+
+    last = named(last_eval.metrics) if last_eval is not None else {}
+    if state.last_loss is not None:
+        last["train/loss"] = state.last_loss
+    best = state.best
+    return ModelCardInfo(
+        model_path=str(final),
+        base_model=cfg.model_name_or_path,
+        template=run.data.template,
+        train_files=cfg.train_files + cfg.eval_files,
+        train_records=run.data.records - run.data.eval_records,
+        eval_records=run.data.eval_records,
+        skipped_records=run.data.skipped,
+        steps=state.step,
+        tokens=state.num_input_tokens_seen,
+        wall_time_s=state.train_seconds,
+        hardware=hardware,
+        metrics=last,
+        last_eval_step=state.step if last_eval is not None else None,
+        best_metrics=named(best.get("metrics", {best["metric"]: best["value"]})) if best else {},
+        best_step=best["step"] if best else None,
+        metric_for_best_model=cfg.best_metric_key,
+        weights_step=final_step,
+    )
