@@ -90,8 +90,8 @@ def single(model_dir, sample_csv, tmp_path_factory) -> dict[int, float]:
     return _losses(out)
 
 
-def _resume_in_one_process(model_dir, sample_csv, checkpoint: Path, out: Path) -> dict[int, float]:
-    values = _values(model_dir, sample_csv, out, gradient_accumulation_steps=2, resume=str(checkpoint))
+def _resume_in_one_process(model_dir, sample_csv, checkpoint: Path, out: Path, **kw) -> dict[int, float]:
+    values = _values(model_dir, sample_csv, out, gradient_accumulation_steps=2, resume=str(checkpoint), **kw)
     assert train(TrainConfig.from_dict(values)) == 0
     return _losses(out)
 
@@ -121,6 +121,42 @@ def test_ddp_two_ranks_match_one_process_and_resume_in_one(model_dir, sample_csv
     assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
     for s in resumed:
         assert resumed[s] == pytest.approx(single[s], rel=1e-5), (s, resumed[s], single[s])
+
+
+def test_ddp_on_packed_rows_matches_one_process_keeps_the_best_and_resumes_in_one(
+    model_dir, sample_csv, tmp_path
+):
+    """Packed rows under torchrun: rank r of 2 trains the packed global batches r, r+2, ..., so 2 ranks match
+    1 process with accumulation 2; rank 0 writes the best checkpoint's weights (by eval_loss) into final/;
+    a checkpoint of 2 ranks resumes in 1 process on the same packed batches."""
+    from safetensors.torch import load_file
+
+    packed = dict(packing=True, eval_steps=1, save_steps=1, save_total_limit=2, load_best_model_at_end=True)
+    one_out = tmp_path / "one-packed"
+    values = _values(model_dir, sample_csv, one_out, gradient_accumulation_steps=2, **packed)
+    assert train(TrainConfig.from_dict(values)) == 0
+    one = _losses(one_out)
+
+    out = tmp_path / "ddp-packed"
+    run = _torchrun(_values(model_dir, sample_csv, out, distributed_strategy="ddp", **packed), tmp_path)
+    assert "process group: 2 ranks, backend gloo" in run.stderr
+    two = _losses(out)
+    assert sorted(two) == list(range(1, STEPS + 1))
+    for s in two:
+        assert two[s] == pytest.approx(one[s], rel=1e-5), (s, two[s], one[s])
+
+    summary = json.loads((out / SUMMARY).read_text())
+    best = Path(summary["best_model_checkpoint"])
+    assert summary["final_model_step"] == summary["best_global_step"] == int(best.name.split("-")[1])
+    final_weights = load_file(out / "final" / "model.safetensors")
+    best_weights = load_file(best / "model.safetensors")
+    assert final_weights.keys() == best_weights.keys()
+    assert all(final_weights[k].equal(best_weights[k]) for k in final_weights)
+
+    before_last = out / f"checkpoint-{STEPS - 1}"  # kept: save_total_limit 2
+    resumed = _resume_in_one_process(model_dir, sample_csv, before_last, tmp_path / "resumed", **packed)
+    assert sorted(resumed) == [STEPS]
+    assert resumed[STEPS] == pytest.approx(one[STEPS], rel=1e-5), (resumed, one)
 
 
 def test_fsdp_two_ranks_train_like_one_process_and_resume_in_one(model_dir, sample_csv, single, tmp_path):
