@@ -15,8 +15,8 @@ Runs, each `torchrun --standalone --nproc_per_node=N` over the trainer's own loo
 
 tokens/s are real (non-pad) source + target tokens of all ranks over the steps after `--warmup`, from the
 train log's per-step times. NCCL's NVLink multicast is off (NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1): some multi-GPU hosts cannot use it. Needs this package (or its wheel), torch
-and transformers; no network, no W&B, no torch-optimi.
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1): some multi-GPU hosts cannot use it. Needs this package (or its wheel),
+torch and transformers; no network, no W&B, no torch-optimi.
 """
 
 from __future__ import annotations
