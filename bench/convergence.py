@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -829,6 +830,8 @@ def main() -> int:
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
         parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
+    if "ours_adamw" in runs and importlib.util.find_spec("optimi") is None:
+        parser.error("ours_adamw needs torch-optimi (pip install torch-optimi), or leave it out with --runs")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="convergence-")).resolve()
