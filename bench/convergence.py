@@ -75,47 +75,6 @@ RUNS = {
 # -------------------------------------------------------------------------------------------- preparation
 
 
-def recipe_texts(path: Path, limit: int) -> list[str]:
-    """The first `limit` recipes of a JSONL file as the loader renders them (source and target texts)."""
-    texts = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if i >= limit:
-                break
-            r = json.loads(line)
-            ingredients = "; ".join(r["ingredients"])
-            directions = " ".join(f"{k}. {d}" for k, d in enumerate(r["directions"], 1))
-            texts.append(f"Write a recipe with these ingredients: {ingredients}")
-            texts.append(f"title: {r['title']} | ingredients: {ingredients} | directions: {directions}")
-    return texts
-
-
-def save_tokenizer(tok, model_dir: Path) -> int:
-    """tokenizer.json (+ tokenizer_config.json) via save_pretrained; returns the vocabulary size.
-
-    Through the generic PreTrainedTokenizerFast, as trainer/tiny_model.py does: transformers 5's
-    T5TokenizerFast rebuilds itself from the vocabulary with SentencePiece's normalizer, so the
-    tokenizer.json it saved would not be the one trained here."""
-    from transformers import PreTrainedTokenizerFast
-
-    from trainer.tiny_model import EXTRA_IDS
-
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        additional_special_tokens=[f"<extra_id_{i}>" for i in range(EXTRA_IDS)],
-        model_max_length=512,
-    )
-    hf_tok.save_pretrained(model_dir)
-    config_path = model_dir / "tokenizer_config.json"
-    tok_config = json.loads(config_path.read_text(encoding="utf-8"))
-    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(tok_config, indent=2) + "\n", encoding="utf-8")
-    return len(hf_tok)
-
-
 def write_initial_weights(config, model_dir: Path) -> int:
     """Random weights (seed 0) saved in bf16 for every run; returns the parameter count. The LM head gets
     its own weight scaled by d_model**-0.5 (initial logits ~N(0, 1), as trainer/tiny_model.py explains),
@@ -138,8 +97,9 @@ def write_initial_weights(config, model_dir: Path) -> int:
 
 def prepare(work: Path, args) -> dict:
     """Recipes, tokenizer and initial weights under `work`; what was made and how long each part took."""
+    from trainer.prompt import TASKS
     from trainer.sample import write_sample
-    from trainer.tiny_model import flan_t5_config, train_tokenizer
+    from trainer.tiny_model import flan_t5_config, recipe_texts, save_tokenizer, train_tokenizer
 
     times = {}
     t0 = time.perf_counter()
@@ -147,7 +107,7 @@ def prepare(work: Path, args) -> dict:
     write_sample(data, args.records, seed=0, fmt="jsonl")
     times["recipes_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    texts = recipe_texts(data, args.tokenizer_records)
+    texts = recipe_texts(data, tasks=TASKS[:1], limit=args.tokenizer_records)  # the preset's prompt
     tok = train_tokenizer(texts, vocab_size=args.tokenizer_pieces)
     model_dir = work / "model"
     model_dir.mkdir(parents=True, exist_ok=True)

@@ -27,12 +27,13 @@ EXTRA_IDS = 100
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]  # ids 0, 1, 2 as in T5
 
 
-def recipe_texts(path: Path) -> list[str]:
-    """What the loader renders from these recipes, through its own renderer: each preset's prompt and the
-    target (`title: ... | ingredients: ... | directions: 1. ...`)."""
+def recipe_texts(path: Path, tasks: tuple[str, ...] = TASKS, limit: int | None = None) -> list[str]:
+    """What the loader renders from these recipes (the first `limit`), through its own renderer: each of
+    `tasks`' prompt and the target (`title: ... | ingredients: ... | directions: 1. ...`)."""
     texts = []
-    for task in TASKS:
+    for task in tasks:
         records, _, _ = RecipeRenderer(task=task).read([str(path)])
+        records = records[:limit]
         texts += [r["source"] for r in records]
     texts += [r["reference"] for r in records]
     return texts
@@ -131,17 +132,10 @@ def flan_t5_config(shape: str = "xl", vocab_size: int = 32128):
     return T5Config(**{**flan, **sizes, "vocab_size": vocab_size, **ids})
 
 
-def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
-    """Write a tiny random T5ForConditionalGeneration and its tokenizer to `out` (created); return `out`."""
-    import torch
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, T5ForConditionalGeneration
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
-        corpus = Path(tmp) / "recipes.jsonl"
-        write_sample(corpus, N_RECIPES, seed=seed, fmt="jsonl")
-        tok = train_tokenizer(recipe_texts(corpus))
+def save_tokenizer(tok, out: Path) -> int:
+    """Save a trained `tokenizers.Tokenizer` with T5's special tokens to `out` (tokenizer.json and
+    tokenizer_config.json, via save_pretrained); returns the vocabulary size."""
+    from transformers import PreTrainedTokenizerFast
 
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -159,8 +153,23 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
     tok_config = json.loads(config_path.read_text(encoding="utf-8"))
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return len(hf_tok)
 
-    config = flan_t5_config("tiny", vocab_size=len(hf_tok))
+
+def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random T5ForConditionalGeneration and its tokenizer to `out` (created); return `out`."""
+    import torch
+    from transformers import GenerationConfig, T5ForConditionalGeneration
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
+        corpus = Path(tmp) / "recipes.jsonl"
+        write_sample(corpus, N_RECIPES, seed=seed, fmt="jsonl")
+        tok = train_tokenizer(recipe_texts(corpus))
+
+    vocab_size = save_tokenizer(tok, out)
+    config = flan_t5_config("tiny", vocab_size=vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = T5ForConditionalGeneration(config)
@@ -185,5 +194,5 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
     model_config.pop("scale_decoder_outputs", None)
     (out / "config.json").write_text(json.dumps(model_config, indent=2) + "\n", encoding="utf-8")
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("wrote a tiny FLAN-T5 (%d parameters, vocab %d) to %s", n_params, len(hf_tok), out)
+    log.info("wrote a tiny FLAN-T5 (%d parameters, vocab %d) to %s", n_params, vocab_size, out)
     return out
