@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -20,6 +22,17 @@ from trainer.tiny_model import build_tiny_model
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random FLAN-T5 and its T5-style tokenizer (`tokenizer.json` inside), built with seed 0."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_without_dropout(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with dropout off: a step's loss is a function of weights and data alone (the same in 1
+    and in 2 processes, packed and unpacked)."""
+    out = tmp_path_factory.mktemp("tiny-no-dropout") / "model"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"dropout_rate": 0.0}))
+    return out
 
 
 @pytest.fixture(scope="session")

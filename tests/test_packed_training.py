@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import numpy as np
 import pytest
@@ -19,16 +18,6 @@ from trainer.step import token_loss_sum
 from trainer.train import TRAIN_LOG, train
 
 ACCUMULATION = 2
-
-
-@pytest.fixture(scope="module")
-def model_without_dropout(tiny_model_dir, tmp_path_factory):
-    """The tiny model with dropout off, so that a training step's loss is a function of weights and data."""
-    out = tmp_path_factory.mktemp("tiny-no-dropout") / "model"
-    shutil.copytree(tiny_model_dir, out)
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(config | {"dropout_rate": 0.0}))
-    return out
 
 
 def _cfg(model_dir, sample_csv, out, **kw) -> TrainConfig:
@@ -80,8 +69,8 @@ def unpacked(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.T
     return out
 
 
-def test_a_packed_step_has_the_loss_of_its_records_unpacked(model_without_dropout, sample_csv, tmp_path):
-    cfg = _cfg(model_without_dropout, sample_csv, tmp_path / "out")
+def test_a_packed_step_has_the_loss_of_its_records_unpacked(tiny_model_without_dropout, sample_csv, tmp_path):
+    cfg = _cfg(tiny_model_without_dropout, sample_csv, tmp_path / "out")
     assert train(cfg) == 0
     logged = [json.loads(line) for line in (tmp_path / "out" / TRAIN_LOG).read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in logged if "loss" in r}
@@ -92,7 +81,7 @@ def test_a_packed_step_has_the_loss_of_its_records_unpacked(model_without_dropou
     group = [b for b, _ in zip(stream, range(ACCUMULATION), strict=False)]
     assert "encoder_segment_ids" in group[0]
     assert sum(records_in(b) for b in group) > sum(len(b["input_ids"]) for b in group)  # rows hold several
-    model = T5ForConditionalGeneration.from_pretrained(model_without_dropout, dtype=torch.float32)
+    model = T5ForConditionalGeneration.from_pretrained(tiny_model_without_dropout, dtype=torch.float32)
     with torch.no_grad():
         packed_sum = sum(token_loss_sum(model, to_device(b, torch.device("cpu"))) for b in group)
         unpacked_sum = sum(token_loss_sum(model, unpacked(b)) for b in group)
