@@ -44,10 +44,6 @@ class EvalResult:
     # their own scores under SAMPLE_METRICS' names.
     samples: list[dict[str, Any]]
 
-    @property
-    def loss(self) -> float:
-        return self.metrics["eval_loss"]
-
 
 def load_generation_records(
     cfg: TrainConfig, template: PromptTemplate, tokenizer_file: str, *, needed: bool = True

@@ -36,7 +36,6 @@ class RunState:
     """Everything about the run that changes as it trains. Saved with each checkpoint, restored on resume."""
 
     step: int = 0  # optimizer steps completed
-    start_step: int = 0  # the step this process started at (not saved: each process has its own)
     saved_step: int | None = None  # the step of the newest checkpoint (the one resumed from included)
     # The best evaluation so far by metric_for_best_model: {"metric": "eval_loss", "value", "step", "path",
     # "metrics": every metric of that evaluation}. Checkpoints before metric_for_best_model hold
@@ -54,11 +53,11 @@ class RunState:
     wandb_run_id: str | None = None
     last_loss: float | None = None  # the last finite training loss
     # The whole run's real (non-padding) tokens trained on and training seconds, all processes so far (HF's
-    # num_input_tokens_seen), as of the last `count_progress`; and what earlier processes had (not saved).
+    # num_input_tokens_seen), as of the last `count_progress`; and the tokens earlier processes had (not
+    # saved; the step meter keeps their seconds).
     num_input_tokens_seen: int = 0
     train_seconds: float = 0.0
     tokens_before: int = 0
-    seconds_before: float = 0.0
 
     @classmethod
     def from_trainer_state(cls, saved: dict[str, Any]) -> RunState:
@@ -75,14 +74,12 @@ class RunState:
         tokens, seconds = int(saved.get("num_input_tokens_seen", 0)), float(saved.get("train_seconds", 0.0))
         return cls(
             step=step,
-            start_step=step,
             saved_step=step,
             best=best,
             early_stopping_patience_counter=int(saved.get("early_stopping_patience_counter", 0)),
             num_input_tokens_seen=tokens,
             train_seconds=seconds,
             tokens_before=tokens,
-            seconds_before=seconds,
             nan_skipped=int(saved.get("nan_skipped", 0)),
             oom=OomBackoff(int(saved.get("oom_split", 1)), int(saved.get("oom_halvings", 0))),
             loader=saved.get("loader"),
@@ -110,11 +107,11 @@ class RunState:
             "train_seconds": self.train_seconds,
         }
 
-    def count_progress(self, tokens: int, seconds: float) -> None:
-        """Bring the run's totals up to date with what this process has trained: `tokens` real tokens in
-        `seconds` (the step meter's counts)."""
+    def count_progress(self, tokens: int, train_seconds: float) -> None:
+        """Bring the run's totals up to date: `tokens` real tokens trained by this process, and the run's
+        training seconds over all processes (the step meter's `train_seconds`)."""
         self.num_input_tokens_seen = self.tokens_before + tokens
-        self.train_seconds = self.seconds_before + seconds
+        self.train_seconds = train_seconds
 
     def track_evaluation(
         self, metrics: dict[str, float], key: str, greater_is_better: bool, threshold: float, path: str

@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import random
-import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,7 +56,7 @@ from trainer.step_meter import (  # noqa: F401
     continue_train_log,
     format_duration,
 )
-from trainer.stopping import StopBeforeTraining, StopRequested
+from trainer.stopping import StopBeforeTraining, StopRequested, signal_exit_code
 
 log = logging.getLogger(__name__)
 
@@ -781,7 +780,7 @@ def save(run: Run, state: RunState) -> Path:
     """Write checkpoint-<step> of `state` (collective), then remove the checkpoints past save_total_limit
     (never the best)."""
     cfg = run.cfg
-    state.count_progress(run.meter.run.tokens, run.meter.elapsed_s)
+    state.count_progress(run.meter.run.tokens, run.meter.train_seconds)
     if run.is_main:
         fsync_file(run.output_dir / TRAIN_LOG)  # on the disk up to the checkpoint, whatever happens next
     with run.intact.changing():  # a save that failed is not tried again after the error
@@ -830,7 +829,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         log.info(
             "stopped by %s at step %d; the same command resumes the run", run.stop.signal_name, state.step
         )
-        return 128 + getattr(signal, run.stop.signal_name)
+        return signal_exit_code(run.stop.signal_name)
     stopped_by = None  # the last step
     if state.early_stopping_due(cfg.early_stopping_patience):
         stopped_by = "early_stopping"
@@ -842,7 +841,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
     if cfg.save_final:
         if state.saved_step != state.step:
             save(run, state)
-        state.count_progress(run.meter.run.tokens, run.meter.elapsed_s)
+        state.count_progress(run.meter.run.tokens, run.meter.train_seconds)
         ckpt.save_final_model(
             run.model,
             cfg.model_name_or_path,
