@@ -27,7 +27,6 @@ import functools
 import logging
 import math
 import os
-import signal
 import socket
 import threading
 import time
@@ -38,7 +37,7 @@ from trainer.config import TrainConfig
 from trainer.notify import DiscordNotifier, Priority, make_embed, webhook_url_from_env
 from trainer.redact import install_log_redaction, redact
 from trainer.step_meter import LoggedStep, format_duration
-from trainer.stopping import StopBeforeTraining
+from trainer.stopping import StopBeforeTraining, signal_exit_code
 
 logger = logging.getLogger(__name__)
 
@@ -424,7 +423,7 @@ class Reporter:
     @_never_raise
     def stopped_before_training(self, *, signal_name: str) -> None:
         """A signal while the model loaded or the data was indexed: the run ended with nothing to save."""
-        self._exit_code = 128 + int(getattr(signal, signal_name, signal.SIGTERM))
+        self._exit_code = signal_exit_code(signal_name)
         self._notify(
             "signal",
             f"Training stopped by {signal_name} before training started: {self._name}",

@@ -19,6 +19,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def signal_exit_code(signal_name: str) -> int:
+    """The exit code of a run a signal stopped: 128 + the signal's number, as a shell reports it."""
+    return 128 + int(getattr(signal, signal_name))
+
+
 class StopBeforeTraining(BaseException):
     """A SIGTERM or Ctrl-C before the loop started: the run ends at once, with nothing to save.
 
@@ -31,7 +36,7 @@ class StopBeforeTraining(BaseException):
 
     @property
     def exit_code(self) -> int:
-        return 128 + getattr(signal, self.signal_name)
+        return signal_exit_code(self.signal_name)
 
 
 class StopRequested:
