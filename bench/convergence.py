@@ -97,7 +97,7 @@ def write_initial_weights(config, model_dir: Path) -> int:
 
 def prepare(work: Path, args) -> dict:
     """Recipes, tokenizer and initial weights under `work`; what was made and how long each part took."""
-    from trainer.prompt import TASKS
+    from trainer.config import TASKS
     from trainer.sample import write_sample
     from trainer.tiny_model import flan_t5_config, recipe_texts, save_tokenizer, train_tokenizer
 

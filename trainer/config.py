@@ -21,6 +21,8 @@ import yaml
 
 DataFormat = Literal["recipenlg-csv", "foodcom-csv", "jsonl"]
 DATA_FORMATS: tuple[str, ...] = typing.get_args(DataFormat)  # the recipe file formats the loader reads
+Task = Literal["ingredients-to-recipe", "title-to-recipe"]
+TASKS: tuple[str, ...] = typing.get_args(Task)  # the loader's prompt presets
 
 
 # What an evaluation reports (HF names: eval_<name>): the loss, and the scores of generated recipes
@@ -63,7 +65,7 @@ class TrainConfig:
     # --- data ---
     train_files: list[str] = field(default_factory=list)  # paths or globs; csv, jsonl, optionally .gz/.zst
     data_format: DataFormat | None = None  # None: by file extension
-    task: Literal["ingredients-to-recipe", "title-to-recipe"] = "ingredients-to-recipe"
+    task: Task = "ingredients-to-recipe"
     source_template: str | None = None
     target_template: str | None = None
     max_source_length: int = 512

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.config import DATA_FORMATS, TASKS
 from trainer.prompt import (
     DEFAULT_TASK,
-    TASKS,
     TEMPLATE_FILE,
     ModelDirError,
     PromptTemplate,
@@ -327,7 +327,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data-format",
         "--data_format",
-        choices=["recipenlg-csv", "foodcom-csv", "jsonl"],
+        choices=DATA_FORMATS,
         help="input format, if not by the file extension",
     )
     p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda when there is one)")

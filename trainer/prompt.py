@@ -40,7 +40,6 @@ __all__ = [
 TEMPLATE_FILE = "recipe_template.json"
 FORMAT_VERSION = 1
 DEFAULT_TASK = "ingredients-to-recipe"
-TASKS = ("ingredients-to-recipe", "title-to-recipe")
 
 
 class ModelDirError(ValueError):

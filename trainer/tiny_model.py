@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from trainer._loader import RecipeRenderer
-from trainer.prompt import TASKS
+from trainer.config import TASKS
 from trainer.sample import write_sample
 
 log = logging.getLogger(__name__)
