@@ -50,7 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_run import make_records, mean_lengths, write_data
+from bench_run import QUIET_RUN, make_records, mean_lengths, write_data
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "configs" / "flan-t5-xl-rtx5090.yaml"
@@ -83,6 +83,7 @@ def run_config(work: Path, conf: str, tiny: bool) -> dict:
     data, model_dir = write_data(work, records, "tiny" if tiny else "xl")
     values = yaml.safe_load(PRESET.read_text(encoding="utf-8"))
     values.update(
+        QUIET_RUN,
         model_name_or_path=str(model_dir),
         random_init=True,
         train_files=[str(data)],
@@ -93,12 +94,7 @@ def run_config(work: Path, conf: str, tiny: bool) -> dict:
         eval_max_batches=2,
         num_eval_generations=2,
         generation_max_new_tokens=32,
-        save_steps=10**9,  # the evaluation's best-so-far checkpoint is the one
-        save_total_limit=1,
-        save_final=False,
-        logging_steps=1,
-        report_to="none",
-        resume="never",
+        save_total_limit=1,  # QUIET_RUN saves no other: the evaluation's best-so-far checkpoint is the one
         progress_bar=False,
         discord_progress_minutes=-1.0,
         cuda_alloc_conf=conf,  # "" leaves PyTorch's defaults

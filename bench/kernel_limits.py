@@ -46,6 +46,7 @@ from pathlib import Path
 import triton
 import triton.language as tl
 import yaml
+from bench_run import QUIET_RUN
 
 REPO = Path(__file__).resolve().parent.parent
 SM120_SHARED_LIMIT = 101376  # bytes of shared memory one block may use on sm_120 (99 KiB)
@@ -237,21 +238,17 @@ def run_training(tmp: Path, tiny: bool, steps: int, overrides: list[str]) -> int
     write_sample(data, 400 if tiny else 2000, seed=0, fmt="recipenlg-csv")
     model_dir = write_model_dir(tmp / "model", build_tiny_model(tmp / "tokenizer", seed=0), tiny)
     values.update(
+        QUIET_RUN,
         model_name_or_path=str(model_dir),
         random_init=True,
         train_files=[str(data)],
         output_dir=str(tmp / "out"),
         max_steps=steps,
-        logging_steps=1,
         eval_fraction=0.02,
         eval_steps=steps,
         eval_max_batches=1,
         num_eval_generations=1,
         generation_max_new_tokens=8,
-        save_steps=10**9,
-        save_final=False,
-        report_to="none",
-        resume="never",
         discord_progress_minutes=-1,
     )
     if tiny:

@@ -307,9 +307,11 @@ def main() -> int:
     check = in_subprocess(["--one", "loss-check", *extra], timeout=240)
     print(f"loss check: {json.dumps(check)}", flush=True)
 
-    per_src, per_tgt = flops_per_token_pair("tiny" if args.tiny else "xl")
-    mean_src, mean_tgt = mean_lengths(make_records())
-    flops_per_real_token = (per_src * mean_src + per_tgt * mean_tgt) / (mean_src + mean_tgt)
+    from trainer.gpu_specs import flops_per_real_token
+    from trainer.tiny_model import flan_t5_config
+
+    model_config = flan_t5_config("tiny" if args.tiny else "xl", vocab_size=VOCAB)
+    real_token_flops = flops_per_real_token(model_config, *mean_lengths(make_records()))
     reference = next((r for r in results if r["side"] == "peer"), None)
     best = reference["real_tok_s"] if reference and reference.get("ok") else None
     print()
@@ -320,7 +322,7 @@ def main() -> int:
         if not r.get("ok"):
             print(f"| {r['config']} | failed: {str(r.get('error', ''))[-200:]!r} | | | | | |")
             continue
-        mfu = r.get("mfu", r["real_tok_s"] * flops_per_real_token / peak_flops())
+        mfu = r.get("mfu", r["real_tok_s"] * real_token_flops / peak_flops())
         padding = f"{100 * r['pad_frac']:.1f}%" if "pad_frac" in r else "-"
         ratio = f"{r['real_tok_s'] / best:.2f}x" if best else "-"
         print(
