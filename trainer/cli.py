@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainer._loader import RecipeDataError, RecipeFileError
     from trainer.config import ConfigError
     from trainer.disk import out_of_space_message
+    from trainer.generate import UsageError
+    from trainer.prompt import ModelDirError
     from trainer.redact import install_log_redaction, redact
     from trainer.run_lock import OutputDirLocked
 
@@ -126,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except OutputDirLocked as e:  # another trainer writes into this output_dir: the message names it
         print(f"trainer: {redact(str(e))}", file=sys.stderr)
+        return 2
+    except (UsageError, ModelDirError) as e:  # generate/evaluate: a value or model directory it cannot use
+        print(f"trainer {args.command}: {redact(str(e))}", file=sys.stderr)
         return 2
     except ConfigError as e:
         print(f"trainer: config error: {redact(str(e))}", file=sys.stderr)

@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import random
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,7 +34,7 @@ from trainer.generate import (
     read_records,
     strict_subparser,
 )
-from trainer.prompt import ModelDirError, PromptTemplate
+from trainer.prompt import PromptTemplate
 from trainer.recipe_metrics import generation_metrics
 
 log = logging.getLogger(__name__)
@@ -170,15 +169,8 @@ def add_evaluate_parser(sub) -> None:
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
-    """`trainer evaluate`: returns the exit code; expected faults are one line on stderr and exit 2."""
-    try:
-        return _evaluate(args)
-    except (UsageError, ModelDirError) as e:
-        print(f"trainer evaluate: {e}", file=sys.stderr)
-        return 2
-
-
-def _evaluate(args: argparse.Namespace) -> int:
+    """`trainer evaluate`; a value or model directory it cannot use raises UsageError or ModelDirError, which
+    the CLI prints as one line (exit 2)."""
     import torch
 
     given = decoding_given(args)

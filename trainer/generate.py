@@ -429,15 +429,6 @@ def write_jsonl(rows: Sequence[dict[str, Any]], output: str | None) -> None:
     os.replace(tmp, out)
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    """`trainer generate`: returns the exit code; expected faults are one line on stderr and exit 2."""
-    try:
-        return _generate(args)
-    except (UsageError, ModelDirError) as e:
-        print(f"trainer generate: {e}", file=sys.stderr)
-        return 2
-
-
 def skips_line(skipped: dict[str, int], examples: Sequence[str], usable: int) -> str | None:
     """One line on the input records that were skipped (counts by reason, the first few), or None."""
     n = sum(skipped.values())
@@ -457,7 +448,9 @@ def read_records(renderer, paths: Sequence[str], data_format: str | None, **spli
     return records
 
 
-def _generate(args: argparse.Namespace) -> int:
+def run_generate(args: argparse.Namespace) -> int:
+    """`trainer generate`; a value or model directory it cannot use raises UsageError or ModelDirError, which
+    the CLI prints as one line (exit 2)."""
     import torch
 
     given = decoding_given(args)
