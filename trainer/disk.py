@@ -100,6 +100,18 @@ def _message(found: tuple[int, str | None], path: str | Path | None, needed_byte
     return line + f"; free space {there}, lower save_total_limit, or set output_dir on a bigger disk"
 
 
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` beside it first, then rename it into place: a reader never sees half a file,
+    and a kill or a full disk leaves the old one."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def removed_on_failure(
     tmp: str | Path, *, needed_bytes: int | None = None, remove: bool = True

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.disk import write_text_atomic
 from trainer.generate import (
     DEFAULT_BATCH_TOKENS,
     UsageError,
@@ -232,8 +233,6 @@ def run_evaluate(args: argparse.Namespace) -> int:
         }
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        os.replace(tmp, out)
+        write_text_atomic(out, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
         log.info("wrote %s", out)
     return 0

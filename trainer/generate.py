@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import DATA_FORMATS, TASKS
+from trainer.disk import write_text_atomic
 from trainer.prompt import (
     DEFAULT_TASK,
     TEMPLATE_FILE,
@@ -424,9 +425,7 @@ def write_jsonl(rows: Sequence[dict[str, Any]], output: str | None) -> None:
         return
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
+    write_text_atomic(out, text)
 
 
 def skips_line(skipped: dict[str, int], examples: Sequence[str], usable: int) -> str | None:

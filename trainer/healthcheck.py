@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
+
+from trainer.disk import write_text_atomic
 
 HEARTBEAT_NAME = "heartbeat"
 HEARTBEAT_EVERY_S = 10.0
@@ -26,10 +27,7 @@ def heartbeat_path(output_dir: str | Path) -> Path:
 def write_heartbeat(output_dir: str | Path, step: int) -> None:
     """Write the heartbeat for `step` now, replacing the file atomically (the health check never reads half a
     file)."""
-    path = heartbeat_path(output_dir)
-    tmp = path.with_name(f"{HEARTBEAT_NAME}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"step": step, "time": time.time()}), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(heartbeat_path(output_dir), json.dumps({"step": step, "time": time.time()}))
 
 
 class Heartbeat:

@@ -14,6 +14,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.disk import write_text_atomic
 from trainer.prompt import PromptTemplate, template_parts
 from trainer.redact import redact
 
@@ -175,7 +176,5 @@ def write_model_card(model_dir: str | os.PathLike[str], info: ModelCardInfo) -> 
     """Write README.md (the model card) into `model_dir`; returns its path. Secrets in it (a token in a data
     path) are masked, as in the log."""
     path = Path(model_dir) / CARD_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(redact(model_card(info)), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, redact(model_card(info)))
     return path

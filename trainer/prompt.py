@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer._loader import RecipeRenderer
+from trainer.disk import write_text_atomic
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -102,9 +103,7 @@ def save_prompt_template(model_dir: str | os.PathLike[str], cfg: TrainConfig) ->
     returns its path. The templates are resolved through the renderer, so a bad template fails here too."""
     template = PromptTemplate.from_config(cfg)
     path = Path(model_dir) / TEMPLATE_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(template.to_dict(), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(template.to_dict(), indent=2) + "\n")
     return path
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trainer.disk import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def read_wandb_run_id(output_dir: str | Path) -> str | None:
 
 def write_wandb_run_id(output_dir: str | Path, run_id: str) -> None:
     """Keep the run's W&B run id in `output_dir`, so that a restart continues the same W&B run."""
-    _write_atomic(Path(output_dir) / WANDB_RUN_ID_FILE, run_id + "\n")
+    write_text_atomic(Path(output_dir) / WANDB_RUN_ID_FILE, run_id + "\n")
 
 
 def count_start(output_dir: str | Path, fresh: bool = False) -> int:
@@ -182,11 +183,5 @@ def count_start(output_dir: str | Path, fresh: bool = False) -> int:
             pass
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("%s is unreadable (%s); counting starts from 1 again", path, e)
-    _write_atomic(path, json.dumps({"starts": starts + 1}) + "\n")
+    write_text_atomic(path, json.dumps({"starts": starts + 1}) + "\n")
     return starts + 1
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from trainer.disk import write_text_atomic
 from trainer.jsonl import append_jsonl_row, repair_jsonl
 from trainer.memory import GpuMemory
 
@@ -248,9 +248,7 @@ def continue_train_log(train_log: Path, resumed_step: int | None) -> Path | None
             len(lines) - len(kept_lines),
             resumed_step,
         )
-        tmp = train_log.with_name(f"{train_log.name}.tmp")  # replaced whole: a kill here loses no row
-        tmp.write_text("".join(kept_lines), encoding="utf-8")
-        os.replace(tmp, train_log)
+        write_text_atomic(train_log, "".join(kept_lines))  # replaced whole: a kill here loses no row
     return None
 
 
