@@ -249,9 +249,12 @@ def resolve_tokenizer_file(name: str) -> Path:
         raise RecipeFileError(f"{name}: no tokenizer.json locally or in the Hugging Face cache ({e})") from e
 
 
-def skipped_summary(stats: dict[str, Any], usable: int, *, examples: int = 3) -> str | None:
+def skipped_summary(
+    stats: dict[str, Any], usable: int, *, examples: int = 3, training: bool = True
+) -> str | None:
     """One line on the records the lenient reader skipped (counts by reason, the first few `file:line`), or
-    None when nothing was skipped. `stats` is `RecipeStream.stats()`; `usable`: records kept, all splits."""
+    None when nothing was skipped. `stats` is `RecipeStream.stats()` (or {"skipped", "examples"}); `usable`:
+    records kept, all splits; `training`: end with where to see more and how to stop at the first."""
     skipped = stats["skipped"]
     n = sum(skipped.values())
     if n == 0:
@@ -261,7 +264,9 @@ def skipped_summary(stats: dict[str, Any], usable: int, *, examples: int = 3) ->
     line = f"skipped {n} of {read} records ({100 * n / read:.1f}%): {reasons}"
     if stats["examples"]:
         line += "; first: " + "; ".join(stats["examples"][:examples])
-    return line + " (`trainer data inspect` lists more; strict_data: true stops at the first)"
+    if training:
+        line += " (`trainer data inspect` lists more; strict_data: true stops at the first)"
+    return line
 
 
 def _percentiles(a: np.ndarray) -> str:

@@ -428,20 +428,13 @@ def write_jsonl(rows: Sequence[dict[str, Any]], output: str | None) -> None:
     write_text_atomic(out, text)
 
 
-def skips_line(skipped: dict[str, int], examples: Sequence[str], usable: int) -> str | None:
-    """One line on the input records that were skipped (counts by reason, the first few), or None."""
-    n = sum(skipped.values())
-    if n == 0:
-        return None
-    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(skipped.items()))
-    first = "; first: " + "; ".join(examples[:3]) if examples else ""
-    return f"skipped {n} of {n + usable} records ({reasons}){first}"
-
-
 def read_records(renderer, paths: Sequence[str], data_format: str | None, **split) -> list[dict[str, Any]]:
     """The usable records of `paths` through the loader's renderer, skips said in one warning."""
+    from trainer.data import skipped_summary
+
     records, skipped, examples = renderer.read(list(paths), data_format=data_format, **split)
-    if line := skips_line(skipped, examples, len(records)):
+    stats = {"skipped": skipped, "examples": examples}
+    if line := skipped_summary(stats, len(records), training=False):
         log.warning("data: %s", line)
     log.info("data: %d records from %s", len(records), ", ".join(paths))
     return records
