@@ -1,15 +1,19 @@
 """Equal quality per token: our trainer against Hugging Face Seq2SeqTrainer, T5-base from scratch on recipes.
 
-    python3 bench/convergence.py --out results/convergence      # GPU: ~8 min on an H100 capped at 32 GiB
+    python3 bench/convergence.py --out results/convergence      # GPU: all five runs, ~11 min on an H100
+    python3 bench/convergence.py --out results/convergence --max-reference-s 100 \
+        --runs reference,reference_adafactor,ours,ours_adamw    # the README's table, ~8 min
     python3 bench/convergence.py --tiny --out /tmp/convergence  # CPU: tiny shapes through the same code
 
-Every speed lever must leave the loss per trained token where it was. Four runs, each in its own process, on
+Every speed lever must leave the loss per trained token where it was. Five runs, each in its own process, on
 the same data, tokenizer and initial weights:
 
 - reference: Hugging Face `Seq2SeqTrainer`, AdamW (torch fused), fp32 weights with bf16 autocast
   (`bf16=True`), lr --adamw-lr with a linear warmup over the first 10% of the steps then constant,
   gradient checkpointing, group_by_length, SDPA, batches of 32 rows x the accumulation that matches ours in
   real tokens per optimizer step;
+- reference_adafactor: the same with the preset's optimizer instead: Hugging Face's Adafactor (T5 settings:
+  no relative step, no parameter scaling), lr 1e-3 constant, no warmup;
 - ours: `python -m trainer train` with the rtx5090 preset's settings (configs/flan-t5-xl-rtx5090.yaml:
   Adafactor, Kahan-compensated bf16 weights, lr 1e-3 constant, 32k-token micro-batches x 2);
 - ours_adamw: the same command with AdamW on bf16 weights with Kahan-compensated updates (torch-optimi),
@@ -33,7 +37,10 @@ the median step's duration.
 Verdicts (the goal every speed lever is held to): at the reference's final token count, our eval loss is
 within 1% of the reference's; and we reach the reference's final eval loss in at most a quarter of its
 training time. Writes convergence.png (eval loss against target tokens and against training time) and
-convergence.json (every point) to --out, and prints a table and both verdicts for each of our runs.
+convergence.json (every point) to --out, and prints a table and both verdicts for each of our runs. Each of
+our runs is also compared with the Hugging Face run of its own optimizer (the preset's with
+reference_adafactor, ours_adamw with the reference) at that run's final token count: the gap that the
+trainer's speed levers alone make.
 
 Needs `train_log.jsonl` rows with an `eval_loss` key ({"step", "eval_loss", "time"}) from the trainer.
 """
@@ -62,13 +69,22 @@ MODEL_VOCAB = 32128  # FLAN-T5-base's embedding rows; the trained tokenizer uses
 TOKENIZER_PIECES = 32000
 HF_BATCH_SIZE = 32
 WARMUP_FRACTION = 0.1
+PRESET_LR = 1e-3  # configs/flan-t5-xl-rtx5090.yaml's Adafactor learning rate
 QUALITY_TOLERANCE = 0.01  # our eval loss at equal tokens: at most 1% above the reference's
 TIME_SHARE = 0.25  # ... and the reference's final loss reached in at most a quarter of its training time
 RUNS = {
     "reference": "HF Seq2SeqTrainer, AdamW, fp32 + bf16 autocast",
+    "reference_adafactor": "HF Seq2SeqTrainer, Adafactor (lr 1e-3), fp32 + bf16 autocast",
     "ours": "ours, rtx5090 preset (Adafactor, Kahan bf16, lr 1e-3)",
     "ours_adamw": "ours, AdamW, Kahan bf16",
     "ours_packed": "ours, rtx5090 preset, packed rows",
+}
+# Each of our runs against the Hugging Face run of its optimizer and schedule: what remains between them is
+# the trainer's own doing (kernels, bf16 weights with Kahan updates, batching), not the optimizer's.
+SAME_OPTIMIZER = {
+    "ours": "reference_adafactor",
+    "ours_packed": "reference_adafactor",
+    "ours_adamw": "reference",
 }
 
 
@@ -136,6 +152,7 @@ def ours_config(prep: dict, args, work: Path, name: str) -> dict:
         output_dir=str(work / name),
         eval_fraction=args.eval_fraction,
         eval_max_batches=10**6,  # every held-out record
+        eval_generation_records=0,  # eval loss only: the reference generates nothing either
         num_eval_generations=0,
         save_steps=10**9,
         save_total_limit=1,
@@ -331,20 +348,21 @@ def reference_run(spec: dict) -> dict:
             if step % spec["eval_every"] == 0 or done:
                 loss = eval_loss(model, held_out, autocast=True)
                 self.evals.append({"step": step, "target_tokens": target, "eval_loss": loss})
-                print(f"reference: step {step}, {target:,} target tokens, eval loss {loss:.4f}", flush=True)
+                print(f"step {step}, {target:,} target tokens, eval loss {loss:.4f}", flush=True)
             control.should_training_stop = done
 
     progress = Progress()
     with tempfile.TemporaryDirectory(prefix="convergence-hf-") as out:
+        adafactor = spec["optimizer"] == "adafactor"  # HF's Adafactor with T5's settings, as the preset
         args = Seq2SeqTrainingArguments(
             output_dir=out,
             per_device_train_batch_size=spec["batch_size"],
             gradient_accumulation_steps=spec["grad_accum"],
             max_steps=10**6,  # stopped by the token budget
             learning_rate=spec["learning_rate"],
-            lr_scheduler_type="constant_with_warmup",
-            warmup_steps=spec["warmup_steps"],
-            optim="adamw_torch_fused",
+            lr_scheduler_type="constant" if adafactor else "constant_with_warmup",
+            warmup_steps=0 if adafactor else spec["warmup_steps"],
+            optim="adafactor" if adafactor else "adamw_torch_fused",
             weight_decay=0.0,
             max_grad_norm=1.0,
             bf16=True,  # fp32 master weights, bf16 autocast
@@ -525,9 +543,8 @@ def plot(curves: dict[str, list[dict]], out: Path, title: str) -> Path:
     for name, points in curves.items():
         if not points:
             continue
-        style = dict(
-            marker="o", markersize=3, label=RUNS[name], linestyle="--" if name == "reference" else "-"
-        )
+        dashed = name.startswith("reference")
+        style = dict(marker="o", markersize=3, label=RUNS[name], linestyle="--" if dashed else "-")
         losses = [p["eval_loss"] for p in points]
         by_tokens.plot([p["target_tokens"] / 1e6 for p in points], losses, **style)
         by_time.plot([p["seconds"] for p in points], losses, **style)
@@ -625,31 +642,34 @@ def set_up(args, work: Path) -> Setup:
     return Setup(prep, cfg, tokenizer_file, rows_file, plan, batch, grad_accum, reference_steps)
 
 
-def run_reference(setup: Setup, args, work: Path, timeout: float) -> dict:
-    """The Hugging Face run, in its own process."""
+def run_reference(name: str, setup: Setup, args, work: Path, timeout: float) -> dict:
+    """A Hugging Face run (`reference` or `reference_adafactor`), in its own process."""
+    adafactor = name == "reference_adafactor"
     spec = {
         "model_dir": str(setup.prep["model_dir"]),
         "rows": str(setup.rows_file),
         "batch_size": setup.batch_size,
         "grad_accum": setup.grad_accum,
-        "learning_rate": args.adamw_lr,
+        "optimizer": "adafactor" if adafactor else "adamw",
+        "learning_rate": PRESET_LR if adafactor else args.adamw_lr,
         "warmup_steps": max(1, round(WARMUP_FRACTION * setup.reference_steps)),
         "target_tokens": args.target_tokens,
         "max_train_seconds": args.max_reference_s,
         "eval_every": max(1, round(setup.reference_steps / args.evals)),
         "gpu_memory_gib": args.gpu_memory_gib,
-        "result": str(work / "reference.json"),
+        "result": str(work / f"{name}.json"),
     }
-    (work / "reference_spec.json").write_text(json.dumps(spec))
+    (work / f"{name}_spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--out", args.out]
-    cmd += ["--reference", str(work / "reference_spec.json")]
-    rc, seconds = run_child(cmd, work / "reference.log", timeout=timeout)
+    cmd += ["--reference", str(work / f"{name}_spec.json")]
+    log = work / f"{name}.log"
+    rc, seconds = run_child(cmd, log, timeout=timeout)
     if rc != 0:
-        print(f"reference: failed (exit {rc}):\n{tail(work / 'reference.log')}", flush=True)
-        return {"ok": False, "log": tail(work / "reference.log", 40)}
+        print(f"{name}: failed (exit {rc}):\n{tail(log)}", flush=True)
+        return {"ok": False, "log": tail(log, 40)}
     run = json.loads(Path(spec["result"]).read_text())
     tokens = run["evals"][-1]["target_tokens"]
-    print(f"reference: {len(run['steps'])} steps, {tokens:,} target tokens, {seconds:.0f} s", flush=True)
+    print(f"{name}: {len(run['steps'])} steps, {tokens:,} target tokens, {seconds:.0f} s", flush=True)
     return run | {"ok": True, "process_s": seconds, "spec": spec}
 
 
@@ -709,6 +729,9 @@ def report(results: dict, out: Path, title: str) -> Path:
         results["runs"][name]["curve"] = points
         if name != "reference" and reference and points:
             results["runs"][name]["verdicts"] = verdicts(reference, points)
+        same = curves.get(SAME_OPTIMIZER.get(name, ""))
+        if same and points:
+            results["runs"][name]["vs_same_optimizer"] = verdicts(same, points)
     print()
     print(
         "| run | eval loss at the reference's final tokens | vs reference | training time to the reference's "
@@ -719,8 +742,15 @@ def report(results: dict, out: Path, title: str) -> Path:
         print("| " + " | ".join([RUNS[name], *table_cells(name, r, curves.get(name))]) + " |")
     print()
     for name, r in results["runs"].items():
-        if r.get("verdicts"):
+        if r.get("verdicts") and not name.startswith("reference"):
             print(verdict_line(name, r["verdicts"]))
+    for name, r in results["runs"].items():
+        v = r.get("vs_same_optimizer")
+        if v and v["gap"] is not None:
+            print(
+                f"{name} against {SAME_OPTIMIZER[name]} (same optimizer and schedule): eval loss "
+                f"{100 * v['gap']:+.2f}% at {v['reference_final_tokens'] / 1e6:.2f}M target tokens"
+            )
     return plot(curves, out, title)
 
 
@@ -767,7 +797,9 @@ def main() -> int:
     parser.add_argument("--adamw-lr", type=float, default=5e-4, help="AdamW's lr, the reference's and ours")
     parser.add_argument("--gpu-memory-gib", type=float, default=32.0)
     parser.add_argument(
-        "--runs", default="reference,ours,ours_adamw,ours_packed", help=f"of {', '.join(RUNS)}"
+        "--runs",
+        default="reference,reference_adafactor,ours,ours_adamw,ours_packed",
+        help=f"of {', '.join(RUNS)}",
     )
     parser.add_argument("--budget-s", type=float, default=480, help="stop any run still going after this (s)")
     parser.add_argument("--work", help="keep the data, models and logs here (default: a temporary dir)")
@@ -801,12 +833,12 @@ def main() -> int:
     setup = set_up(args, work)
     results: dict = {"args": vars(args), "prep": {k: str(v) for k, v in setup.prep.items()}, "runs": {}}
     target_tokens = args.target_tokens
-    if "reference" in runs:
+    for name in [r for r in runs if r.startswith("reference")]:
         timeout = min(args.max_reference_s + 180, left(started, args))
-        results["runs"]["reference"] = run_reference(setup, args, work, timeout)
-        if results["runs"]["reference"]["ok"]:  # ours train on what the reference reached
-            target_tokens = results["runs"]["reference"]["evals"][-1]["target_tokens"]
-    for name in [r for r in runs if r != "reference"]:
+        results["runs"][name] = run_reference(name, setup, args, work, timeout)
+    if results["runs"].get("reference", {}).get("ok"):  # ours train on what the reference reached
+        target_tokens = results["runs"]["reference"]["evals"][-1]["target_tokens"]
+    for name in [r for r in runs if not r.startswith("reference")]:
         results["runs"][name] = run_ours(
             name, setup, args, work, target_tokens, min(300, left(started, args))
         )
