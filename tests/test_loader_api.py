@@ -80,7 +80,7 @@ def test_stub_signatures_match_the_binding():
             (p.name, None if p.default is p.empty else p.default, p.kind is p.KEYWORD_ONLY) for p in params
         ], qualname
         checked += 1
-    assert checked == 11
+    assert checked == 12
     # And every public name of the binding is in the stub, and the other way round.
     stub_names = {getattr(n, "name", None) for n in STUB.body} | {
         t.id for n in STUB.body if isinstance(n, ast.AnnAssign) for t in [n.target] if isinstance(t, ast.Name)
@@ -182,3 +182,23 @@ def test_writer_and_reader_agree_on_compression_suffixes(tmp_path, tiny_model_di
     write_sample(out, 200, seed=3)
     assert out.read_bytes()[: len(magic)] == magic  # compressed as the name says
     assert rows(out) == rows(plain)  # and read back as such
+
+
+def test_sampled_records_are_held_out_records_as_the_renderer_reads_them(
+    tmp_path, tiny_model_dir, sample_csv
+):
+    """What the evaluation generates for: a seeded draw of the split's records, the same on every rank, read
+    at their indexed offsets and equal to what reading the whole file through the renderer gives."""
+    tokenizer = tiny_model_dir / "tokenizer.json"
+    split = dict(split="eval", eval_fraction=0.2, batch_size=4, cache_dir=str(tmp_path / "cache"))
+    rank0 = RecipeStream([sample_csv], tokenizer, **split, rank=0, world_size=2)
+    rank1 = RecipeStream([sample_csv], tokenizer, **split, rank=1, world_size=2)
+    chosen = rank0.sample_records(6, seed=3)
+    held_out, _, _ = _loader.RecipeRenderer(tokenizer=str(tokenizer)).read(
+        [str(sample_csv)], split="eval", eval_fraction=0.2
+    )
+    assert len(chosen) == 6
+    assert all(record in held_out for record in chosen)
+    assert rank1.sample_records(6, seed=3) == chosen
+    assert rank0.sample_records(6, seed=4) != chosen
+    assert rank0.sample_records(10**6, seed=3) == held_out

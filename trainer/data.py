@@ -131,6 +131,12 @@ class RecipeStream:
         """Token lengths (source, target) of the records in this split, after truncation."""
         return self._inner.lengths()
 
+    def sample_records(self, n: int, seed: int) -> list[dict]:
+        """`n` of this split's records (all when fewer), drawn with `seed` (the same on every rank), in file
+        order, as the batches render and tokenize them: dicts with `id` (file:line), `source`, `reference`,
+        `source_ids` and `target_ids`. Only these records are read."""
+        return self._inner.sample_records(n, seed)
+
 
 class DeviceLoader:
     """Iterates a stream's batches as torch tensors on `device`, copying the next batch while one is in use.

@@ -45,30 +45,17 @@ class EvalResult:
     samples: list[dict[str, Any]]
 
 
-def load_generation_records(
-    cfg: TrainConfig, template: PromptTemplate, tokenizer_file: str, *, needed: bool = True
-) -> list[dict]:
-    """The held-out records each evaluation generates for: `eval_generation_records` records with a reference,
-    drawn with cfg.seed (`trainer.evaluate.sample_records`), from eval_files, or else from train_files' share
-    held out by eval_fraction. `template` is the run's (`PromptTemplate.from_config` of the config it trains
-    with); `needed` False (a rank that does not generate): none are read."""
-    from trainer.evaluate import sample_records
-
-    if not needed or cfg.eval_generation_records == 0 or not (cfg.eval_files or cfg.eval_fraction > 0):
+def load_generation_records(cfg: TrainConfig, eval_stream, *, needed: bool = True) -> list[dict]:
+    """The held-out records each evaluation generates for: `eval_generation_records` of `eval_stream`'s
+    records (eval_files, or train_files' share held out by eval_fraction), drawn with cfg.seed, read at their
+    indexed offsets (`RecipeStream.sample_records`). `needed` False (a rank that does not generate): none."""
+    if not needed or eval_stream is None or cfg.eval_generation_records == 0:
         return []
-    renderer = template.renderer(tokenizer_file)
-    # Skipped records are not said again: the loader's streams over the same files have reported them.
-    if cfg.eval_files:
-        records, _, _ = renderer.read(list(cfg.eval_files), data_format=cfg.data_format)
-    else:
-        split = {"split": "eval", "eval_fraction": cfg.eval_fraction}
-        records, _, _ = renderer.read(list(cfg.train_files), data_format=cfg.data_format, **split)
-    with_reference = [r for r in records if r["target_ids"] is not None]
-    chosen = sample_records(with_reference, cfg.eval_generation_records, cfg.seed)
+    chosen = eval_stream.sample_records(cfg.eval_generation_records, cfg.seed)
     log.info(
         "evaluation: generating for %d of %d held-out records at each evaluation (seed %d)",
         len(chosen),
-        len(with_reference),
+        eval_stream.stats()["records"],
         cfg.seed,
     )
     return chosen

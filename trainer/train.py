@@ -303,7 +303,7 @@ def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Da
     template = PromptTemplate.from_config(plan.applied_to(cfg))
     # Rank 0 scores the generations; under FSDP every rank runs them (trainer.evaluation).
     generates = rank == 0 or cfg.distributed_strategy == "fsdp"
-    records = load_generation_records(cfg, template, tokenizer_file, needed=generates)
+    records = load_generation_records(cfg, eval_stream, needed=generates)
     accum = cfg.gradient_accumulation_steps
     batches_per_epoch = len(train_stream)
     if cfg.max_steps > 0:

@@ -171,6 +171,20 @@ impl RecipeLoader {
         serde_json::to_string(&s).map_err(|e| to_py(LoaderError::Internal(e.to_string())))
     }
 
+    /// `n` of this split's records (all when fewer), drawn with `seed` (the same on every rank), in file
+    /// order: dicts as `RecipeRenderer.read` makes them (`id`, `source`, `reference`, `source_ids`,
+    /// `target_ids`).
+    fn sample_records<'py>(
+        &self,
+        py: Python<'py>,
+        n: usize,
+        seed: u64,
+    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let inner = &self.inner;
+        let records = py.detach(|| inner.sample_records(n, seed)).map_err(to_py)?;
+        records.into_iter().map(|r| render::to_dict(py, r)).collect()
+    }
+
     /// Token lengths `(source, target)` of the selected records, as 1-D arrays.
     fn lengths<'py>(
         &self,

@@ -17,7 +17,7 @@ struct RecipeRenderer {
     inner: Prompter,
 }
 
-fn to_dict<'py>(py: Python<'py>, r: Rendered) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn to_dict<'py>(py: Python<'py>, r: Rendered) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("id", r.id)?;
     d.set_item("source", r.source)?;

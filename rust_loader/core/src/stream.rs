@@ -15,10 +15,11 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{LoaderError, Result};
-use crate::hash::{hash_parts, mix};
+use crate::hash::{hash_parts, mix, Rng};
 use crate::index::{self, Example, FileIndex, IndexSettings};
 use crate::options::LoaderOptions;
 use crate::plan::{self, PackShape, Plan, PlanConfig};
+use crate::records::Rendered;
 use crate::render::Renderer;
 use crate::tokenize::Tok;
 
@@ -106,8 +107,8 @@ impl Ctx {
         (f, (id - self.starts[f]) as usize)
     }
 
-    /// Reads, renders and tokenizes record `id`.
-    fn encode(&self, id: u32, handles: &mut [Option<File>]) -> Result<(Vec<u32>, Vec<u32>)> {
+    /// Reads and renders record `id`: its source and target text.
+    fn text(&self, id: u32, handles: &mut [Option<File>]) -> Result<(String, String)> {
         let (f, i) = self.locate(id);
         let fi = &self.files[f];
         if handles[f].is_none() {
@@ -117,14 +118,19 @@ impl Ctx {
             );
         }
         let parsed = fi.read(handles[f].as_ref().expect("opened"), i)?;
+        self.renderer
+            .render(&parsed)
+            .map_err(|s| LoaderError::data(fi.path.display(), fi.lines[i] as u64, s.detail))
+    }
+
+    /// Tokenizes record `id`'s text.
+    fn tokens(&self, id: u32, source: &str, target: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+        let (f, i) = self.locate(id);
+        let fi = &self.files[f];
         let line = fi.lines[i] as u64;
         let (s, t) = self
-            .renderer
-            .render(&parsed)
-            .map_err(|s| LoaderError::data(fi.path.display(), line, s.detail))?;
-        let (s, t) = self
             .tok
-            .encode(&s, &t)
+            .encode(source, target)
             .map_err(|e| LoaderError::data(fi.path.display(), line, e))?;
         // Packed rows are planned from the index's lengths: a record that tokenizes otherwise now was changed.
         if (s.len(), t.len())
@@ -140,6 +146,30 @@ impl Ctx {
             ));
         }
         Ok((s, t))
+    }
+
+    /// Reads, renders and tokenizes record `id`.
+    fn encode(&self, id: u32, handles: &mut [Option<File>]) -> Result<(Vec<u32>, Vec<u32>)> {
+        let (source, target) = self.text(id, handles)?;
+        self.tokens(id, &source, &target)
+    }
+
+    /// Record `id` with its text and ids, named `file:line` as the renderer names records.
+    fn record(&self, id: u32, handles: &mut [Option<File>]) -> Result<Rendered> {
+        let (source, target) = self.text(id, handles)?;
+        let (source_ids, target_ids) = self.tokens(id, &source, &target)?;
+        let (f, i) = self.locate(id);
+        Ok(Rendered {
+            id: format!(
+                "{}:{}",
+                self.files[f].path.display(),
+                self.files[f].lines[i]
+            ),
+            source,
+            reference: Some(target),
+            source_ids,
+            target_ids: Some(target_ids),
+        })
     }
 
     /// Batch `k` of `plan`.
@@ -695,6 +725,26 @@ impl Loader {
                 .collect(),
             index_cached: ctx.files.iter().map(|f| f.cached).collect(),
         }
+    }
+
+    /// `n` of the selected records (all of them when there are fewer), drawn with `seed` whatever the rank,
+    /// in index order, each with its text and ids as the batches have them. The evaluation generates for
+    /// these: a few records read at their indexed offsets instead of the files read again.
+    pub fn sample_records(&self, n: usize, seed: u64) -> Result<Vec<Rendered>> {
+        let mut ids = self.selected.clone();
+        if ids.len() > n {
+            let mut rng = Rng::new(mix(seed ^ 0x5eed_5a3b_1e00_0000));
+            for i in 0..n {
+                let j = i + rng.below(ids.len() - i); // the first n of a Fisher-Yates shuffle
+                ids.swap(i, j);
+            }
+            ids.truncate(n);
+            ids.sort_unstable();
+        }
+        let mut handles: Vec<Option<File>> = (0..self.ctx.files.len()).map(|_| None).collect();
+        ids.iter()
+            .map(|&id| self.ctx.record(id, &mut handles))
+            .collect()
     }
 
     /// Token lengths `(source, target)` of the selected records (for `data inspect`).

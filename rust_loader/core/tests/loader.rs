@@ -822,3 +822,74 @@ fn a_cancelled_pass_stops_and_caches_nothing() {
     // Nothing is left half-done: the next pass indexes the file.
     assert_ne!(Loader::new(c).unwrap().len(), 0);
 }
+
+#[test]
+fn sampled_records_are_the_split_s_records_as_the_renderer_reads_them() {
+    use recipe_core::plan::Split;
+    use recipe_core::records::{Prompter, ReadOptions};
+
+    let dir = tempfile::tempdir().unwrap();
+    let p = many(dir.path(), 400);
+    let mut c = config(&[&p], dir.path());
+    c.options.split = Split::Eval;
+    c.options.eval_fraction = 0.2;
+    let loader = Loader::new(c.clone()).unwrap();
+    let tok = tokenizer();
+    let prompter = Prompter::new(
+        "ingredients-to-recipe",
+        None,
+        None,
+        Some((tok.as_path(), 64, 128)),
+    )
+    .unwrap();
+    let opts = ReadOptions {
+        split: Split::Eval,
+        eval_fraction: 0.2,
+        ..ReadOptions::default()
+    };
+    let held_out = prompter
+        .read(&[p.display().to_string()], &opts)
+        .unwrap()
+        .records;
+    assert!(held_out.len() > 40, "{}", held_out.len());
+
+    let sample = loader.sample_records(10, 7).unwrap();
+    assert_eq!(sample.len(), 10);
+    for r in &sample {
+        let same = held_out
+            .iter()
+            .find(|h| h.id == r.id)
+            .expect("a held-out record");
+        assert_eq!(r, same);
+    }
+    let lines = |rs: &[recipe_core::records::Rendered]| -> Vec<u64> {
+        rs.iter()
+            .map(|r| r.id.rsplit(':').next().unwrap().parse().unwrap())
+            .collect()
+    };
+    let order = lines(&sample);
+    assert!(
+        order.windows(2).all(|w| w[0] < w[1]),
+        "file order: {order:?}"
+    );
+    assert_eq!(
+        loader.sample_records(10, 7).unwrap(),
+        sample,
+        "the same seed, the same records"
+    );
+    assert_ne!(lines(&loader.sample_records(10, 8).unwrap()), order);
+    let mut other_rank = c.clone();
+    other_rank.options.world_size = 2;
+    other_rank.options.rank = 1;
+    let other = Loader::new(other_rank).unwrap();
+    assert_eq!(
+        other.sample_records(10, 7).unwrap(),
+        sample,
+        "every rank draws the same"
+    );
+    assert_eq!(
+        loader.sample_records(10_000, 7).unwrap(),
+        held_out,
+        "fewer than asked: all of them"
+    );
+}
