@@ -1,17 +1,20 @@
-"""Several GPUs through torchrun: DDP scaling efficiency; FSDP2 training FLAN-T5-XL with fp32 AdamW states.
+"""Several GPUs through torchrun: DDP scaling on packed rows; FSDP2 with the preset's Adafactor + Kahan.
 
-    python3 bench/multi_gpu.py                            # 2 GPUs: all three runs below, then the table
+    python3 bench/multi_gpu.py                            # 2 GPUs: ddp1, ddp2, fsdp2, then the table
     python3 bench/multi_gpu.py --tiny --device cpu        # tiny shape, gloo, CPU: checks the script itself
 
 Runs, each `torchrun --standalone --nproc_per_node=N` over the trainer's own loop (`trainer.train.train`, as
-`torchrun -m trainer train` does), on generated recipes read by the Rust loader, rank-sharded:
+`torchrun -m trainer train` does), on bench_run's recipe-length records (the data of
+bench/train_throughput.py) read by the Rust loader, rank-sharded, every process capped at 32 GiB:
 
-- `ddp1`, `ddp2`: FLAN-T5-XL's shape (random init, bf16 weights), the rtx5090 preset's optimizer (Adafactor
-  with Kahan-compensated bf16 updates) and gradient checkpointing, the same per-GPU micro-batch
-  (`--max-tokens` x `--accumulation`) on 1 and on 2 GPUs. DDP scaling efficiency = real tokens/s on 2 GPUs /
-  (2 x real tokens/s on 1 GPU).
-- `fsdp2`: FLAN-T5-XL with fp32 weights and torch AdamW (fp32 states: 4 x 11.4 GB before sharding) under
-  FSDP2 on 2 GPUs, bf16 compute; peak memory per rank.
+- `ddp1`, `ddp2`: FLAN-T5-XL's shape (random init, bf16 weights) with the rtx5090 preset's settings
+  (Adafactor with Kahan-compensated bf16 updates, gradient checkpointing, 32k-token micro-batches x 2) on
+  packed rows (`packing: true`), the same per-GPU micro-batch on 1 and on 2 GPUs. DDP scaling efficiency =
+  real tokens/s on 2 GPUs / (2 x real tokens/s on 1 GPU).
+- `fsdp2`: the same on 2 GPUs under FSDP2 (`distributed_strategy: fsdp`). It sees the same global batches
+  as `ddp2` from the same initial weights, so its per-step losses are compared with ddp2's (DDP equals one
+  process over the same global batch: tests/test_distributed.py).
+- `fsdp2_adamw` (not run by default): FLAN-T5-XL with fp32 weights and torch AdamW (fp32 states) under FSDP2.
 
 tokens/s are real (non-pad) source + target tokens of all ranks over the steps after `--warmup`, from the
 train log's per-step times. NCCL's NVLink multicast is off (NCCL_NVLS_ENABLE=0,
@@ -36,22 +39,31 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-COMMON = dict(
+PRESET = dict(  # configs/flan-t5-xl-rtx5090.yaml's training settings, on packed rows
+    dtype="bfloat16",
+    optimizer="adafactor",
+    bf16_update="kahan",
+    learning_rate=1e-3,
+    lr_scheduler_type="constant",
     gradient_checkpointing=True,
     max_source_length=512,
     max_target_length=512,
-    learning_rate=1e-4,
-    lr_scheduler_type="constant",
-    progress_bar=False,
+    packing=True,
     random_init=True,
+    progress_bar=False,
     **QUIET_RUN,
 )
 RUNS = {
     # name: (processes, config overrides)
-    "ddp1": (1, dict(dtype="bfloat16", optimizer="adafactor", bf16_update="kahan", learning_rate=1e-3)),
-    "ddp2": (2, dict(dtype="bfloat16", optimizer="adafactor", bf16_update="kahan", learning_rate=1e-3)),
-    "fsdp2": (2, dict(dtype="float32", optimizer="adamw", distributed_strategy="fsdp")),
+    "ddp1": (1, {}),
+    "ddp2": (2, {}),
+    "fsdp2": (2, dict(distributed_strategy="fsdp")),
+    "fsdp2_adamw": (
+        2,
+        dict(distributed_strategy="fsdp", dtype="float32", optimizer="adamw", learning_rate=1e-4),
+    ),
 }
+DEFAULT_RUNS = ["ddp1", "ddp2", "fsdp2"]
 
 
 def worker(config: Path) -> int:
@@ -75,24 +87,25 @@ def worker(config: Path) -> int:
     return rc
 
 
-def steady_tokens_per_s(out: Path, warmup: int) -> float:
-    """Real tokens of all ranks per second over the steps after `warmup` (train log, rank 0's clock)."""
+def train_rows(out: Path) -> list[dict]:
+    """The train log's per-step rows (evaluation rows have eval_loss instead of loss)."""
     rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    if len(rows) <= warmup or "time" not in rows[0]:
-        return json.loads((out / "run_summary.json").read_text())[
-            "tokens_per_s"
-        ]  # whole run, warmup included
+    return [r for r in rows if "loss" in r]
+
+
+def steady_tokens_per_s(rows: list[dict], warmup: int) -> float:
+    """Real tokens of all ranks per second over the steps after `warmup` (train log, rank 0's clock)."""
     timed = rows[warmup:]  # warmup >= 1: the first timed step starts at the end of the one before
     tokens = sum(r["source_tokens"] + r["target_tokens"] for r in timed)
     return tokens / (timed[-1]["time"] - rows[warmup - 1]["time"])
 
 
-def launch(name: str, nproc: int, values: dict, tmp: Path, device: str) -> dict:
+def launch(name: str, nproc: int, values: dict, tmp: Path, device: str, warmup: int) -> dict:
+    import yaml
+
     out = tmp / name
     values = dict(values, output_dir=str(out))
     config = tmp / f"{name}.yaml"
-    import yaml
-
     config.write_text(yaml.safe_dump(values))
     env = dict(os.environ)
     if device == "cpu":
@@ -106,13 +119,18 @@ def launch(name: str, nproc: int, values: dict, tmp: Path, device: str) -> dict:
         raise SystemExit(f"{name} failed with exit code {rc}")
     summary = json.loads((out / "run_summary.json").read_text())
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)]
+    rows = train_rows(out)
     return {
         "run": name,
         "processes": nproc,
+        "strategy": values.get("distributed_strategy", "ddp"),
+        "optimizer": f"{values['optimizer']}, {values['dtype']} weights",
         "wall_s": time.time() - t0,
         "steps": summary["steps"],
-        "final_loss": summary["final_loss"],
-        "load_weight_gib": summary["load_weight_gib"],
+        "tokens_per_s": steady_tokens_per_s(rows, max(1, min(warmup, len(rows) - 1))),
+        "real_token_share": sum(r["source_tokens"] + r["target_tokens"] for r in rows)
+        / sum(r["padded_tokens"] for r in rows),
+        "losses": [r["loss"] for r in rows],
         "peak_allocated_gib": [r.get("peak_allocated_gib") for r in ranks],
         "peak_reserved_gib": [r.get("peak_reserved_gib") for r in ranks],
     }
@@ -123,12 +141,12 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # one rank, under torchrun
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS))
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of tokens/s")
-    parser.add_argument("--max-tokens", type=int, default=8192, help="per-GPU micro-batch token budget")
-    parser.add_argument("--accumulation", type=int, default=8, help="micro-batches per optimizer step")
-    parser.add_argument("--records", type=int, default=8000)
+    parser.add_argument("--max-tokens", type=int, default=32768, help="per-GPU micro-batch token budget")
+    parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--records", type=int, default=8192)
     parser.add_argument("--tiny", action="store_true", help="tiny shape (checks the script)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--json", help="also write the results here")
@@ -136,58 +154,61 @@ def main() -> int:
     if args.worker:
         return worker(args.worker)
 
-    from trainer.sample import write_sample
-    from trainer.tiny_model import build_tiny_model
+    from bench_run import make_records, write_data
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from xl_smoke import write_model_dir
-
+    shape = "tiny" if args.tiny else "xl"
     results = []
     with tempfile.TemporaryDirectory(prefix="multi-gpu-") as tmp:
         tmp = Path(tmp)
-        data = tmp / "recipes.csv"
-        write_sample(data, args.records, seed=0, fmt="recipenlg-csv")
-        tok_dir = build_tiny_model(tmp / "tok", seed=0)  # only its tokenizer is used
-        model_dir = write_model_dir(tmp / "model", "tiny" if args.tiny else "xl", tok_dir)
+        data, model_dir = write_data(tmp, make_records(args.records), shape)
         base = dict(
-            COMMON,
+            PRESET,
             model_name_or_path=str(model_dir),
             train_files=[str(data)],
             max_steps=args.steps,
             max_tokens=args.max_tokens,
             gradient_accumulation_steps=args.accumulation,
+            gpu_memory_limit_gib=32.0 if args.device == "cuda" else None,
         )
         for name in args.runs:
             nproc, overrides = RUNS[name]
             values = dict(base, **overrides)
             if args.device == "cpu":
                 values.update(dtype="float32", optimizer="adamw")  # CPU check: plain fp32 AdamW everywhere
-            result = launch(name, nproc, values, tmp, args.device)
-            result["tokens_per_s"] = steady_tokens_per_s(tmp / name, max(1, min(args.warmup, args.steps - 1)))
-            result["optimizer"] = f"{values['optimizer']}, {values['dtype']} weights"
+            result = launch(name, nproc, values, tmp, args.device, args.warmup)
             results.append(result)
             print(json.dumps(result), flush=True)
+            if args.json:  # after every run, so a run cut short keeps the ones before
+                Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
     by_name = {r["run"]: r for r in results}
     print(
-        f"\nFLAN-T5-{'tiny' if args.tiny else 'XL'} shape, {args.device}, per-GPU micro-batch "
-        f"{args.max_tokens} tokens x {args.accumulation} accumulation, {args.steps} steps "
-        f"({args.warmup} warm-up)\n"
+        f"\nFLAN-T5-{shape} shape, {args.device}, packed rows, per-GPU micro-batch {args.max_tokens} "
+        f"tokens x {args.accumulation} accumulation, {args.steps} steps ({args.warmup} warm-up)\n"
     )
-    print("| run | GPUs | optimizer | real tokens/s | peak allocated per rank (GiB) | final loss |")
-    print("|---|---|---|---|---|---|")
+    print("| run | GPUs | strategy | optimizer | real tokens/s | real tokens | peak per GPU (GiB) |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         peaks = ", ".join(f"{p:.1f}" if p is not None else "n/a" for p in r["peak_allocated_gib"])
         print(
-            f"| {r['run']} | {r['processes']} | {r['optimizer']} | {r['tokens_per_s']:,.0f} | {peaks} | "
-            f"{r['final_loss']:.4f} |"
+            f"| {r['run']} | {r['processes']} | {r['strategy']} | {r['optimizer']} | "
+            f"{r['tokens_per_s']:,.0f} | {100 * r['real_token_share']:.1f}% | {peaks} |"
         )
+    summary = {}
     if "ddp1" in by_name and "ddp2" in by_name:
         eff = by_name["ddp2"]["tokens_per_s"] / (2 * by_name["ddp1"]["tokens_per_s"])
         print(f"\nDDP scaling efficiency (2 GPUs / 2 x 1 GPU): {100 * eff:.1f}%")
-        results.append({"ddp_scaling_efficiency": eff})
+        summary["ddp_scaling_efficiency"] = eff
+    if "ddp2" in by_name and "fsdp2" in by_name:
+        pairs = list(zip(by_name["ddp2"]["losses"], by_name["fsdp2"]["losses"], strict=True))
+        worst = max(abs(f - d) / d for d, f in pairs)
+        print(
+            f"FSDP2 vs DDP on the same global batches: loss {pairs[0][1]:.4f} -> {pairs[-1][1]:.4f} "
+            f"(DDP {pairs[0][0]:.4f} -> {pairs[-1][0]:.4f}), largest per-step difference {100 * worst:.2f}%"
+        )
+        summary["fsdp2_vs_ddp2_max_rel_loss_diff"] = worst
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(results + [summary], indent=2) + "\n")
     return 0
 
 
