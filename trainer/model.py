@@ -12,7 +12,11 @@ from trainer.memory import GIB
 
 log = logging.getLogger(__name__)
 
-LOAD_PEAK_FACTOR = 1.05  # peak GPU memory while loading, relative to the weights' bytes
+LOAD_PEAK_FACTOR = 1.05  # peak GPU memory while loading, relative to the weights' bytes ...
+# ... plus this much: the allocator rounds every tensor up to whole blocks and loading keeps small transient
+# buffers, which outweigh 5% of a small model's weights (the quickstart's tiny T5 failed a bare 1.05x on a
+# GPU).
+LOAD_PEAK_SLACK = 64 * 2**20
 LAST_LOAD: dict = {}  # what the last load measured (weights and peak bytes), for the run summary
 
 
@@ -68,10 +72,10 @@ def load_model(
 ):
     """Load cfg.model_name_or_path (or `path`, e.g. a checkpoint) once, in cfg.dtype, onto `device`.
 
-    On CUDA, asserts the peak memory during the load is at most 1.05x the weights (no fp32 copy, no second
-    copy on the device). Attention: cfg.attn_implementation. Gradient checkpointing is non-reentrant, except
-    for the last `decoder_blocks_without_checkpointing` decoder blocks (the run's plan decides how many);
-    use_cache is off (turned on for generation).
+    On CUDA, asserts the peak memory during the load is at most 1.05x the weights + 64 MiB (no fp32 copy, no
+    second copy on the device). Attention: cfg.attn_implementation. Gradient checkpointing is non-reentrant,
+    except for the last `decoder_blocks_without_checkpointing` decoder blocks (the run's plan decides how
+    many); use_cache is off (turned on for generation).
     """
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     path = str(path or cfg.model_name_or_path)
@@ -99,10 +103,11 @@ def load_model(
         )
         LAST_LOAD.update(weight_bytes=weight_bytes, peak_bytes=peak)
         # Random init (benchmarks) has initialisation temporaries; the check is about loading weight files.
-        if not random_init and peak > LOAD_PEAK_FACTOR * weight_bytes:
+        if not random_init and peak > LOAD_PEAK_FACTOR * weight_bytes + LOAD_PEAK_SLACK:
             raise RuntimeError(
-                f"loading {path} peaked at {peak / GIB:.2f} GiB on the GPU, more than "
-                f"{LOAD_PEAK_FACTOR}x its {weight_bytes / GIB:.2f} GiB of weights: it was copied twice"
+                f"loading {path} peaked at {peak / 2**20:,.0f} MiB on the GPU, more than {LOAD_PEAK_FACTOR}x "
+                f"its {weight_bytes / 2**20:,.0f} MiB of weights (+{LOAD_PEAK_SLACK // 2**20} MiB): it was "
+                "copied twice"
             )
     else:
         LAST_LOAD.update(weight_bytes=weight_bytes, peak_bytes=None)
