@@ -182,7 +182,10 @@ impl RecipeLoader {
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let inner = &self.inner;
         let records = py.detach(|| inner.sample_records(n, seed)).map_err(to_py)?;
-        records.into_iter().map(|r| render::to_dict(py, r)).collect()
+        records
+            .into_iter()
+            .map(|r| render::to_dict(py, r))
+            .collect()
     }
 
     /// Token lengths `(source, target)` of the selected records, as 1-D arrays.
