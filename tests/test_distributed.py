@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_run import tiny_run_values
 
 from trainer.config import TrainConfig
 from trainer.train import SUMMARY, TRAIN_LOG, train
@@ -31,31 +32,18 @@ def model_dir(tiny_model_without_dropout) -> Path:
 
 def _values(model_dir, sample_csv, out, **kw) -> dict:
     values = dict(
-        model_name_or_path=str(model_dir),
-        dtype="float32",
-        train_files=[str(sample_csv)],
-        max_source_length=64,
-        max_target_length=96,
         per_device_train_batch_size=8,
         gradient_accumulation_steps=1,
         eval_fraction=0.05,
         eval_max_batches=2,
-        learning_rate=1e-3,
         warmup_steps=2,
         max_steps=STEPS,
-        logging_steps=1,
         eval_steps=1000,  # evaluates (and generates) once, at the end
         save_steps=SAVE_AT,
         num_eval_generations=1,
         generation_max_new_tokens=8,
-        gradient_checkpointing=False,
-        output_dir=str(out),
-        report_to="none",
-        progress_bar=False,
-        discord_progress_minutes=-1,
     )
-    values.update(kw)
-    return values
+    return tiny_run_values(model_dir, sample_csv, out, **values | kw)
 
 
 def _torchrun(values: dict, tmp_path: Path, nproc: int = 2) -> subprocess.CompletedProcess:

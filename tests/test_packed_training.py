@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from tiny_run import tiny_run_values
 from transformers import T5ForConditionalGeneration
 
 from trainer import memory
@@ -22,29 +23,16 @@ ACCUMULATION = 2
 
 def _cfg(model_dir, sample_csv, out, **kw) -> TrainConfig:
     values = dict(
-        model_name_or_path=str(model_dir),
-        dtype="float32",
-        train_files=[str(sample_csv)],
-        max_source_length=64,
-        max_target_length=96,
         per_device_train_batch_size=3,  # packed: rows per micro-batch
         packing=True,
         gradient_accumulation_steps=ACCUMULATION,
-        learning_rate=1e-3,
         warmup_steps=0,
         max_steps=3,
-        logging_steps=1,
         eval_steps=1000,
         save_steps=1000,
         save_final=False,
-        gradient_checkpointing=False,
-        output_dir=str(out),
-        report_to="none",
-        progress_bar=False,
-        discord_progress_minutes=-1,
     )
-    values.update(kw)
-    return TrainConfig.from_dict(values)
+    return TrainConfig.from_dict(tiny_run_values(model_dir, sample_csv, out, **values | kw))
 
 
 def unpacked(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ import json
 import logging
 
 import pytest
+from tiny_run import tiny_run_values
 
 from trainer.cli import main
 from trainer.config import ConfigError, TrainConfig
@@ -16,31 +17,18 @@ from trainer.train import SUMMARY, TRAIN_LOG, train
 
 def _cfg(tiny_model_dir, sample_csv, out, **kw) -> TrainConfig:
     values = dict(
-        model_name_or_path=str(tiny_model_dir),
-        dtype="float32",
-        train_files=[str(sample_csv)],
-        max_source_length=64,
-        max_target_length=96,
         per_device_train_batch_size=8,
         eval_fraction=0.05,
         eval_max_batches=2,
-        learning_rate=1e-3,
         warmup_steps=2,
         max_steps=8,
-        logging_steps=1,
         eval_steps=2,
         save_steps=2,
         eval_generation_records=6,
         num_eval_generations=1,
         generation_max_new_tokens=8,
-        gradient_checkpointing=False,
-        output_dir=str(out),
-        report_to="none",
-        progress_bar=False,
-        discord_progress_minutes=-1,
     )
-    values.update(kw)
-    return TrainConfig.from_dict(values)
+    return TrainConfig.from_dict(tiny_run_values(tiny_model_dir, sample_csv, out, **values | kw))
 
 
 def _rows(out) -> list[dict]:
