@@ -50,7 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_run import QUIET_RUN, make_records, mean_lengths, write_data
+from bench_run import QUIET_RUN, make_records, mean_lengths, train_rows, write_data
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "configs" / "flan-t5-xl-rtx5090.yaml"
@@ -277,7 +277,7 @@ def one_candidate(
     from trainer import memory
     from trainer.config import TrainConfig
     from trainer.memory_plan import with_planned_batch
-    from trainer.train import SUMMARY, TRAIN_LOG, train
+    from trainer.train import SUMMARY, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     result: dict = {"candidate": name, "conf": conf or "(PyTorch defaults)"}
@@ -287,8 +287,7 @@ def one_candidate(
         cfg = TrainConfig.from_dict(values, source=f"allocator {name}")
         rc = train(cfg)
         result["alloc_conf_in_force"] = memory.alloc_conf_in_force()
-        rows = [json.loads(line) for line in (work / "out" / TRAIN_LOG).read_text().splitlines()]
-        rows = [r for r in rows if "loss" in r]  # train rows (eval rows, where logged, have eval_loss)
+        rows = train_rows(work / "out")
         summary = json.loads((work / "out" / SUMMARY).read_text())
         result.update(ok=rc == 0, oom_split=summary.get("oom_split"), **run_throughput(rows))
         result.update(memory_numbers(torch))

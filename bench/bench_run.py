@@ -73,3 +73,11 @@ def mean_lengths(records) -> tuple[float, float]:
         sum(len(s) for s, _ in records) / len(records),
         sum(len(t) for _, t in records) / len(records),
     )
+
+
+def train_rows(output_dir: Path) -> list[dict]:
+    """The per-step rows of a run's train log (evaluation rows, which have eval_loss instead, left out)."""
+    from trainer.train import TRAIN_LOG
+
+    rows = [json.loads(line) for line in (Path(output_dir) / TRAIN_LOG).read_text().splitlines()]
+    return [r for r in rows if "loss" in r]

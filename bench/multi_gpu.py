@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_run import QUIET_RUN
+from bench_run import QUIET_RUN, train_rows
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -85,12 +85,6 @@ def worker(config: Path) -> int:
         mem["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 1024**3
     (Path(cfg.output_dir) / f"rank-{mem['rank']}.json").write_text(json.dumps(mem))
     return rc
-
-
-def train_rows(out: Path) -> list[dict]:
-    """The train log's per-step rows (evaluation rows have eval_loss instead of loss)."""
-    rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r]
 
 
 def steady_tokens_per_s(rows: list[dict], warmup: int) -> float:

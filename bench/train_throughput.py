@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_run import QUIET_RUN, VOCAB, make_records, mean_lengths, write_data
+from bench_run import QUIET_RUN, VOCAB, make_records, mean_lengths, train_rows, write_data
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
@@ -107,7 +107,7 @@ def run_ours(
 
     from trainer.config import TrainConfig
     from trainer.memory_plan import _plan_kwargs, budget_peak, load_shape, row_lengths, with_planned_batch
-    from trainer.train import SUMMARY, TRAIN_LOG, train
+    from trainer.train import SUMMARY, train
 
     shape = "tiny" if tiny else "xl"
     records = make_records(n=512 if tiny else 4096)
@@ -153,8 +153,7 @@ def run_ours(
     if profile_dir and (work / "out" / "profile" / "kernels.txt").exists():
         Path(profile_dir).mkdir(parents=True, exist_ok=True)
         shutil.copy(work / "out" / "profile" / "kernels.txt", Path(profile_dir) / f"{variant}.txt")
-    rows = [json.loads(line) for line in (work / "out" / TRAIN_LOG).read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r][:steps]  # train rows (evaluation rows have eval_loss)
+    rows = train_rows(work / "out")[:steps]
     summary = json.loads((work / "out" / SUMMARY).read_text())
     timed = rows[warmup:]
     seconds = timed[-1]["time"] - rows[warmup - 1]["time"]
