@@ -69,7 +69,6 @@ MODEL_VOCAB = 32128  # FLAN-T5-base's embedding rows; the trained tokenizer uses
 TOKENIZER_PIECES = 32000
 HF_BATCH_SIZE = 32
 WARMUP_FRACTION = 0.1
-PRESET_LR = 1e-3  # configs/flan-t5-xl-rtx5090.yaml's Adafactor learning rate
 QUALITY_TOLERANCE = 0.01  # our eval loss at equal tokens: at most 1% above the reference's
 TIME_SHARE = 0.25  # ... and the reference's final loss reached in at most a quarter of its training time
 RUNS = {
@@ -140,12 +139,17 @@ def prepare(work: Path, args) -> dict:
     )
 
 
+def preset_values() -> dict:
+    """configs/flan-t5-xl-rtx5090.yaml's values."""
+    import yaml
+
+    return yaml.safe_load(PRESET.read_text(encoding="utf-8"))
+
+
 def ours_config(prep: dict, args, work: Path, name: str) -> dict:
     """Our run's config: the rtx5090 preset's settings with this benchmark's data, model, evaluation and
     output; `name` "ours_adamw" swaps in AdamW with the reference's learning rate and warmup (set later)."""
-    import yaml
-
-    values = yaml.safe_load(PRESET.read_text(encoding="utf-8"))
+    values = preset_values()
     values.update(
         model_name_or_path=str(prep["model_dir"]),
         train_files=[str(prep["data"])],
@@ -651,7 +655,7 @@ def run_reference(name: str, setup: Setup, args, work: Path, timeout: float) -> 
         "batch_size": setup.batch_size,
         "grad_accum": setup.grad_accum,
         "optimizer": "adafactor" if adafactor else "adamw",
-        "learning_rate": PRESET_LR if adafactor else args.adamw_lr,
+        "learning_rate": preset_values()["learning_rate"] if adafactor else args.adamw_lr,
         "warmup_steps": max(1, round(WARMUP_FRACTION * setup.reference_steps)),
         "target_tokens": args.target_tokens,
         "max_train_seconds": args.max_reference_s,
