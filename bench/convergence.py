@@ -18,8 +18,7 @@ the same data, tokenizer and initial weights:
   Adafactor, Kahan-compensated bf16 weights, lr 1e-3 constant, 32k-token micro-batches x 2);
 - ours_adamw: the same command with AdamW on bf16 weights with Kahan-compensated updates (torch-optimi),
   the reference's learning rate and warmup;
-- ours_packed: the preset with packed rows (`packing: true`: several records per row, no padding);
-- ours_fp8, ours_adamw_fp8: ours and ours_adamw with FP8 matmuls (`fp8: true`, trainer.fp8).
+- ours_packed: the preset with packed rows (`packing: true`: several records per row, no padding).
 
 Model: FLAN-T5-base's shape (d_model 768, d_ff 2048 gated-GELU, 12+12 layers, 12 heads x 64, vocab 32128),
 random init (seed 0, saved once in bf16 and loaded by all four, the LM head untied and scaled so the first
@@ -39,10 +38,9 @@ Verdicts (the goal every speed lever is held to): at the reference's final token
 within 1% of the reference's; and we reach the reference's final eval loss in at most a quarter of its
 training time. Writes convergence.png (eval loss against target tokens and against training time) and
 convergence.json (every point) to --out, and prints a table and both verdicts for each of our runs. Each of
-our runs is also compared at the other run's final token count with the run of its own optimizer and
-schedule: ours and ours_adamw with Hugging Face's (reference_adafactor, reference), the gap that the trainer's
-speed levers alone make; ours_packed and ours_fp8 with ours, ours_adamw_fp8 with ours_adamw, what packing or
-FP8 alone makes.
+our runs is also compared with the Hugging Face run of its own optimizer (the preset's with
+reference_adafactor, ours_adamw with the reference) at that run's final token count: the gap that the
+trainer's speed levers alone make.
 
 Needs `train_log.jsonl` rows with an `eval_loss` key ({"step", "eval_loss", "time"}) from the trainer.
 """
@@ -79,18 +77,13 @@ RUNS = {
     "ours": "ours, rtx5090 preset (Adafactor, Kahan bf16, lr 1e-3)",
     "ours_adamw": "ours, AdamW, Kahan bf16",
     "ours_packed": "ours, rtx5090 preset, packed rows",
-    "ours_fp8": "ours, rtx5090 preset, FP8 matmuls",
-    "ours_adamw_fp8": "ours, AdamW, Kahan bf16, FP8 matmuls",
 }
-# Each of our runs against the run of its optimizer and schedule: for ours and ours_adamw, Hugging Face's
-# (what remains between them is the trainer's own doing: kernels, bf16 weights with Kahan updates,
-# batching); for a lever, our run without it (what the lever alone does).
+# Each of our runs against the Hugging Face run of its optimizer and schedule: what remains between them is
+# the trainer's own doing (kernels, bf16 weights with Kahan updates, batching), not the optimizer's.
 SAME_OPTIMIZER = {
     "ours": "reference_adafactor",
-    "ours_packed": "ours",
-    "ours_fp8": "ours",
+    "ours_packed": "reference_adafactor",
     "ours_adamw": "reference",
-    "ours_adamw_fp8": "ours_adamw",
 }
 
 
@@ -155,8 +148,7 @@ def preset_values() -> dict:
 
 def ours_config(prep: dict, args, work: Path, name: str) -> dict:
     """Our run's config: the rtx5090 preset's settings with this benchmark's data, model, evaluation and
-    output; a `name` "ours_adamw..." swaps in AdamW with the reference's learning rate and warmup (set
-    later), one "..._fp8" turns on FP8 matmuls."""
+    output; `name` "ours_adamw" swaps in AdamW with the reference's learning rate and warmup (set later)."""
     values = preset_values()
     values.update(
         model_name_or_path=str(prep["model_dir"]),
@@ -180,9 +172,7 @@ def ours_config(prep: dict, args, work: Path, name: str) -> dict:
         values.update(dtype="float32", max_tokens=1024, gradient_accumulation_steps=2)
     if name == "ours_packed":
         values.update(packing=True)
-    if name.endswith("_fp8"):
-        values.update(fp8=True)
-    if name.startswith("ours_adamw"):
+    if name == "ours_adamw":
         values.update(
             optimizer="adamw",
             bf16_update="kahan",
@@ -701,7 +691,7 @@ def run_ours(name: str, setup: Setup, args, work: Path, target_tokens: float, ti
         max_steps=plan.steps_for(target_tokens * (1 + args.ours_margin)),
         eval_steps=max(1, round(at_target / args.evals)),
     )
-    if name.startswith("ours_adamw"):
+    if name == "ours_adamw":
         values["warmup_steps"] = max(1, round(WARMUP_FRACTION * at_target))
     config_file = work / f"{name}.yaml"
     config_file.write_text(yaml.safe_dump(values))
@@ -836,11 +826,8 @@ def main() -> int:
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
         parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
-    if any(r.startswith("ours_adamw") for r in runs) and importlib.util.find_spec("optimi") is None:
-        parser.error(
-            "ours_adamw and ours_adamw_fp8 need torch-optimi (pip install torch-optimi), or leave them "
-            "out with --runs"
-        )
+    if "ours_adamw" in runs and importlib.util.find_spec("optimi") is None:
+        parser.error("ours_adamw needs torch-optimi (pip install torch-optimi), or leave it out with --runs")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="convergence-")).resolve()

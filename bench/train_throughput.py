@@ -65,8 +65,6 @@ VARIANTS = {
     "ours_32k": {"max_tokens": 32768},
     "ours_packed": {"max_tokens": 32768, "packing": True},  # ours_32k with packed rows (docs/loader.md)
     "ours_packed_16k": {"max_tokens": 16384, "packing": True},  # half the rows: more blocks un-checkpointed
-    "ours_packed_fp8": {"max_tokens": 32768, "packing": True, "fp8": True},  # FP8 matmuls (trainer.fp8)
-    "ours_32k_fp8": {"max_tokens": 32768, "fp8": True},
     "ours_32k_all_checkpointed": {"max_tokens": 32768, "decoder_blocks_without_checkpointing": 0},
     "ours_32k_compile": {"max_tokens": 32768, "torch_compile": True},
     "ours_64k": {"max_tokens": 65536},

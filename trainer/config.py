@@ -60,9 +60,6 @@ class TrainConfig:
     # them in the backward (they are the first to run it). None: as many as the memory plan fits on the GPU.
     decoder_blocks_without_checkpointing: int | None = None
     torch_compile: bool = False  # compile each T5 block (slower start, faster steps on a GPU)
-    # FP8 matmuls for the blocks' linear layers in training (trainer.fp8): GPUs with FP8 tensor cores (RTX
-    # 40xx/50xx, H100). Weights, checkpoints, evaluation and generation stay bf16.
-    fp8: bool = False
     random_init: bool = False  # build the architecture from model_name_or_path's config.json (benchmarks)
 
     # --- data ---

@@ -123,10 +123,6 @@ def load_model(
     if gated or residual:
         fused += f", {gated} gated-GELU feed-forwards and {residual} residual dropouts as Triton kernels"
     log.info("attention: %s; fused ops: %s", attn_used, fused)
-    if cfg.fp8:
-        from trainer.fp8 import use_fp8_linears
-
-        log.info("fp8: %d linear layers of the blocks with FP8 matmuls in training", use_fp8_linears(model))
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -433,12 +433,6 @@ def setup_device(cfg: TrainConfig, local_rank: int) -> torch.device:
     else:
         device = torch.device("cpu")
     distributed.init(device)
-    if cfg.fp8:
-        from trainer.fp8 import unsupported_reason
-
-        why = unsupported_reason(device)
-        if why:
-            raise ConfigError(f"fp8: {why}; set fp8: false")
     if device.type == "cuda":
         log.info("CUDA allocator: %s", memory.alloc_conf_in_force())
         if cfg.gpu_memory_limit_gib:
