@@ -151,6 +151,20 @@ def test_an_error_names_where_the_key_came_from(tmp_path):
         TrainConfig.load(typed)
 
 
+def test_a_value_out_of_range_names_the_file_and_line_or_the_override(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_steps: 10\nlearning_rate: -1\neval_fraction: 1.5\n")
+    with pytest.raises(ConfigError) as bad:
+        TrainConfig.load(config)
+    assert str(bad.value).startswith(f"{config}:3: eval_fraction must be in [0, 1)")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(config))}:2: learning_rate must be a positive"):
+        TrainConfig.load(config, ["eval_fraction=0.1"])
+    with pytest.raises(ConfigError, match=r"^--set max_time=10x: max_time: '10x' is not a duration"):
+        TrainConfig.load(CONFIGS / "quickstart.yaml", ["max_time=10x"])
+    with pytest.raises(ConfigError, match=r"^--set max_steps=0: set max_steps > 0 or num_train_epochs > 0"):
+        TrainConfig.load(CONFIGS / "quickstart.yaml", ["max_steps=0", "num_train_epochs=0"])
+
+
 def test_invalid_yaml_is_one_line_with_the_line_number(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_steps: 10\ntrain_files: [a.csv\nseed: 1\n")

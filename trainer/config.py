@@ -44,7 +44,12 @@ LOWER_IS_BETTER = frozenset({"loss", "invented_ingredients", "repetition"})
 
 
 class ConfigError(ValueError):
-    """A config file or override that cannot be used; raised before anything heavy loads."""
+    """A config file or override that cannot be used; raised before anything heavy loads. `key`: the config
+    key (or keys) a value check is about, so that the message can say where it was set."""
+
+    def __init__(self, message: str, key: str | tuple[str, ...] = ()):
+        super().__init__(message)
+        self.keys = (key,) if isinstance(key, str) else key
 
 
 @dataclass
@@ -162,7 +167,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size is not None and self.max_tokens is not None:
-            raise ConfigError("set per_device_train_batch_size or max_tokens, not both")
+            raise ConfigError(
+                "set per_device_train_batch_size or max_tokens, not both",
+                key=("per_device_train_batch_size", "max_tokens"),
+            )
         # A key whose default is null may be null ("or null" in the message); the others must be set.
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         at_least = {
@@ -190,19 +198,25 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 nullable = " or null" if defaults[name] is None else ""
-                raise ConfigError(f"{name} must be >= {low}{nullable}, got {value}")
+                raise ConfigError(f"{name} must be >= {low}{nullable}, got {value}", key=name)
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+            raise ConfigError(
+                f"eval_fraction must be in [0, 1), got {self.eval_fraction}", key="eval_fraction"
+            )
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
-            raise ConfigError(f"learning_rate must be a positive number, got {self.learning_rate}")
+            raise ConfigError(
+                f"learning_rate must be a positive number, got {self.learning_rate}", key="learning_rate"
+            )
         if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
             raise ConfigError(
-                f"max_grad_norm must be >= 0 (0: no clipping, as in HF), got {self.max_grad_norm}"
+                f"max_grad_norm must be >= 0 (0: no clipping, as in HF), got {self.max_grad_norm}",
+                key="max_grad_norm",
             )
         if self.max_steps <= 0 and not (math.isfinite(self.num_train_epochs) and self.num_train_epochs > 0):
             raise ConfigError(
                 f"set max_steps > 0 or num_train_epochs > 0 (got max_steps {self.max_steps}, "
-                f"num_train_epochs {self.num_train_epochs})"
+                f"num_train_epochs {self.num_train_epochs})",
+                key=("max_steps", "num_train_epochs"),
             )
         if self.max_time is not None:
             parse_duration(self.max_time, "max_time")  # a clear error now, not when the loop reads it
@@ -226,24 +240,30 @@ class TrainConfig:
         if name not in EVAL_METRICS:
             raise ConfigError(
                 f"metric_for_best_model {self.metric_for_best_model!r} is not an evaluation metric; choose "
-                f"one of {', '.join(EVAL_METRICS)} (with or without eval_)"
+                f"one of {', '.join(EVAL_METRICS)} (with or without eval_)",
+                key="metric_for_best_model",
             )
         if name in GENERATION_METRICS and self.eval_generation_records == 0:
             raise ConfigError(
                 f"metric_for_best_model {self.metric_for_best_model!r} is a generation metric, but "
-                "eval_generation_records is 0 (no generation at evaluation): raise it or choose eval_loss"
+                "eval_generation_records is 0 (no generation at evaluation): raise it or choose eval_loss",
+                key="metric_for_best_model",
             )
         if name == "length_ratio" and self.greater_is_better is None:
             raise ConfigError(
                 "metric_for_best_model length_ratio has no better direction (1.0 is the reference's length): "
-                "set greater_is_better, or choose another metric"
+                "set greater_is_better, or choose another metric",
+                key="metric_for_best_model",
             )
         if not (math.isfinite(self.early_stopping_threshold) and self.early_stopping_threshold >= 0):
-            raise ConfigError(f"early_stopping_threshold must be >= 0, got {self.early_stopping_threshold}")
+            raise ConfigError(
+                f"early_stopping_threshold must be >= 0, got {self.early_stopping_threshold}",
+                key="early_stopping_threshold",
+            )
         evaluates = bool(self.eval_files) or self.eval_fraction > 0
         for key in ("load_best_model_at_end", "early_stopping_patience"):
             if getattr(self, key) and not evaluates:
-                raise ConfigError(f"{key} needs evaluations: set eval_fraction > 0 or eval_files")
+                raise ConfigError(f"{key} needs evaluations: set eval_fraction > 0 or eval_files", key=key)
 
     @property
     def best_metric_key(self) -> str:
@@ -305,7 +325,13 @@ class TrainConfig:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
             checked[key] = _check_type(key, value, hints[key], where)
-        return cls(**checked)
+        try:
+            return cls(**checked)
+        except ConfigError as e:  # a value check: say where the value was set (file:line, --set k=v)
+            where = next((sources[k] for k in e.keys if k in (sources or {})), None)
+            if where is None:
+                raise
+            raise ConfigError(f"{where}: {e}", key=e.keys) from None
 
 
 _DURATION = re.compile(
@@ -331,10 +357,11 @@ def parse_duration(value: float | str, key: str) -> float:
                 seconds = sum(float(v) * _UNIT_SECONDS[unit] for unit, v in m.groupdict().items() if v)
     if seconds is None or not math.isfinite(seconds):
         raise ConfigError(
-            f"{key}: {value!r} is not a duration; give seconds (36000) or e.g. 10h, 90m, 1d12h, 2h30m"
+            f"{key}: {value!r} is not a duration; give seconds (36000) or e.g. 10h, 90m, 1d12h, 2h30m",
+            key=key,
         )
     if seconds <= 0:
-        raise ConfigError(f"{key} must be more than 0 (null: no time budget), got {value!r}")
+        raise ConfigError(f"{key} must be more than 0 (null: no time budget), got {value!r}", key=key)
     return seconds
 
 
