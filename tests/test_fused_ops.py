@@ -13,6 +13,7 @@ import torch
 from trainer.fused_ops import (
     BLOCK,
     gated_gelu,
+    norm_and_residual,
     residual_dropout,
     use_fused_gated_gelu,
     use_fused_residual_dropout,
@@ -112,6 +113,23 @@ def test_residual_dropout_adds_the_kept_part_and_backward_drops_the_same(shape):
     assert not torch.equal(residual_dropout(residual, x, p), out)  # a new seed, a new mask
 
 
+@pytest.mark.parametrize("shape", [(3, 7, 40), (70, 64)])  # more rows than programs on CPU; cols not 2**k
+def test_norm_and_residual_backward_sums_both_gradients_as_torch_does(shape):
+    g = torch.Generator().manual_seed(0)
+    norm = torch.nn.RMSNorm(shape[-1], eps=1e-6).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(shape[-1], generator=g))
+    x = (3 * torch.randn(*shape, generator=g)).to(DEVICE, DTYPE).requires_grad_()
+    grad_y, grad_residual = (torch.randn(*shape, generator=g).to(DEVICE, DTYPE) for _ in range(2))
+    normed, residual = norm_and_residual(x, norm)
+    assert residual is not x and torch.equal(residual, x)  # the same values, through the op's backward
+    dx, dw = torch.autograd.grad((normed, residual), (x, norm.weight), (grad_y, grad_residual))
+    ref_normed = norm(x)
+    rdx, rdw = torch.autograd.grad((ref_normed, x), (x, norm.weight), (grad_y, grad_residual))
+    assert torch.equal(normed, ref_normed)  # the forward is torch's
+    assert rel_err(dx, rdx) < TOL and rel_err(dw, rdw) < TOL
+
+
 def test_mismatched_inputs_are_refused():
     a, b = inputs(2, 8)
     with pytest.raises(ValueError, match="differ"):
@@ -123,6 +141,7 @@ def test_mismatched_inputs_are_refused():
 def test_tiny_t5_with_the_fused_ops_keeps_its_weights_loss_and_generations(tiny_model_dir):
     from transformers import AutoModelForSeq2SeqLM
 
+    from trainer.model import use_fused_t5_ops
     from trainer.train import token_loss_sum
 
     def load():
@@ -142,17 +161,23 @@ def test_tiny_t5_with_the_fused_ops_keeps_its_weights_loss_and_generations(tiny_
     assert use_fused_gated_gelu(fused) == blocks
     # every sublayer: self-attention and feed-forward, plus cross-attention in the decoder
     assert use_fused_residual_dropout(fused) == 2 * blocks + len(plain.decoder.block)
+    # and the norms as torch's RMSNorm, whose backward then takes each sublayer's residual gradient too
+    norms = use_fused_t5_ops(fused)[0]
+    assert norms == 2 * blocks + len(plain.decoder.block) + 2  # + each stack's final norm
     assert list(fused.state_dict()) == keys  # checkpoints load either way
     losses, grads, generated = [], [], []
     for model in (plain, fused):
         loss = token_loss_sum(model, batch)
         loss.backward()
         losses.append(float(loss))
-        grads.append(model.encoder.block[0].layer[0].SelfAttention.q.weight.grad.clone())
+        first = model.encoder.block[0].layer[0]
+        grads.append(
+            [first.SelfAttention.q.weight.grad, first.layer_norm.weight.grad, model.shared.weight.grad]
+        )
         # generation runs the attention sublayers with a cache
         generated.append(model.generate(input_ids=batch["input_ids"], max_new_tokens=5, do_sample=False))
     assert losses[1] == pytest.approx(losses[0], rel=TOL)
-    assert rel_err(grads[1], grads[0]) < 5 * TOL
+    assert all(rel_err(fused, plain) < 5 * TOL for fused, plain in zip(grads[1], grads[0], strict=True))
     assert torch.equal(generated[1], generated[0])
     fused.train()  # dropout on: training moves the loss
     torch.manual_seed(0)

@@ -130,6 +130,82 @@ def residual_dropout(residual: torch.Tensor, x: torch.Tensor, dropout_p: float =
     return _ResidualDropout.apply(residual, x, dropout_p)
 
 
+@triton.jit(do_not_specialize=["rows", "cols"])
+def _rms_norm_bwd_kernel(
+    GradY, X, W, GradResidual, GradX, GradWPartial, rows, cols, eps, BLOCK_COLS: tl.constexpr
+):
+    """RMSNorm's backward for the rows pid, pid + programs, ...: the input's gradient plus the residual
+    path's gradient, written once; this program's share of the weight's gradient, one fp32 row."""
+    offs = tl.arange(0, BLOCK_COLS)
+    inside = offs < cols
+    w = tl.load(W + offs, mask=inside, other=0.0).to(tl.float32)
+    grad_w = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+    first, programs = tl.program_id(0), tl.num_programs(0)
+    for i in range(0, tl.cdiv(rows - first, programs)):
+        start = (first + i * programs).to(tl.int64) * cols
+        x = tl.load(X + start + offs, mask=inside, other=0.0).to(tl.float32)
+        dy = tl.load(GradY + start + offs, mask=inside, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / cols + eps)
+        x_hat = x * rstd
+        dx_hat = dy * w
+        dx = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat, 0) / cols))
+        dx += tl.load(GradResidual + start + offs, mask=inside, other=0.0).to(tl.float32)
+        tl.store(GradX + start + offs, dx.to(GradX.dtype.element_ty), mask=inside)
+        grad_w += dy * x_hat
+    tl.store(GradWPartial + tl.program_id(0).to(tl.int64) * cols + offs, grad_w, mask=inside)
+
+
+NORM_BWD_PROGRAMS_PER_SM = 4  # each program sums its rows' share of the weight's gradient in registers
+
+
+class _RMSNormAndResidual(torch.autograd.Function):
+    """(rms_norm(x), x): a sublayer's normed input and its residual, whose two gradients the backward sums
+    in the norm's own pass instead of in a separate addition."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return torch.nn.functional.rms_norm(x, (x.size(-1),), weight, eps), x
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_residual):
+        x, weight = ctx.saved_tensors
+        cols = x.size(-1)
+        flat = x.reshape(-1, cols)
+        rows = flat.size(0)
+        if grad_residual is None:
+            grad_residual = torch.zeros_like(flat)
+        grad_x = torch.empty_like(flat)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        programs = max(1, min(rows, sms * NORM_BWD_PROGRAMS_PER_SM))
+        partial = torch.empty(programs, cols, device=x.device, dtype=torch.float32)
+        _rms_norm_bwd_kernel[(programs,)](
+            grad_y.reshape(-1, cols).contiguous(),
+            flat.contiguous(),
+            weight,
+            grad_residual.reshape(-1, cols).contiguous(),
+            grad_x,
+            partial,
+            rows,
+            cols,
+            ctx.eps,
+            BLOCK_COLS=triton.next_power_of_2(cols),
+            num_warps=8 if cols >= 2048 else 4,
+        )
+        return grad_x.view_as(x), partial.sum(0).to(weight.dtype), None
+
+
+@torch.compiler.disable
+def norm_and_residual(x: torch.Tensor, norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(norm(x), x)` for a sublayer `x + f(norm(x))`. With torch's RMSNorm (what trainer.model puts in
+    T5's place) the backward adds the residual's gradient inside the norm's backward kernel: one pass over
+    the hidden states instead of the norm's two (input, weight) and an addition."""
+    if type(norm) is torch.nn.RMSNorm and norm.eps is not None and norm.weight is not None:
+        return _RMSNormAndResidual.apply(x, norm.weight, norm.eps)
+    return norm(x), x
+
+
 class _GatedGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, dropout_p):
@@ -211,9 +287,8 @@ class FusedT5LayerFF(torch.nn.Module):
         self.train(layer.training)
 
     def forward(self, hidden_states):
-        return residual_dropout(
-            hidden_states, self.DenseReluDense(self.layer_norm(hidden_states)), _train_p(self.dropout)
-        )
+        normed, residual = norm_and_residual(hidden_states, self.layer_norm)
+        return residual_dropout(residual, self.DenseReluDense(normed), _train_p(self.dropout))
 
 
 class FusedT5LayerSelfAttention(torch.nn.Module):
@@ -226,14 +301,15 @@ class FusedT5LayerSelfAttention(torch.nn.Module):
         self.train(layer.training)
 
     def forward(self, hidden_states, attention_mask=None, position_bias=None, past_key_values=None, **kwargs):
+        normed, residual = norm_and_residual(hidden_states, self.layer_norm)
         out, position_bias, weights = self.SelfAttention(
-            self.layer_norm(hidden_states),
+            normed,
             mask=attention_mask,
             position_bias=position_bias,
             past_key_values=past_key_values,
             **kwargs,
         )
-        return residual_dropout(hidden_states, out, _train_p(self.dropout)), position_bias, weights
+        return residual_dropout(residual, out, _train_p(self.dropout)), position_bias, weights
 
 
 class FusedT5LayerCrossAttention(torch.nn.Module):
@@ -254,15 +330,16 @@ class FusedT5LayerCrossAttention(torch.nn.Module):
         past_key_values=None,
         **kwargs,
     ):
+        normed, residual = norm_and_residual(hidden_states, self.layer_norm)
         out, position_bias, weights = self.EncDecAttention(
-            self.layer_norm(hidden_states),
+            normed,
             mask=attention_mask,
             key_value_states=key_value_states,
             position_bias=position_bias,
             past_key_values=past_key_values,
             **kwargs,
         )
-        return residual_dropout(hidden_states, out, _train_p(self.dropout)), position_bias, weights
+        return residual_dropout(residual, out, _train_p(self.dropout)), position_bias, weights
 
 
 def _train_p(dropout: torch.nn.Dropout) -> float:
