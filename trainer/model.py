@@ -118,10 +118,11 @@ def load_model(
     if cfg.attn_implementation == "triton":
         _use_triton_attention(model, device, dtype)
     attn_used = getattr(model.config, "_attn_implementation", None) or cfg.attn_implementation
-    norms, gelus, gated, residual = use_fused_t5_ops(model)
+    norms, gelus, gated, residual, shared = use_fused_t5_ops(model)
     fused = f"{norms} layer norms and {gelus} GELUs in one kernel each"
     if gated or residual:
         fused += f", {gated} gated-GELU feed-forwards and {residual} residual dropouts as Triton kernels"
+    fused += f", {shared} groups of projections sharing their input's gradient"
     log.info("attention: %s; fused ops: %s", attn_used, fused)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
@@ -154,9 +155,9 @@ def _use_triton_attention(model: torch.nn.Module, device: torch.device, dtype: t
     attention.use_triton_attention(model)
 
 
-def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int, int]:
+def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int, int, int]:
     """Swap T5's Python-written layer norm and GELU for fused kernels; returns the counts (norms, GELUs,
-    gated feed-forwards, sublayers with a fused residual dropout).
+    gated feed-forwards, sublayers with a fused residual dropout, groups of projections sharing an input).
 
     T5LayerNorm (RMS norm, fp32 statistics) is ~7 elementwise kernels and gelu_new
     (0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))) ~8, each a full pass over B x T x d_ff in forward and more
@@ -165,7 +166,10 @@ def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int, int]:
     same functions in one kernel each; results differ only in bf16 rounding (RMSNorm rounds once, at the end).
     On CUDA, the gated feed-forward's GELU, product and dropout become one Triton kernel each way, and so do
     each sublayer's output dropout and residual sum (trainer.fused_ops); elsewhere they stay torch ops.
+    Projections of one input accumulate its gradient in their matmuls (trainer.projections), everywhere.
     """
+    from trainer.projections import use_shared_input_projections
+
     gated = residual = 0
     if next(model.parameters()).is_cuda:
         from trainer.fused_ops import use_fused_gated_gelu, use_fused_residual_dropout
@@ -184,7 +188,7 @@ def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int, int]:
             elif kind == "NewGELUActivation":
                 setattr(parent, name, torch.nn.GELU(approximate="tanh"))
                 gelus += 1
-    return norms, gelus, gated, residual
+    return norms, gelus, gated, residual, use_shared_input_projections(model)
 
 
 def skip_decoder_checkpointing(model: torch.nn.Module, blocks: int) -> int:
