@@ -172,6 +172,8 @@ def ours_config(prep: dict, args, work: Path, name: str) -> dict:
         values.update(dtype="float32", max_tokens=1024, gradient_accumulation_steps=2)
     if name == "ours_packed":
         values.update(packing=True)
+    if args.seed is not None:
+        values.update(seed=args.seed)
     if name == "ours_adamw":
         values.update(
             optimizer="adamw",
@@ -684,7 +686,7 @@ def run_ours(name: str, setup: Setup, args, work: Path, target_tokens: float, ti
 
     values = ours_config(setup.prep, args, work, name)
     plan = setup.plan
-    if values.get("packing"):  # packed steps carry more target tokens: their own plan
+    if values.get("packing") or args.seed is not None:  # other batches (packed rows, another order): own plan
         plan = plan_steps(loader_config(values), setup.tokenizer_file, target_tokens * (1 + args.ours_margin))
     at_target = plan.steps_for(target_tokens)
     values.update(
@@ -800,6 +802,11 @@ def main() -> int:
     parser.add_argument("--evals", type=int, default=8, help="evaluations per run (about)")
     parser.add_argument("--adamw-lr", type=float, default=5e-4, help="AdamW's lr, the reference's and ours")
     parser.add_argument("--gpu-memory-gib", type=float, default=32.0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        help="our runs' seed (data order, dropout) instead of the preset's: how far a run moves by chance",
+    )
     parser.add_argument(
         "--runs",
         default="reference,reference_adafactor,ours,ours_adamw,ours_packed",
