@@ -1,11 +1,11 @@
 """Equal quality per token: our trainer against Hugging Face Seq2SeqTrainer, T5-base from scratch on recipes.
 
-    python3 bench/convergence.py --out results/convergence      # GPU: all five runs, ~11 min on an H100
+    python3 bench/convergence.py --out results/convergence      # GPU: the five default runs, ~11 min (H100)
     python3 bench/convergence.py --out results/convergence --max-reference-s 100 \
         --runs reference,reference_adafactor,ours,ours_adamw    # the README's table, ~8 min
     python3 bench/convergence.py --tiny --out /tmp/convergence  # CPU: tiny shapes through the same code
 
-Every speed lever must leave the loss per trained token where it was. Five runs, each in its own process, on
+Every speed lever must leave the loss per trained token where it was. The runs, each in its own process, on
 the same data, tokenizer and initial weights:
 
 - reference: Hugging Face `Seq2SeqTrainer`, AdamW (torch fused), fp32 weights with bf16 autocast
@@ -18,7 +18,9 @@ the same data, tokenizer and initial weights:
   Adafactor, Kahan-compensated bf16 weights, lr 1e-3 constant, 32k-token micro-batches x 2);
 - ours_adamw: the same command with AdamW on bf16 weights with Kahan-compensated updates (torch-optimi),
   the reference's learning rate and warmup;
-- ours_packed: the preset with packed rows (`packing: true`: several records per row, no padding).
+- ours_packed: the preset with packed rows (`packing: true`: several records per row, no padding);
+- ours_packed_graphs: ours_packed in micro-batches of a quarter the tokens x 4 accumulation (the same
+  optimizer steps), each micro-step a replayed CUDA graph (`cuda_graphs: true`).
 
 Model: FLAN-T5-base's shape (d_model 768, d_ff 2048 gated-GELU, 12+12 layers, 12 heads x 64, vocab 32128),
 random init (seed 0, saved once in bf16 and loaded by all four, the LM head untied and scaled so the first
@@ -77,12 +79,14 @@ RUNS = {
     "ours": "ours, rtx5090 preset (Adafactor, Kahan bf16, lr 1e-3)",
     "ours_adamw": "ours, AdamW, Kahan bf16",
     "ours_packed": "ours, rtx5090 preset, packed rows",
+    "ours_packed_graphs": "ours, rtx5090 preset, packed rows, micro-batches of 1/4 as CUDA graphs",
 }
 # Each of our runs against the Hugging Face run of its optimizer and schedule: what remains between them is
 # the trainer's own doing (kernels, bf16 weights with Kahan updates, batching), not the optimizer's.
 SAME_OPTIMIZER = {
     "ours": "reference_adafactor",
     "ours_packed": "reference_adafactor",
+    "ours_packed_graphs": "reference_adafactor",
     "ours_adamw": "reference",
 }
 
@@ -170,8 +174,13 @@ def ours_config(prep: dict, args, work: Path, name: str) -> dict:
     )
     if args.tiny:  # CPU: fp32 (Kahan has nothing to compensate), small batches
         values.update(dtype="float32", max_tokens=1024, gradient_accumulation_steps=2)
-    if name == "ours_packed":
+    if name in ("ours_packed", "ours_packed_graphs"):
         values.update(packing=True)
+    if name == "ours_packed_graphs" and not args.tiny:  # the same effective batch in 4x the micro-steps
+        accumulation = values["gradient_accumulation_steps"] * 4
+        values.update(
+            cuda_graphs=True, max_tokens=values["max_tokens"] // 4, gradient_accumulation_steps=accumulation
+        )
     if args.seed is not None:
         values.update(seed=args.seed)
     if name == "ours_adamw":

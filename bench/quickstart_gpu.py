@@ -1,6 +1,7 @@
 """The README's first hour on a GPU: the quickstart's commands as a user runs them, on CUDA, then the same
 tiny run with the rtx5090 preset's settings (bf16 weights, Adafactor + Kahan, packed rows, the best model by
-ROUGE-L kept as final/). Each command must exit 0 and leave what the README says it leaves.
+ROUGE-L kept as final/), and those with `cuda_graphs: true` (the graph dropped for each evaluation, captured
+again after it). Each command must exit 0 and leave what the README says it leaves.
 
     python3 bench/quickstart_gpu.py            # on a GPU machine, from the repository root (~2 minutes)
 
@@ -66,6 +67,11 @@ def main() -> int:
         for name, out_dir, extra in [
             ("quickstart", "outputs/quickstart", []),
             ("quickstart with the preset's settings", "outputs/preset", ["--set", *PRESET_SETTINGS]),
+            (
+                "the preset's settings, micro-steps as CUDA graphs",
+                "outputs/graphs",
+                ["--set", *PRESET_SETTINGS, "cuda_graphs=true"],
+            ),
         ]:
             sets = ["--set", f"output_dir={out_dir}"] if not extra else [*extra, f"output_dir={out_dir}"]
             trained, log = run(f"{name}: trainer train", ["train", *config, *sets], work, env)

@@ -44,6 +44,10 @@ def test_overrides_are_typed():
         ("learning_rate=.nan", "learning_rate must be a positive number"),
         ("max_grad_norm=-1", "max_grad_norm must be >= 0 (0: no clipping"),
         ("learning_rate=[1", "override 'learning_rate=[1': the value is not valid YAML"),
+        (
+            "cuda_graphs=true",
+            "--set cuda_graphs=true: cuda_graphs needs packing: true",
+        ),  # unpacked: many shapes
     ],
 )
 def test_bad_overrides_are_clear_errors(override, message):

@@ -431,3 +431,16 @@ def test_the_hours_of_an_epoch_cover_one_epoch(tmp_path, tiny_model_dir, sample_
 def test_trainer_plan_rejects_hours_that_are_not_a_positive_number(tmp_path, capsys):
     assert cli_main(["plan", "--config", write_config(tmp_path, ""), "--hours", "0"]) == 2
     assert "--hours must be a positive number, got 0" in capsys.readouterr().err
+
+
+def test_cuda_graphs_plan_the_update_beside_the_activations():
+    """A captured micro-step's memory pool stays reserved through the optimizer step: its scratch adds."""
+    xl = load_shape("google/flan-t5-xl")
+    kw = dict(
+        optimizer="adafactor", attn_implementation="triton", packed=True, rows=4, src_len=512, tgt_len=1536
+    )
+    eager = plan_memory(xl, **kw)
+    graphs = plan_memory(xl, cuda_graphs=True, **kw)
+    assert eager.optimizer_temp == 0 and graphs.optimizer_temp > 0
+    assert graphs.activations == eager.activations
+    assert graphs.peak > eager.peak

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -218,3 +219,13 @@ def test_max_grad_norm_zero_measures_the_norm_without_clipping():
     assert clip_grad_norm_([p], 0.0).item() == 5.0 and p.grad.tolist() == [3.0, 4.0, 0.0]
     assert clip_grad_norm_([p], 1.0).item() == 5.0
     assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_cuda_graphs_without_a_gpu_run_the_micro_steps_eagerly(caplog):
+    from trainer.config import TrainConfig
+    from trainer.train import micro_step_graph
+
+    cfg = TrainConfig(train_files=["recipes.jsonl"], packing=True, cuda_graphs=True)
+    with caplog.at_level(logging.WARNING):
+        assert micro_step_graph(cfg, torch.device("cpu"), model=None, train_module=None) is None
+    assert "cuda_graphs: no CUDA GPU here; the micro-steps run eagerly" in caplog.text

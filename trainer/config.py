@@ -65,6 +65,9 @@ class TrainConfig:
     # them in the backward (they are the first to run it). None: as many as the memory plan fits on the GPU.
     decoder_blocks_without_checkpointing: int | None = None
     torch_compile: bool = False  # compile each T5 block (slower start, faster steps on a GPU)
+    # Replay each micro-step (forward, backward, gradient accumulation) as a CUDA graph, so that the host's
+    # launches stop limiting small micro-batches. Needs packing (one batch shape) and one process.
+    cuda_graphs: bool = False
     random_init: bool = False  # build the architecture from model_name_or_path's config.json (benchmarks)
 
     # --- data ---
@@ -199,6 +202,16 @@ class TrainConfig:
             if value is not None and value < low:
                 nullable = " or null" if defaults[name] is None else ""
                 raise ConfigError(f"{name} must be >= {low}{nullable}, got {value}", key=name)
+        if self.cuda_graphs and not self.packing:
+            raise ConfigError(
+                "cuda_graphs needs packing: true (a graph replays one batch shape; packed micro-batches all "
+                "have one)",
+                key=("cuda_graphs", "packing"),
+            )
+        if self.cuda_graphs and self.torch_compile:
+            raise ConfigError(
+                "cuda_graphs and torch_compile: use one of them", key=("cuda_graphs", "torch_compile")
+            )
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(
                 f"eval_fraction must be in [0, 1), got {self.eval_fraction}", key="eval_fraction"

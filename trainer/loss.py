@@ -27,13 +27,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.size(0), chunk_tokens):
             h = hidden[start : start + chunk_tokens]
             y = labels[start : start + chunk_tokens]
+            counted = (y != -100)[:, None]  # rows labelled -100 add nothing to the loss or the gradients
+            y = y.clamp(min=0)
             logits = (h @ weight.t()).to(acc)
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            loss += (lse - logits.gather(1, y[:, None])).masked_fill(~counted, 0).sum()
             if need_grad:
-                # d(sum of losses)/d(logits) = softmax - one_hot, computed in place over the fp32 logits.
-                g = logits.sub_(lse[:, None]).exp_()
-                g[torch.arange(len(y), device=y.device), y] -= 1.0
+                # d(sum of losses)/d(logits) = softmax - one_hot, computed in place over the fp32 logits; an
+                # uncounted row's infinite log-sum-exp makes its softmax 0.
+                g = logits.sub_(lse.masked_fill(~counted, float("inf"))).exp_()
+                g.scatter_add_(1, y[:, None], -counted.to(acc))
                 g = g.to(hidden.dtype)
                 grad_hidden[start : start + chunk_tokens] = g @ weight
                 grad_weight += (g.t() @ h).to(acc)
@@ -54,11 +57,15 @@ def linear_cross_entropy(
     """Sum over tokens with label != -100 of cross_entropy(hidden @ weight.T, label), in fp32.
 
     hidden: (..., d) in the model's dtype; weight: the LM head (vocab, d); labels: (...), -100 where
-    padding. Only the labelled rows are multiplied by the head.
+    padding. Only the labelled rows are multiplied by the head, except while a CUDA graph is being captured:
+    selecting them needs their number on the host, so there every row is multiplied and the unlabelled ones
+    are masked out.
     """
-    keep = labels.reshape(-1) != -100
-    rows = hidden.reshape(-1, hidden.size(-1))[keep]
-    return _LinearCrossEntropy.apply(rows, weight, labels.reshape(-1)[keep], chunk_tokens)
+    rows, labels = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1)
+    if not (rows.is_cuda and torch.cuda.is_current_stream_capturing()):
+        keep = labels != -100
+        rows, labels = rows[keep], labels[keep]
+    return _LinearCrossEntropy.apply(rows, weight, labels, chunk_tokens)
 
 
 def scales_decoder_outputs(config) -> bool:

@@ -295,6 +295,7 @@ def plan_memory(
     attn_implementation: str = "eager",
     decoder_blocks_without_checkpointing: int = 0,
     packed: bool = False,
+    cuda_graphs: bool = False,
 ) -> MemoryPlan:
     """Predicted peak of the trainer's training step (trainer.loss.Seq2SeqLMLoss over the model with
     trainer.model.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens.
@@ -311,6 +312,8 @@ def plan_memory(
     masks in place of the padding masks: the same terms (SDPA's decoder mask then has R rows). With the Triton
     kernels no (T, S) tensor exists at all: the kernels compute T5's relative bias from the segment layout
     (trainer.packed_attention), so the bias copies, the shared biases and their gradients are gone.
+    cuda_graphs: the captured micro-step's memory pool keeps the activations' memory through the optimizer
+    step, so the update's scratch comes on top of them instead of reusing it.
     """
     e = _DTYPE_BYTES[dtype]
     b, s, t = rows, src_len, tgt_len
@@ -390,7 +393,9 @@ def plan_memory(
     # stacks, bench/optimizer_step.py). optimi's foreach step uses the gradients as its scratch buffer.
     opt_temp = 5 * adafactor_stack_bytes(shape, e) if optimizer == "adafactor" else 0
     moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
-    if opt_temp > acts + logits:
+    if cuda_graphs and opt_temp:
+        moment = f"optimizer step beside the graph's {moment} memory"
+    elif opt_temp > acts + logits:
         moment, acts, logits = "optimizer step", 0, 0
     else:
         opt_temp = 0
@@ -499,6 +504,7 @@ def _plan_kwargs(cfg, decoder_blocks_without_checkpointing: int | None = None) -
         attn_implementation=attn,
         decoder_blocks_without_checkpointing=decoder_blocks_without_checkpointing,
         packed=cfg.packing,
+        cuda_graphs=cfg.cuda_graphs,
     )
 
 

@@ -34,13 +34,16 @@ def token_loss_sum(model, batch: dict):
     return model(**batch)
 
 
-def accumulate_gradients(model, group: list[dict], split: int, stop=None, n_target: int | None = None):
+def accumulate_gradients(
+    model, group: list[dict], split: int, stop=None, n_target: int | None = None, graph=None
+):
     """Forward+backward over the loader batches of one optimizer step, each split into `split` micro-batches.
 
     Gradients are of (sum of token losses) / (target tokens in the whole group). Returns (loss sum tensor,
     number of target tokens), or None when `stop` became true at a micro-batch boundary. `n_target`: this
     rank's target-token count when the caller has it from the host copy of the batches (counting the GPU
-    copy would wait for the GPU to finish the previous step).
+    copy would wait for the GPU to finish the previous step). `graph`: a trainer.cuda_graphs.MicroStepGraph
+    over `model` that runs the micro-steps instead (one process).
 
     Several ranks: the group is this rank's part of the global one. The target-token count is summed over
     ranks before any backward, and each rank's loss is scaled by world_size because DDP and FSDP average
@@ -58,9 +61,12 @@ def accumulate_gradients(model, group: list[dict], split: int, stop=None, n_targ
     for i, micro in enumerate(micro_batches):
         if stop:
             return None
-        with distributed.gradient_sync(model, sync=i == len(micro_batches) - 1):
-            loss_sum = token_loss_sum(model, micro)
-            (loss_sum / per_rank_tokens).backward()
+        if graph is not None:
+            loss_sum = graph.run(micro, 1.0 / per_rank_tokens)
+        else:
+            with distributed.gradient_sync(model, sync=i == len(micro_batches) - 1):
+                loss_sum = token_loss_sum(model, micro)
+                (loss_sum / per_rank_tokens).backward()
         total = total + loss_sum.detach()  # no sync with the GPU here
     return total, n_target
 
@@ -75,6 +81,7 @@ def accumulate_with_oom_backoff(
     step: int = 0,
     stop=None,
     n_target: int | None = None,
+    graph=None,
 ):
     """accumulate_gradients, halving the micro-batch (doubling oom.split) on out-of-memory and retrying the
     same data, at most cfg.max_oom_halvings times in the run."""
@@ -83,7 +90,7 @@ def accumulate_with_oom_backoff(
     while True:
         failed = False
         try:
-            return accumulate_gradients(model, group, oom.split, stop, n_target)
+            return accumulate_gradients(model, group, oom.split, stop, n_target, graph)
         except torch.OutOfMemoryError:
             if distributed.is_distributed():
                 # The other ranks are waiting in a collective of this step: no retry, torchrun stops them all.
@@ -94,6 +101,8 @@ def accumulate_with_oom_backoff(
                 ) from None
             failed = True  # handled outside the except block, so the traceback's tensors can be freed
         if failed:
+            if graph is not None:  # its memory pool holds a micro-step's activations; halves are a new shape
+                graph.reset()
             model.zero_grad(set_to_none=True)
             memory.free_memory()
             oom.halvings += 1

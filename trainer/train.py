@@ -119,6 +119,7 @@ class Run:
     progress: ConsoleProgress
     meter: StepMeter
     intact: ModelIntact
+    graph: Any  # trainer.cuda_graphs.MicroStepGraph running the micro-steps (cuda_graphs), or None
 
 
 def train(cfg: TrainConfig, dry_run: bool = False) -> int:
@@ -144,6 +145,10 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
     # bad config, model directory, output_dir or data file, before the model is loaded.
     memory.set_alloc_conf(cfg.cuda_alloc_conf)
     rank, world_size, local_rank = distributed.env()
+    if cfg.cuda_graphs and world_size > 1:
+        raise ConfigError(
+            "cuda_graphs works in one process: set it to false under torchrun", key="cuda_graphs"
+        )
     distributed.quiet_other_ranks()
     quiet_library_output()
     # One way out: leaving this block (finished, stopped by a signal, or by an error) closes, in this order,
@@ -222,6 +227,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
                 max_time_s=cfg.max_time_s,
             ),
             intact=ModelIntact(),
+            graph=micro_step_graph(cfg, device, model, train_module),
         )
         # 2. The loop. From here a signal asks for a checkpoint at the next micro-batch boundary.
         stop.training_started()
@@ -520,6 +526,20 @@ def build_model(
     return model, train_module, optimizer, scheduler
 
 
+def micro_step_graph(cfg: TrainConfig, device: torch.device, model, train_module):
+    """With cuda_graphs on a CUDA device, the MicroStepGraph that runs the loop's micro-steps; else None."""
+    if not cfg.cuda_graphs:
+        return None
+    if device.type != "cuda":
+        log.warning("cuda_graphs: no CUDA GPU here; the micro-steps run eagerly")
+        return None
+    from trainer.cuda_graphs import WARMUP, MicroStepGraph
+
+    log.info("cuda_graphs: each micro-step runs as a CUDA graph, captured after %d eager ones", WARMUP)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return MicroStepGraph(lambda **batch: token_loss_sum(train_module, batch), params)
+
+
 # -- 2. the loop ------------------------------------------------------------------------------------------
 
 
@@ -601,6 +621,7 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
                 state.step,
                 stop,
                 n_target=counts.target_tokens,
+                graph=run.graph,
             )
         run.heartbeat.beat(state.step)
         if result is None:  # stop requested mid-step: the partial gradients are dropped
@@ -696,7 +717,8 @@ def optimizer_step(run: Run, loss_sum, n_target: int) -> tuple[float, float]:
     loss = distributed.all_sum([loss_sum])[0] / max(n_target, 1)  # the same on every rank
     if math.isfinite(loss) and math.isfinite(grad_norm):
         run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    # A CUDA graph adds into the gradients where they are: they stay, zeroed.
+    run.optimizer.zero_grad(set_to_none=run.graph is None)
     run.scheduler.step()
     return loss, grad_norm
 
@@ -728,6 +750,8 @@ def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
     (a new best is saved at once, so that the best checkpoint exists) and count evaluations without
     improvement for early stopping."""
     cfg = run.cfg
+    if run.graph is not None:  # its memory pool holds a micro-step's activations: the evaluation's now
+        run.graph.reset()
     result = evaluate(
         run.model,
         run.data.eval_stream,

@@ -1,0 +1,132 @@
+"""cuda_graphs (trainer.cuda_graphs): replayed micro-steps against eager ones on the tiny FLAN-T5 with the
+packed Triton kernels. Needs a CUDA GPU (skipped elsewhere); on CPU the trainer runs such a config eagerly
+(test_train_step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from packed_batches import pack
+
+from trainer.loss import Seq2SeqLMLoss
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+SHAPE = (2, 64, 96)  # rows, source and target capacity: every micro-batch of a run has one shape
+LENGTHS = [(7, 9), (20, 30), (12, 1), (5, 14), (30, 40), (2, 6)]
+
+
+def micro_batches(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        recs = [
+            (
+                torch.randint(3, 500, (s,), generator=g).tolist(),
+                torch.randint(3, 500, (t,), generator=g).tolist(),
+            )
+            for s, t in LENGTHS
+        ]
+        out.append({k: v.cuda() for k, v in pack(recs, *SHAPE).items()})
+    return out
+
+
+def load(model_dir, **config):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from trainer.attention import use_triton_attention
+    from trainer.model import skip_decoder_checkpointing, use_fused_t5_ops
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, attn_implementation="eager", **config)
+    model = model.to("cuda", torch.bfloat16).train()
+    use_fused_t5_ops(model)
+    use_triton_attention(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    skip_decoder_checkpointing(model, 1)  # the trainer's mix: checkpointed blocks and one that keeps all
+    return model
+
+
+def grads_of(model) -> dict:
+    return {n: p.grad.double().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got: dict, want: dict, tol: float):
+    assert got.keys() == want.keys()
+    for name in want:
+        err = float((got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-30))
+        assert err < tol, (name, err)
+
+
+def test_replayed_micro_steps_accumulate_the_eager_gradients(tiny_model_dir):
+    from trainer.cuda_graphs import WARMUP, MicroStepGraph
+
+    model = load(tiny_model_dir, dropout_rate=0.0)
+    loss_module = Seq2SeqLMLoss(model)
+    batches = micro_batches(WARMUP + 3)
+    scale = 1.0 / 1000
+
+    def eager() -> list[float]:
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for b in batches:
+            loss = loss_module(**b)
+            (loss * scale).backward()
+            losses.append(float(loss.detach()))
+        return losses  # and no autograd graph left alive: capture needs its nodes on the capture's stream
+
+    want_losses = eager()
+    want = grads_of(model)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    graph = MicroStepGraph(lambda **b: loss_module(**b), params)
+    model.zero_grad(set_to_none=True)
+    losses = [float(graph.run(b, scale)) for b in batches]
+    assert graph.captures == 1  # warm-up micro-steps, then one capture replayed for the rest
+    assert losses == pytest.approx(want_losses, rel=1e-3)
+    assert_grads_close(grads_of(model), want, 2e-2)
+
+    # Zeroed in place (the update's zero_grad), the gradients keep their addresses: the same graph replays.
+    model.zero_grad(set_to_none=False)
+    graph.run(batches[0], scale)
+    assert graph.captures == 1
+    # Freed (e.g. after running out of memory), they are new tensors: captured again, still right.
+    model.zero_grad(set_to_none=True)
+    for b in batches:
+        graph.run(b, scale)
+    assert graph.captures == 2
+    assert_grads_close(grads_of(model), want, 2e-2)
+
+
+def test_checkpointed_blocks_replay_their_dropout_in_the_recompute(tiny_model_dir):
+    # Dropout everywhere (attention included): a checkpointed block's recompute inside the graph must draw
+    # the random numbers its forward drew, so that from the same seed the gradients equal a graph's without
+    # checkpointing.
+    from trainer.cuda_graphs import WARMUP, MicroStepGraph
+
+    model = load(tiny_model_dir, dropout_rate=0.1)
+    loss_module = Seq2SeqLMLoss(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch = micro_batches(1)[0]
+
+    def captured():
+        graph = MicroStepGraph(lambda **b: loss_module(**b), params)
+        for _ in range(WARMUP + 1):
+            graph.run(batch, 1.0)
+        assert graph.captures == 1
+        return graph
+
+    def replayed(graph, seed: int) -> tuple[float, dict]:
+        model.zero_grad(set_to_none=False)
+        torch.cuda.manual_seed(seed)
+        loss = float(graph.run(batch, 1.0))
+        return loss, grads_of(model)
+
+    checkpointed = replayed(captured(), 5)
+    model.gradient_checkpointing_disable()
+    graph = captured()
+    plain = replayed(graph, 5)
+    assert checkpointed[0] == plain[0]
+    assert_grads_close(checkpointed[1], plain[1], 1e-5)
+    # Each replay draws new numbers from the generator: another seed drops other probabilities.
+    other = replayed(graph, 6)
+    assert other[0] != plain[0]

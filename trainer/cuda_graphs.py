@@ -1,0 +1,102 @@
+"""A training micro-step (forward, backward, gradient accumulation) captured once as a CUDA graph and replayed
+for every micro-batch of the same shape (`cuda_graphs: true`).
+
+An eager micro-step launches ~10k kernels from Python. At the preset's 32k-token micro-batches the GPU is
+busier than the host; at 8k tokens the host is the limit, and small micro-batches are what lets every decoder
+block keep its activations (no recompute) in 32 GiB. A replayed graph costs the host one call, so small
+micro-batches run at the GPU's pace (bench/cuda_graphs.py). Packed batches (`packing: true`) make that
+possible: every micro-batch of a run has one shape.
+
+How: the first WARMUP micro-steps of a shape run eagerly on a side stream (lazy initialisation; every
+gradient then exists), the next one is captured over static input tensors (torch.cuda.graph: nothing runs
+while capturing) and replayed, and so is every later one: its batch is copied into the static inputs, its
+scale (1 / the step's target tokens) into a static scalar. The graph adds into the gradients where they are,
+so they must stay: the update zeroes them in place (`zero_grad(set_to_none=False)`). Dropout stays random:
+the graph draws from torch's CUDA generator, whose offset every replay advances. A new shape, gradients that
+were freed or moved, or `reset()` (before an evaluation, after running out of memory: the graph's memory pool
+holds a micro-step's activations) start over with the warm-up.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+WARMUP = 2  # eager micro-steps of a shape before its capture
+
+
+class MicroStepGraph:
+    """`run(batch, scale)`: `(loss_fn(**batch) * scale).backward()` and the detached loss, as a replayed CUDA
+    graph once its shape is warm. `params`: the trainable parameters (their gradients are the graph's)."""
+
+    def __init__(self, loss_fn, params: list[torch.nn.Parameter]):
+        self.loss_fn = loss_fn
+        self.params = params
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.key: tuple | None = None  # the captured shape and gradient addresses
+        self.static: dict[str, torch.Tensor] = {}
+        self.scale: torch.Tensor | None = None
+        self.loss: torch.Tensor | None = None
+        self.warm: dict[tuple, int] = {}  # eager micro-steps run so far, per shape
+        self.side = torch.cuda.Stream()
+        self.captures = 0
+
+    def run(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+        shape = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()))
+        key = (shape, tuple(p.grad.data_ptr() if p.grad is not None else 0 for p in self.params))
+        if self.graph is None or key != self.key:
+            if self.warm.get(shape, 0) < WARMUP:
+                self.warm[shape] = self.warm.get(shape, 0) + 1
+                return self._eager(batch, scale)
+            self._capture(batch, key)
+        for k, v in batch.items():
+            self.static[k].copy_(v, non_blocking=True)
+        self.scale.fill_(scale)
+        self.graph.replay()
+        return self.loss.clone()
+
+    def reset(self) -> None:
+        """Drop the graph and its memory pool; the next micro-steps warm up and capture again."""
+        had_graph = self.graph is not None
+        self.graph, self.key, self.static, self.scale, self.loss = None, None, {}, None, None
+        self.warm.clear()
+        if had_graph:
+            torch.cuda.empty_cache()  # the pool's memory back to the device: for an evaluation, a new capture
+
+    def _eager(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            loss = self.loss_fn(**batch)
+            (loss * scale).backward()
+            loss = loss.detach()
+        torch.cuda.current_stream().wait_stream(self.side)
+        return loss
+
+    def _capture(self, batch: dict[str, torch.Tensor], key: tuple) -> None:
+        self.reset()
+        for p in self.params:  # the graph adds into gradients that exist
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        key = (key[0], tuple(p.grad.data_ptr() for p in self.params))
+        self.static = {k: torch.empty_like(v) for k, v in batch.items()}
+        self.scale = torch.zeros((), dtype=torch.float32, device=batch["labels"].device)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up's cached activations: the graph allocates from its own pool
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(
+                graph, stream=self.side
+            ):  # the warm-up's stream: autograd's nodes are on it
+                loss = self.loss_fn(**self.static)
+                (loss * self.scale).backward()
+                self.loss = loss.detach()
+        except BaseException:
+            self.reset()
+            raise
+        self.graph, self.key = graph, key
+        self.captures += 1
+        rows = {k: tuple(v.shape) for k, v in batch.items() if k in ("input_ids", "labels")}
+        log.info("cuda_graphs: micro-step captured for micro-batches of %s (capture %d)", rows, self.captures)
