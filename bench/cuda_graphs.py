@@ -11,7 +11,7 @@ decoder block), `none` (no checkpointing). Each runs in its own process on the F
 weights, bf16, Adafactor with Kahan updates, capped at 32 GiB as bench/train_throughput.py), on packed batches
 of bench_run's synthetic recipe records read through the real loader, and times optimizer steps of ~64k tokens
 (accumulation 65536 / micro-batch tokens), the update included, two ways:
-- eager: the trainer's micro-step (trainer.step.token_loss_sum, backward) and update;
+- eager: the trainer's accumulation (trainer.step.accumulate_gradients), clipping and update;
 - graph: as `cuda_graphs: true` trains (trainer.cuda_graphs.MicroStepGraph): the micro-step's forward,
   backward and gradient accumulation captured once in a CUDA graph over static input tensors, each
   micro-batch copied in and the graph replayed; the update stays eager (gradients zeroed in place).
@@ -50,10 +50,12 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
 
     from trainer.config import TrainConfig
     from trainer.data import resolve_tokenizer_file, stream_for, to_device
+    from trainer.distributed import clip_grad_norm_
     from trainer.loss import Seq2SeqLMLoss
     from trainer.memory_plan import with_planned_batch
     from trainer.model import load_model
     from trainer.optim import build_optimizer
+    from trainer.step import accumulate_gradients
     from trainer.train import setup_device
 
     tokens, checkpointing = parse(name)
@@ -114,21 +116,14 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
         else "all (no checkpointing)",
     )
 
-    def update(loss_sum: torch.Tensor, set_to_none: bool) -> float:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
-        loss_sum, norm = torch.stack([loss_sum.float(), norm.float()]).tolist()
+    def optimizer_step(group: list[dict], n_target: int, graph=None) -> float:
+        """The loop's step: its accumulation (eagerly, or through `graph`), clipping and update."""
+        total, _ = accumulate_gradients(module, group, 1, n_target=n_target, graph=graph)
+        norm = clip_grad_norm_(params, 1.0)
+        loss_sum, _ = torch.stack([total.float(), norm.float()]).tolist()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=set_to_none)
+        optimizer.zero_grad(set_to_none=graph is None)  # a graph adds into gradients that stay
         return loss_sum
-
-    def eager_step(group: list[dict], n_target: int) -> float:
-        total = 0.0
-        for micro in group:
-            loss_sum = module(**micro)
-            (loss_sum / n_target).backward()
-            total = total + loss_sum.detach()
-        return update(total, set_to_none=True)
 
     def timed(step_fn) -> dict:
         losses = []
@@ -150,7 +145,7 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
             losses=losses,
         )
 
-    results = [common | {"mode": "eager"} | timed(eager_step)]
+    results = [common | {"mode": "eager"} | timed(optimizer_step)]
     if not cuda:
         return results
 
@@ -158,15 +153,8 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
     from trainer.cuda_graphs import MicroStepGraph
 
     graph = MicroStepGraph(lambda **batch: module(**batch), params)
-
-    def graph_step(group: list[dict], n_target: int) -> float:
-        total = 0.0
-        for micro in group:
-            total = total + graph.run(micro, 1.0 / n_target)
-        return update(total, set_to_none=False)
-
     try:
-        results.append(common | {"mode": "graph"} | timed(graph_step))
+        results.append(common | {"mode": "graph"} | timed(lambda g, n: optimizer_step(g, n, graph)))
     except Exception as e:  # noqa: BLE001 (the bench reports why capture or replay failed)
         results.append(common | {"mode": "graph", "error": f"{type(e).__name__}: {e}"[:500]})
     return results

@@ -1,7 +1,7 @@
 """A training micro-step (forward, backward, gradient accumulation) captured once as a CUDA graph and replayed
 for every micro-batch of the same shape (`cuda_graphs: true`).
 
-An eager micro-step launches ~10k kernels from Python. At the preset's 32k-token micro-batches the GPU is
+An eager micro-step launches ~5k kernels from Python. At the preset's 32k-token micro-batches the GPU is
 busier than the host; at 8k tokens the host is the limit, and small micro-batches are what lets every decoder
 block keep its activations (no recompute) in 32 GiB. A replayed graph costs the host one call, so small
 micro-batches run at the GPU's pace (bench/cuda_graphs.py). Packed batches (`packing: true`) make that
@@ -87,9 +87,9 @@ class MicroStepGraph:
         torch.cuda.empty_cache()  # the warm-up's cached activations: the graph allocates from its own pool
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(
-                graph, stream=self.side
-            ):  # the warm-up's stream: autograd's nodes are on it
+            # On the warm-up's stream: autograd's nodes of an earlier micro-step stay on theirs, and a
+            # capture on another would leave their gradient accumulation out.
+            with torch.cuda.graph(graph, stream=self.side):
                 loss = self.loss_fn(**self.static)
                 (loss * self.scale).backward()
                 self.loss = loss.detach()
