@@ -110,7 +110,7 @@ def run_ours(
     import torch
 
     from trainer.config import TrainConfig
-    from trainer.memory_plan import _plan_kwargs, budget_peak, load_shape, row_lengths, with_planned_batch
+    from trainer.memory_plan import _plan_kwargs, budget_peak, load_shape, row_lengths
     from trainer.train import SUMMARY, train
 
     shape = "tiny" if tiny else "xl"
@@ -138,27 +138,32 @@ def run_ours(
         profile_steps=2 if profile_dir else 0,
         profile_start_step=steps,
     )
-    # What the trainer leaves to the memory plan (decoder blocks without checkpointing), decided as it does.
-    cfg = with_planned_batch(TrainConfig.from_dict(values, source=variant))
-    src_cap, tgt_cap = row_lengths(cfg)
-    plan = {  # the memory plan's prediction for this config: typical recipe rows, and the worst case
-        f"plan_{kind}_gib": budget_peak(
-            load_shape(str(model_dir)),
-            cfg.max_tokens,
-            src_cap=src_cap,
-            tgt_cap=tgt_cap,
-            worst_case=kind == "worst",
-            **_plan_kwargs(cfg),
-        ).peak
-        / 2**30
-        for kind in ("typical", "worst")
-    }
+    # The trainer plans what the config leaves open (decoder blocks without checkpointing, on the packed rows
+    # the loader chooses) and writes its prediction into the run summary.
+    cfg = TrainConfig.from_dict(values, source=variant)
     rc = train(cfg)
     if profile_dir and (work / "out" / "profile" / "kernels.txt").exists():
         Path(profile_dir).mkdir(parents=True, exist_ok=True)
         shutil.copy(work / "out" / "profile" / "kernels.txt", Path(profile_dir) / f"{variant}.txt")
     rows = train_rows(work / "out")[:steps]
     summary = json.loads((work / "out" / SUMMARY).read_text())
+    blocks = summary.get("decoder_blocks_without_checkpointing")
+    planned = summary.get("planned_peak_gib")  # the worst case the trainer planned for
+    typical = planned
+    if planned is not None and not cfg.packing:  # padded batches: typical recipe rows as well
+        src_cap, tgt_cap = row_lengths(cfg)
+        kw = _plan_kwargs(cfg, blocks)
+        typical = (
+            budget_peak(
+                load_shape(str(model_dir)),
+                cfg.max_tokens,
+                src_cap=src_cap,
+                tgt_cap=tgt_cap,
+                worst_case=False,
+                **kw,
+            ).peak
+            / 2**30
+        )
     timed = rows[warmup:]
     seconds = timed[-1]["time"] - rows[warmup - 1]["time"]
     src = sum(r["source_tokens"] for r in timed)
@@ -178,11 +183,13 @@ def run_ours(
         tokens_per_step=(src + tgt) / len(timed),
         accumulation=accumulation,
         max_tokens=cfg.max_tokens,
-        decoder_blocks_without_checkpointing=cfg.decoder_blocks_without_checkpointing,
+        decoder_blocks_without_checkpointing=blocks,
+        packed_rows=summary.get("packed_rows"),
         optimizer=f"{cfg.optimizer} ({cfg.bf16_update})",
         final_loss=rows[-1]["loss"],
         oom_split=summary.get("oom_split"),
-        **plan,
+        plan_typical_gib=typical,
+        plan_worst_gib=planned,
     )
 
 
@@ -318,7 +325,7 @@ def main() -> int:
     reference = next((r for r in results if r["side"] == "peer"), None)
     best = reference["real_tok_s"] if reference and reference.get("ok") else None
     print()
-    columns = ["config", "real tok/s", "samples/s", "MFU", "padding", "peak alloc", "vs peer"]
+    columns = ["config", "real tok/s", "samples/s", "MFU", "padding", "peak alloc / reserved", "vs peer"]
     print("| " + " | ".join([*columns, "plan: typical / worst"]) + " |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -330,7 +337,7 @@ def main() -> int:
         ratio = f"{r['real_tok_s'] / best:.2f}x" if best else "-"
         print(
             f"| {r.get('label', r['config'])} | {r['real_tok_s']:,.0f} | {r['samples_s']:.1f} "
-            f"| {100 * mfu:.1f}% | {padding} | {_gib(r.get('peak_alloc_gib'))} | {ratio} | {_plan(r)} |"
+            f"| {100 * mfu:.1f}% | {padding} | {_peak(r)} | {ratio} | {_plan(r)} |"
         )
     if reference is not None:
         print(f"\nvs peer: ratios to {reference.get('label', reference['config'])} (bench/hf_peer.py)")
@@ -350,16 +357,19 @@ def main() -> int:
 
 
 def _plan(r: dict) -> str:
-    """The memory plan's typical and worst-case prediction, the typical one relative to the measured peak."""
-    if "plan_typical_gib" not in r:
+    """The memory plan's typical and worst-case prediction, the typical one relative to the measured peak
+    (reserved: what the card must hold, a CUDA graph's memory pool included)."""
+    if r.get("plan_typical_gib") is None:
         return "-"
-    measured = r.get("peak_alloc_gib")
+    measured = r.get("peak_reserved_gib")
     err = f" ({100 * (r['plan_typical_gib'] / measured - 1):+.0f}%)" if measured else ""
     return f"{r['plan_typical_gib']:.1f}{err} / {r['plan_worst_gib']:.1f} GiB"
 
 
-def _gib(value: float | None) -> str:
-    return "n/a (CPU)" if value is None else f"{value:.1f} GiB"
+def _peak(r: dict) -> str:
+    if r.get("peak_alloc_gib") is None:
+        return "n/a (CPU)"
+    return f"{r['peak_alloc_gib']:.1f} / {r['peak_reserved_gib']:.1f} GiB"
 
 
 if __name__ == "__main__":

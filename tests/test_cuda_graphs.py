@@ -130,3 +130,54 @@ def test_checkpointed_blocks_replay_their_dropout_in_the_recompute(tiny_model_di
     # Each replay draws new numbers from the generator: another seed drops other probabilities.
     other = replayed(graph, 6)
     assert other[0] != plain[0]
+
+
+def test_the_optimizer_update_replays_as_a_graph_exactly_like_an_eager_step(tiny_model_dir):
+    """Adafactor's update captured in the micro-step graph's pool: after a few steps (the host advancing the
+    step counts, whose scalars the graph reads), one replayed update from given gradients writes the weights
+    and Kahan buffers an eager step writes from the same state, bit for bit."""
+    from trainer.cuda_graphs import MicroStepGraph
+    from trainer.optim import Adafactor
+
+    model = load(tiny_model_dir, dropout_rate=0.0)
+    loss_module = Seq2SeqLMLoss(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = Adafactor(params, lr=1e-3, kahan=True)
+    graph = MicroStepGraph(lambda **b: loss_module(**b), params)
+    batches = micro_batches(4)
+    for _ in range(3):
+        for b in batches:
+            graph.run(b, 1.0 / 1000)
+        graph.optimizer_step(opt)
+        opt.zero_grad(set_to_none=False)
+    # Once more after the first (eager) update, at once: a warm shape runs no eager micro-step again.
+    assert graph.update is not None and graph.captures == 2
+    assert {s["step"] for s in opt.state.values()} == {3}
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    grads = [torch.randn(p.shape, generator=g, device="cuda").to(p.dtype) * 1e-3 for p in params]
+    saved = [p.detach().clone() for p in params]
+    saved_states = [
+        {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()} for p in params
+    ]
+
+    def step(replayed: bool) -> list[torch.Tensor]:
+        for p, w, grad, st in zip(params, saved, grads, saved_states, strict=True):
+            p.data.copy_(w)
+            p.grad.copy_(grad)
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    opt.state[p][k].copy_(v)
+                else:
+                    opt.state[p][k] = v
+        if replayed:
+            graph.optimizer_step(opt)
+        else:
+            opt.step()
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in params] + [opt.state[p]["kahan_comp"].clone() for p in params]
+
+    replayed, eager = step(replayed=True), step(replayed=False)
+    assert graph.captures == 2  # the same update graph
+    assert all(torch.equal(a, b) for a, b in zip(replayed, eager, strict=True))
+    assert not all(torch.equal(a, w) for a, w in zip(replayed, saved, strict=False))  # it did update

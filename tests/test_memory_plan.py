@@ -25,7 +25,9 @@ from trainer.memory_plan import (
     largest_token_budget,
     optimizer_state_bytes,
     plan_memory,
+    plan_packed_rows,
     plan_run,
+    probe_shapes,
 )
 from trainer.model import skip_decoder_checkpointing, use_fused_t5_ops
 from trainer.model_shape import KNOWN_CONFIGS, ModelShape, load_shape
@@ -229,7 +231,7 @@ def test_the_trainer_skips_checkpointing_only_where_the_plan_has_room():
     cfg = TrainConfig.load(Path(__file__).parents[1] / "configs" / "flan-t5-xl-rtx5090.yaml")
     assert choose_decoder_blocks_without_checkpointing(cfg, 32 * GIB) == 3  # on the card the preset is for
     assert choose_decoder_blocks_without_checkpointing(cfg, 24 * GIB) == 0  # no room left
-    assert choose_decoder_blocks_without_checkpointing(cfg, 80 * GIB) == 19  # most on an 80 GB card
+    assert choose_decoder_blocks_without_checkpointing(cfg, 80 * GIB) == 21  # most on an 80 GB card
     off = dataclasses.replace(cfg, gradient_checkpointing=False)
     assert choose_decoder_blocks_without_checkpointing(off, 80 * GIB) == 0
 
@@ -433,14 +435,46 @@ def test_trainer_plan_rejects_hours_that_are_not_a_positive_number(tmp_path, cap
     assert "--hours must be a positive number, got 0" in capsys.readouterr().err
 
 
-def test_cuda_graphs_plan_the_update_beside_the_activations():
-    """A captured micro-step's memory pool stays reserved through the optimizer step: its scratch adds."""
-    xl = load_shape("google/flan-t5-xl")
-    kw = dict(
-        optimizer="adafactor", attn_implementation="triton", packed=True, rows=4, src_len=512, tgt_len=1536
+def test_the_loaders_packed_rows_decide_how_many_blocks_keep_their_activations():
+    """The budget is planned before the data is read, on rows of the maximum lengths; the loader then chooses
+    rows from the data (recipes: target-heavy). The blocks are chosen again on those, so the run's peak is the
+    plan's."""
+    from trainer.memory_plan import choose_decoder_blocks_without_checkpointing, micro_batch_peak
+
+    cfg = TrainConfig.load(Path(__file__).parents[1] / "configs" / "flan-t5-xl-rtx5090.yaml")
+    cfg = dataclasses.replace(
+        cfg, packing=True, max_tokens=8192, gradient_accumulation_steps=8, cuda_graphs=True
     )
-    eager = plan_memory(xl, **kw)
-    graphs = plan_memory(xl, cuda_graphs=True, **kw)
-    assert eager.optimizer_temp == 0 and graphs.optimizer_temp > 0
-    assert graphs.activations == eager.activations
-    assert graphs.peak > eager.peak
+    xl, card = load_shape(cfg.model_name_or_path), 32 * GIB
+    assumed = plan_run(cfg, card)
+    assert probe_shapes(cfg, assumed) == [(8, 512, 512)]
+    loader_rows = {"rows": 4, "source_len": 560, "target_len": 1488}  # what it chooses for recipes at 8k
+    plan = plan_packed_rows(assumed, cfg, loader_rows, card)
+    assert plan.packed_rows == (4, 560, 1488) and probe_shapes(cfg, plan) == [(4, 560, 1488)]
+    blocks = plan.decoder_blocks_without_checkpointing
+    assert 0 < blocks < assumed.decoder_blocks_without_checkpointing  # longer decoder rows: fewer fit
+    assert blocks == choose_decoder_blocks_without_checkpointing(cfg, card, 8192, plan.packed_rows)
+    fits = [
+        micro_batch_peak(xl, cfg, 8192, k, plan.packed_rows).peak <= SAFETY_MARGIN * card
+        for k in (blocks, blocks + 1)
+    ]
+    assert fits == [True, False]
+    # A config that sets the number keeps it.
+    fixed = dataclasses.replace(cfg, decoder_blocks_without_checkpointing=24)
+    assert (
+        plan_packed_rows(plan_run(fixed, card), fixed, loader_rows, card).decoder_blocks_without_checkpointing
+        == 24
+    )
+
+
+def test_trainer_plan_plans_the_packed_rows_the_loader_chooses(tmp_path, capsys, tiny_model_dir, sample_csv):
+    from trainer.data import resolve_tokenizer_file, stream_for
+
+    config = _data_config(tmp_path, tiny_model_dir, sample_csv)
+    assert cli_main(["plan", "--config", config, "--set", "packing=true"]) == 0
+    out = capsys.readouterr().out
+    cfg = dataclasses.replace(TrainConfig.load(config), packing=True)
+    shape = stream_for(cfg, resolve_tokenizer_file(tiny_model_dir), "train").stats()["packed_shape"]
+    assert shape["target_len"] != 96  # chosen from the data, not the maximum length
+    rows = f"{shape['rows']} rows x ({shape['source_len']} + {shape['target_len']}) tokens (packed rows"
+    assert f"micro-batch: {rows}" in out, out

@@ -166,9 +166,10 @@ def _attention_sublayer(
     drop = mask if p > 0 else 0
     ln = _layer_norm_saved(n, d, e, fused)
     qkv = n * inner * e + 2 * m * inner * e
-    # o's input, the output dropout's mask (none with Triton: trainer.fused_ops fuses it with the residual
-    # sum), the residual sum
-    tail = n * inner * e + (0 if attention == "triton" else n * d * drop) + n * d * e
+    # o's input (with Triton the kernels' (B, T, H, D) output, saved by them too: o reads it as a view, so it
+    # is counted once, below), the output dropout's mask (none with Triton: trainer.fused_ops fuses it with
+    # the residual sum), the residual sum
+    tail = (0 if attention == "triton" else n * inner * e + n * d * drop) + n * d * e
     if attention == "triton":
         from trainer.attention import bias_grad_groups, key_stride
 
@@ -295,7 +296,6 @@ def plan_memory(
     attn_implementation: str = "eager",
     decoder_blocks_without_checkpointing: int = 0,
     packed: bool = False,
-    cuda_graphs: bool = False,
 ) -> MemoryPlan:
     """Predicted peak of the trainer's training step (trainer.loss.Seq2SeqLMLoss over the model with
     trainer.model.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens.
@@ -312,8 +312,8 @@ def plan_memory(
     masks in place of the padding masks: the same terms (SDPA's decoder mask then has R rows). With the Triton
     kernels no (T, S) tensor exists at all: the kernels compute T5's relative bias from the segment layout
     (trainer.packed_attention), so the bias copies, the shared biases and their gradients are gone.
-    cuda_graphs: the captured micro-step's memory pool keeps the activations' memory through the optimizer
-    step, so the update's scratch comes on top of them instead of reusing it.
+    With `cuda_graphs` the same: the captured update reuses the captured micro-step's memory pool
+    (trainer.cuda_graphs).
     """
     e = _DTYPE_BYTES[dtype]
     b, s, t = rows, src_len, tgt_len
@@ -393,9 +393,7 @@ def plan_memory(
     # stacks, bench/optimizer_step.py). optimi's foreach step uses the gradients as its scratch buffer.
     opt_temp = 5 * adafactor_stack_bytes(shape, e) if optimizer == "adafactor" else 0
     moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
-    if cuda_graphs and opt_temp:
-        moment = f"optimizer step beside the graph's {moment} memory"
-    elif opt_temp > acts + logits:
+    if opt_temp > acts + logits:
         moment, acts, logits = "optimizer step", 0, 0
     else:
         opt_temp = 0
@@ -504,7 +502,6 @@ def _plan_kwargs(cfg, decoder_blocks_without_checkpointing: int | None = None) -
         attn_implementation=attn,
         decoder_blocks_without_checkpointing=decoder_blocks_without_checkpointing,
         packed=cfg.packing,
-        cuda_graphs=cfg.cuda_graphs,
     )
 
 
@@ -545,24 +542,44 @@ def choose_max_tokens(cfg, gpu_bytes: int) -> int:
     return tokens
 
 
-def choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes: int, max_tokens: int | None = None) -> int:
+def micro_batch_peak(
+    shape: ModelShape, cfg, max_tokens: int | None, blocks: int, packed_rows: tuple | None = None
+) -> MemoryPlan:
+    """The predicted peak of `cfg`'s largest micro-batch, the last `blocks` decoder blocks un-checkpointed:
+    the loader's packed rows (rows, source length, target length) when given, else
+    per_device_train_batch_size rows of the longest lengths, else the worst the budget `max_tokens` yields."""
+    kw = _plan_kwargs(cfg, blocks)
+    if packed_rows is not None:
+        rows, src, tgt = packed_rows
+        return plan_memory(shape, rows=rows, src_len=src, tgt_len=tgt, **kw)
+    src, tgt = row_lengths(cfg)
+    if cfg.per_device_train_batch_size is not None:
+        return plan_memory(shape, rows=cfg.per_device_train_batch_size, src_len=src, tgt_len=tgt, **kw)
+    return budget_peak(shape, max_tokens, src_cap=src, tgt_cap=tgt, **kw)
+
+
+def planned_peak_bytes(cfg, plan: RunPlan) -> int:
+    """The predicted peak of the run `plan` makes of `cfg` (its micro-batch, blocks and packed rows)."""
+    shape = load_shape(cfg.model_name_or_path)
+    blocks = plan.decoder_blocks_without_checkpointing if cfg.gradient_checkpointing else 0
+    return micro_batch_peak(shape, cfg, plan.max_tokens, blocks, plan.packed_rows).peak
+
+
+def choose_decoder_blocks_without_checkpointing(
+    cfg, gpu_bytes: int, max_tokens: int | None = None, packed_rows: tuple | None = None
+) -> int:
     """How many of the last decoder blocks can skip checkpointing (keeping their activations, saving their
-    recompute) with the micro-batch (`max_tokens`, default the config's) still within SAFETY_MARGIN of
-    `gpu_bytes`, worst case."""
+    recompute) with the micro-batch (`max_tokens`, default the config's; or the loader's `packed_rows`) still
+    within SAFETY_MARGIN of `gpu_bytes`, worst case."""
     if not cfg.gradient_checkpointing:
         return 0
     shape = load_shape(cfg.model_name_or_path)
-    rows, (src, tgt) = cfg.per_device_train_batch_size, row_lengths(cfg)
     tokens = max_tokens if max_tokens is not None else cfg.max_tokens
-
-    def peak(blocks: int) -> int:
-        kw = _plan_kwargs(cfg, blocks)
-        if rows is not None:
-            return plan_memory(shape, rows=rows, src_len=src, tgt_len=tgt, **kw).peak
-        return budget_peak(shape, tokens, src_cap=src, tgt_cap=tgt, **kw).peak
-
     blocks = 0
-    while blocks < shape.num_decoder_layers and peak(blocks + 1) <= SAFETY_MARGIN * gpu_bytes:
+    while (
+        blocks < shape.num_decoder_layers
+        and micro_batch_peak(shape, cfg, tokens, blocks + 1, packed_rows).peak <= SAFETY_MARGIN * gpu_bytes
+    ):
         blocks += 1
     return blocks
 
@@ -587,6 +604,9 @@ class RunPlan:
     per_device_train_batch_size: int | None  # rows per micro-batch (the config's), or else
     max_tokens: int | None  # a token budget per micro-batch: the config's, or the plan's
     decoder_blocks_without_checkpointing: int  # the last decoder blocks that keep their activations
+    # Packing: the loader's rows (rows, source length, target length), which it chooses from the data once
+    # it is indexed (plan_packed_rows); until then None, and the plan assumes rows of the maximum lengths.
+    packed_rows: tuple[int, int, int] | None = None
 
     def micro_batch(self, split: int = 1) -> str:
         """The micro-batch in words, after the loader batches are split into `split` parts (OOM back-off)."""
@@ -632,16 +652,41 @@ def plan_run(cfg, gpu_bytes: int | None = None) -> RunPlan:
     return RunPlan(cfg.per_device_train_batch_size, max_tokens, blocks)
 
 
+def plan_packed_rows(plan: RunPlan, cfg, packed_shape: dict, gpu_bytes: int | None = None) -> RunPlan:
+    """`plan` for the packed rows the loader chose from the data (its `packed_shape`: rows, source_len,
+    target_len), which the budget could only assume to be rows of the maximum lengths: where the config
+    leaves it to the plan, the number of decoder blocks without checkpointing is chosen again on them."""
+    rows = (packed_shape["rows"], packed_shape["source_len"], packed_shape["target_len"])
+    blocks = plan.decoder_blocks_without_checkpointing
+    if gpu_bytes is None:
+        gpu_bytes = gpu_bytes_for(cfg)
+    if cfg.decoder_blocks_without_checkpointing is None and gpu_bytes is not None:
+        blocks = choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes, plan.max_tokens, rows)
+        peak = micro_batch_peak(load_shape(cfg.model_name_or_path), cfg, plan.max_tokens, blocks, rows)
+        logger.info(
+            "memory plan: packed rows of %d x (%d + %d) tokens; the last %d decoder blocks without gradient "
+            "checkpointing, predicted peak %.1f GiB of %.1f",
+            *rows,
+            blocks,
+            peak.peak / GIB,
+            gpu_bytes / GIB,
+        )
+    return dataclasses.replace(plan, decoder_blocks_without_checkpointing=blocks, packed_rows=rows)
+
+
 def with_planned_batch(cfg, gpu_bytes: int | None = None):
     """`cfg` with the plan's values filled in (`plan_run(cfg, gpu_bytes).applied_to(cfg)`), for scripts that
     hand a complete config on."""
     return plan_run(cfg, gpu_bytes).applied_to(cfg)
 
 
-def probe_shapes(cfg, max_tokens: int | None) -> list[tuple[int, int, int]]:
-    """(rows, source length, target length) of the largest micro-batches the loader can yield for `cfg`'s
-    rows per micro-batch, or else for the token budget `max_tokens` (packed: the one shape of its batches)."""
+def probe_shapes(cfg, plan: RunPlan) -> list[tuple[int, int, int]]:
+    """(rows, source length, target length) of the largest micro-batches the loader can yield for `cfg` and
+    its `plan`: the loader's packed rows, per_device_train_batch_size rows of the longest lengths, or the
+    worst shapes of the token budget."""
+    if plan.packed_rows is not None:
+        return [plan.packed_rows]
     src, tgt = row_lengths(cfg)
     if cfg.per_device_train_batch_size is not None:
         return [(cfg.per_device_train_batch_size, src, tgt)]
-    return _budget_shapes(max_tokens, src, tgt, worst_case=True, packed=cfg.packing)
+    return _budget_shapes(plan.max_tokens, src, tgt, worst_case=True, packed=cfg.packing)

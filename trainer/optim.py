@@ -56,11 +56,25 @@ class Adafactor(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.kahan = kahan
         self.compile = compile
+        # The step's device scalars, one (lr, beta2t, weight decay) tensor per group, device and distinct step
+        # count, kept from step to step so that a captured `apply` (trainer.cuda_graphs) reads this step's.
+        self._scalars: dict[tuple, torch.Tensor] = {}
+        self._work: list[tuple[list[torch.Tensor], torch.Tensor, dict]] = []  # what `apply` updates
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
+        self.advance()
+        self.apply()
+        return loss
+
+    @torch.no_grad()
+    def advance(self) -> tuple:
+        """The host's part of a step: states for new weights, step counts, the step's scalars queued to the
+        device, and the stacks `apply` updates. Returns the stacks' layout: equal layouts make equal `apply`
+        calls (the same tensors), which is what a captured `apply` needs."""
+        self._work = []
+        for gi, group in enumerate(self.param_groups):
             stacks: dict[tuple, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
@@ -71,20 +85,36 @@ class Adafactor(torch.optim.Optimizer):
                 state["step"] += 1
                 key = (p.shape, p.dtype, p.device, state["step"], "kahan_comp" in state, _plain(p))
                 stacks.setdefault(key, []).append(p)
+            slots: dict[tuple, torch.Tensor] = {}  # (device, step) -> its scalars
             for (shape, dtype, device, step, _, plain), params in stacks.items():
+                if (device, step) not in slots:
+                    slots[device, step] = self._queue_scalars(gi, len(slots), device, step, group)
                 per_stack = max(1, STACK_BYTES // (math.prod(shape) * dtype.itemsize)) if plain else 1
-                # Scalars as a tensor: they change every step, and a compiled update must not recompile.
-                scalars = torch.tensor(
-                    [group["lr"], 1.0 - math.pow(step, group["decay_rate"]), group["weight_decay"]],
-                    dtype=torch.float32,
-                )
-                if device.type == "cuda":
-                    # From pinned memory the copy is queued; from pageable memory the host would wait for
-                    # the GPU to finish the stacks before it, once per weight shape.
-                    scalars = scalars.pin_memory().to(device, non_blocking=True)
                 for i in range(0, len(params), per_stack):
-                    self._update_stack(params[i : i + per_stack], scalars, group)
-        return loss
+                    self._work.append((params[i : i + per_stack], slots[device, step], group))
+        return tuple((tuple(map(id, params)), id(scalars)) for params, scalars, _ in self._work)
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """The device's part of the step `advance` prepared: every stack's update; the host only launches."""
+        for params, scalars, group in self._work:
+            self._update_stack(params, scalars, group)
+
+    def _queue_scalars(self, group_index: int, slot: int, device, step: int, group: dict) -> torch.Tensor:
+        """[lr, beta2t, weight decay] of `step` copied into the kept device tensor of (group, device, slot).
+        A tensor, because they change every step and a compiled update must not recompile."""
+        values = torch.tensor(
+            [group["lr"], 1.0 - math.pow(step, group["decay_rate"]), group["weight_decay"]],
+            dtype=torch.float32,
+        )
+        key = (group_index, device, slot)
+        if key not in self._scalars:
+            self._scalars[key] = torch.empty(3, dtype=torch.float32, device=device)
+        if device.type == "cuda":
+            # From pinned memory the copy is queued; from pageable memory the host would wait for the GPU to
+            # finish what is queued before it.
+            values = values.pin_memory()
+        return self._scalars[key].copy_(values, non_blocking=True)
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         state["step"] = 0

@@ -27,10 +27,10 @@ from trainer.memory_plan import (
     TYPICAL_TARGET,
     RunPlan,
     _plan_kwargs,
-    budget_peak,
     largest_batch_size,
     largest_token_budget,
-    plan_memory,
+    micro_batch_peak,
+    plan_packed_rows,
     plan_run,
     row_lengths,
 )
@@ -65,6 +65,7 @@ class EpochData:
     steps: float  # optimizer steps per epoch
     total_steps: int  # the run's optimizer steps (max_steps, or num_train_epochs of epochs)
     source: str
+    packed_shape: dict | None = None  # packing: the loader's rows (rows, source_len, target_len)
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)(B?)\s*$", re.IGNORECASE)
@@ -102,29 +103,32 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
     src_cap, tgt_cap = row_lengths(cfg)
     source = "max_tokens" if cfg.max_tokens else "chosen by the plan"
     plan = plan_run(cfg, gpu_bytes)  # what the trainer would choose on this card
-    kw = _plan_kwargs(cfg, plan.decoder_blocks_without_checkpointing)
+    epoch = epoch_data(cfg, plan)
+    if epoch.packed_shape:  # the trainer plans again on the rows the loader chose from the data
+        plan = plan_packed_rows(plan, cfg, epoch.packed_shape, gpu_bytes)
+    blocks = plan.decoder_blocks_without_checkpointing
+    kw = _plan_kwargs(cfg, blocks)
     # The trainer picks the budget with every block checkpointed, then skips checkpointing where room is left.
     kw_all = dict(kw, decoder_blocks_without_checkpointing=0)
-    if cfg.per_device_train_batch_size is not None:
+    peak = micro_batch_peak(shape, cfg, plan.max_tokens, blocks, plan.packed_rows)
+    if plan.packed_rows is not None:
+        rows, src, tgt = plan.packed_rows
+        batch = f"{rows} rows x ({src} + {tgt}) tokens (packed rows, as the loader chose them from the data)"
+    elif cfg.per_device_train_batch_size is not None:
         padded = "packed rows" if cfg.packing else "padded to the maximum"
         batch = f"{cfg.per_device_train_batch_size} rows x ({src_cap} + {tgt_cap}) tokens ({padded})"
-        peak = plan_memory(
-            shape, rows=cfg.per_device_train_batch_size, src_len=src_cap, tgt_len=tgt_cap, **kw
-        )
     else:
         shapes = "worst case over typical and maximal-length rows"
         if cfg.packing:
             rows = max(1, plan.max_tokens // (src_cap + tgt_cap))
-            shapes = f"packed: {rows} rows x ({src_cap} + {tgt_cap})"
+            shapes = f"packed: {rows} rows x ({src_cap} + {tgt_cap}), the data not read"
         batch = f"token budget {plan.max_tokens} ({source}; {shapes})"
-        peak = budget_peak(shape, plan.max_tokens, src_cap=src_cap, tgt_cap=tgt_cap, **kw)
     print(f"model: {cfg.model_name_or_path} ({shape.num_params() / 1e9:.2f}B parameters)")
     print(
         f"optimizer: {cfg.optimizer} ({cfg.bf16_update} bf16 update), "
         f"checkpointing: {cfg.gradient_checkpointing}, attention: {kw['attn_implementation']}"
     )
     if cfg.gradient_checkpointing:
-        blocks = plan.decoder_blocks_without_checkpointing
         print(f"decoder blocks without checkpointing (the last ones; no recompute): {blocks}")
     print(f"micro-batch: {batch}")
     print(f"peak at: {peak.peak_moment}")
@@ -145,7 +149,7 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
     )
     print(f"largest per_device_train_batch_size at {src_cap}+{tgt_cap} tokens: {rows}")
     print()
-    for line in time_report(cfg, plan, shape, peak.peak, epoch_data(cfg, plan), hours):
+    for line in time_report(cfg, plan, shape, peak.peak, epoch, hours):
         print(line)
     print()
     if peak.peak > gpu_bytes * SAFETY_MARGIN:
@@ -199,6 +203,7 @@ def epoch_data(cfg, plan: RunPlan) -> EpochData:
         total,
         f"{records:,} training records, {int(sources.sum()):,} source + {int(targets.sum()):,} target tokens "
         f"(the loader's token lengths of {', '.join(cfg.train_files)})",
+        stream.stats()["packed_shape"],
     )
 
 

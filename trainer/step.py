@@ -131,7 +131,7 @@ def probe_memory(train_module, cfg: TrainConfig, plan: RunPlan, oom: OomBackoff,
     hours into the run. The gradients are dropped."""
     import torch
 
-    shapes = probe_shapes(cfg, plan.max_tokens)
+    shapes = probe_shapes(cfg, plan)
     g = torch.Generator().manual_seed(0)
     for rows, src, tgt in shapes:
         batch = {

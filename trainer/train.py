@@ -36,7 +36,7 @@ from trainer.data import RecipeDataError, RecipeFileError, records_in, skipped_s
 from trainer.evaluation import EvalResult, eval_batch_tokens, evaluate, load_generation_records, metrics_line
 from trainer.healthcheck import Heartbeat
 from trainer.jsonl import fsync_file
-from trainer.memory_plan import RunPlan, plan_run
+from trainer.memory_plan import RunPlan, plan_packed_rows, plan_run, planned_peak_bytes
 from trainer.model_files import ModelFiles, check_model_dir
 from trainer.profiling import StepProfiler
 from trainer.prompt import PromptTemplate
@@ -181,6 +181,8 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         resume_from = ckpt.find_resume_checkpoint(cfg.resume, output_dir)
         plan = plan_run(cfg)
         data = open_data(cfg, plan, rank, world_size)
+        if cfg.packing:  # the loader chose the rows' lengths from the data: the plan's blocks fit those
+            plan = plan_packed_rows(plan, cfg, data.train_stream.stats()["packed_shape"])
         if dry_run:
             log.info("dry run: the config, the model files and the data are fine; the model is not loaded")
             return 0
@@ -716,7 +718,10 @@ def optimizer_step(run: Run, loss_sum, n_target: int) -> tuple[float, float]:
     loss_sum, grad_norm = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()
     loss = distributed.all_sum([loss_sum])[0] / max(n_target, 1)  # the same on every rank
     if math.isfinite(loss) and math.isfinite(grad_norm):
-        run.optimizer.step()
+        if run.graph is not None:
+            run.graph.optimizer_step(run.optimizer)
+        else:
+            run.optimizer.step()
     # A CUDA graph adds into the gradients where they are: they stay, zeroed.
     run.optimizer.zero_grad(set_to_none=run.graph is None)
     run.scheduler.step()
@@ -897,6 +902,10 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
     if run.device.type == "cuda":
         summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(run.device) / memory.GIB
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(run.device) / memory.GIB
+        # The memory plan's prediction for the planned micro-batch, and what it chose, beside the measurement.
+        summary["planned_peak_gib"] = planned_peak_bytes(cfg, run.plan) / memory.GIB
+        summary["decoder_blocks_without_checkpointing"] = run.plan.decoder_blocks_without_checkpointing
+        summary["packed_rows"] = run.plan.packed_rows
     run.meter.write_summary(state.step, duration, summary)
     for sample in (last_eval.samples if last_eval is not None else [])[:1]:
         log.info(
