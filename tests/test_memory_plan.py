@@ -4,6 +4,7 @@ step, and the activation terms against the live tensor bytes of a real checkpoin
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from pathlib import Path
 
@@ -435,7 +436,7 @@ def test_trainer_plan_rejects_hours_that_are_not_a_positive_number(tmp_path, cap
     assert "--hours must be a positive number, got 0" in capsys.readouterr().err
 
 
-def test_the_loaders_packed_rows_decide_how_many_blocks_keep_their_activations():
+def test_the_loaders_packed_rows_decide_how_many_blocks_keep_their_activations(caplog):
     """The budget is planned before the data is read, on rows of the maximum lengths; the loader then chooses
     rows from the data (recipes: target-heavy). The blocks are chosen again on those, so the run's peak is the
     plan's."""
@@ -459,6 +460,10 @@ def test_the_loaders_packed_rows_decide_how_many_blocks_keep_their_activations()
         for k in (blocks, blocks + 1)
     ]
     assert fits == [True, False]
+    # Rows that do not fit even with every block checkpointed: said, with what to do.
+    with caplog.at_level(logging.WARNING, logger="trainer.memory_plan"):
+        assert plan_packed_rows(assumed, cfg, loader_rows, 16 * GIB).decoder_blocks_without_checkpointing == 0
+    assert "set max_tokens lower" in caplog.text
     # A config that sets the number keeps it.
     fixed = dataclasses.replace(cfg, decoder_blocks_without_checkpointing=24)
     assert (

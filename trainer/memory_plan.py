@@ -671,6 +671,14 @@ def plan_packed_rows(plan: RunPlan, cfg, packed_shape: dict, gpu_bytes: int | No
             peak.peak / GIB,
             gpu_bytes / GIB,
         )
+        if peak.peak > SAFETY_MARGIN * gpu_bytes:
+            logger.warning(
+                "memory plan: these packed rows are predicted to need %.1f GiB, over %.0f%% of the GPU's "
+                "%.1f: set max_tokens lower (the out-of-memory back-off would halve the micro-batch)",
+                peak.peak / GIB,
+                100 * SAFETY_MARGIN,
+                gpu_bytes / GIB,
+            )
     return dataclasses.replace(plan, decoder_blocks_without_checkpointing=blocks, packed_rows=rows)
 
 
