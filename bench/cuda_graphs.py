@@ -53,7 +53,7 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
     from trainer.data import resolve_tokenizer_file, stream_for, to_device
     from trainer.distributed import clip_grad_norm_
     from trainer.loss import Seq2SeqLMLoss
-    from trainer.memory_plan import with_planned_batch
+    from trainer.memory_plan import plan_packed_rows, plan_run
     from trainer.model import load_model
     from trainer.optim import build_optimizer
     from trainer.step import accumulate_gradients
@@ -83,7 +83,11 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
         gpu_memory_limit_gib=32.0 if cuda else None,
         **QUIET_RUN,
     )
-    cfg = with_planned_batch(TrainConfig.from_dict(values, source=name))
+    # Planned as the trainer plans: the budget, then the decoder blocks kept on the rows the loader packs.
+    cfg = TrainConfig.from_dict(values, source=name)
+    tokenizer_file = resolve_tokenizer_file(str(model_dir))
+    packed_shape = stream_for(cfg, tokenizer_file, "train").stats()["packed_shape"]
+    cfg = plan_packed_rows(plan_run(cfg), cfg, packed_shape).applied_to(cfg)
     device = setup_device(cfg, 0)
     torch.manual_seed(0)
     model = load_model(
@@ -93,7 +97,7 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
     module = Seq2SeqLMLoss(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, cfg, device)
-    stream = stream_for(cfg, resolve_tokenizer_file(str(model_dir)), "train")
+    stream = stream_for(cfg, tokenizer_file, "train")
     accumulation = 2 if tiny else max(1, round(STEP_TOKENS / tokens))
     batches, it = [], iter(stream)
     for _ in range((warmup + steps) * accumulation):

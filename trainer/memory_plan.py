@@ -657,29 +657,31 @@ def plan_packed_rows(plan: RunPlan, cfg, packed_shape: dict, gpu_bytes: int | No
     target_len), which the budget could only assume to be rows of the maximum lengths: where the config
     leaves it to the plan, the number of decoder blocks without checkpointing is chosen again on them."""
     rows = (packed_shape["rows"], packed_shape["source_len"], packed_shape["target_len"])
-    blocks = plan.decoder_blocks_without_checkpointing
+    plan = dataclasses.replace(plan, packed_rows=rows)
     if gpu_bytes is None:
         gpu_bytes = gpu_bytes_for(cfg)
-    if cfg.decoder_blocks_without_checkpointing is None and gpu_bytes is not None:
-        blocks = choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes, plan.max_tokens, rows)
-        peak = micro_batch_peak(load_shape(cfg.model_name_or_path), cfg, plan.max_tokens, blocks, rows)
-        logger.info(
-            "memory plan: packed rows of %d x (%d + %d) tokens; the last %d decoder blocks without gradient "
-            "checkpointing, predicted peak %.1f GiB of %.1f",
-            *rows,
-            blocks,
-            peak.peak / GIB,
+    if cfg.decoder_blocks_without_checkpointing is not None or gpu_bytes is None:
+        return plan
+    blocks = choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes, plan.max_tokens, rows)
+    plan = dataclasses.replace(plan, decoder_blocks_without_checkpointing=blocks)
+    peak = planned_peak_bytes(cfg, plan)
+    logger.info(
+        "memory plan: packed rows of %d x (%d + %d) tokens; the last %d decoder blocks without gradient "
+        "checkpointing, predicted peak %.1f GiB of %.1f",
+        *rows,
+        blocks,
+        peak / GIB,
+        gpu_bytes / GIB,
+    )
+    if peak > SAFETY_MARGIN * gpu_bytes:
+        logger.warning(
+            "memory plan: these packed rows are predicted to need %.1f GiB, over %.0f%% of the GPU's %.1f: "
+            "set max_tokens lower (the out-of-memory back-off would halve the micro-batch)",
+            peak / GIB,
+            100 * SAFETY_MARGIN,
             gpu_bytes / GIB,
         )
-        if peak.peak > SAFETY_MARGIN * gpu_bytes:
-            logger.warning(
-                "memory plan: these packed rows are predicted to need %.1f GiB, over %.0f%% of the GPU's "
-                "%.1f: set max_tokens lower (the out-of-memory back-off would halve the micro-batch)",
-                peak.peak / GIB,
-                100 * SAFETY_MARGIN,
-                gpu_bytes / GIB,
-            )
-    return dataclasses.replace(plan, decoder_blocks_without_checkpointing=blocks, packed_rows=rows)
+    return plan
 
 
 def with_planned_batch(cfg, gpu_bytes: int | None = None):
