@@ -6,7 +6,7 @@ smaller micro-batches with fewer checkpointed blocks, whose launches a graph mak
     python3 bench/cuda_graphs.py --tiny                           # CPU: a tiny shape, eager only
 
 A configuration is `<micro-batch tokens>k_<checkpointing>`: `plan` (what the trainer does: every block
-checkpointed but the last decoder blocks the memory plan fits), `decoder` (encoder blocks checkpointed, no
+checkpointed but the last blocks the memory plan fits), `decoder` (encoder blocks checkpointed, no
 decoder block), `none` (no checkpointing). Each runs in its own process on the FLAN-T5-XL shape (random
 weights, bf16, Adafactor with Kahan updates, capped at 32 GiB as bench/train_throughput.py), on packed batches
 of bench_run's synthetic recipe records read through the real loader, and times optimizer steps of ~64k tokens
@@ -56,6 +56,7 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
     from trainer.memory_plan import plan_packed_rows, plan_run
     from trainer.model import load_model
     from trainer.optim import build_optimizer
+    from trainer.projections import accumulate_weight_grads_in_place
     from trainer.step import accumulate_gradients
     from trainer.train import setup_device
 
@@ -79,21 +80,22 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
         max_target_length=512,
         gradient_checkpointing=checkpointing != "none",
         decoder_blocks_without_checkpointing={"plan": None, "decoder": 10**6, "none": 0}[checkpointing],
+        encoder_blocks_without_checkpointing={"plan": None, "decoder": 0, "none": 0}[checkpointing],
         output_dir=str(work / "out"),
         gpu_memory_limit_gib=32.0 if cuda else None,
         **QUIET_RUN,
     )
-    # Planned as the trainer plans: the budget, then the decoder blocks kept on the rows the loader packs.
+    # Planned as the trainer plans: the budget, then the blocks kept on the rows the loader packs.
     cfg = TrainConfig.from_dict(values, source=name)
     tokenizer_file = resolve_tokenizer_file(str(model_dir))
     packed_shape = stream_for(cfg, tokenizer_file, "train").stats()["packed_shape"]
     cfg = plan_packed_rows(plan_run(cfg), cfg, packed_shape).applied_to(cfg)
     device = setup_device(cfg, 0)
     torch.manual_seed(0)
-    model = load_model(
-        cfg, device, decoder_blocks_without_checkpointing=cfg.decoder_blocks_without_checkpointing
-    )
+    blocks = (cfg.decoder_blocks_without_checkpointing, cfg.encoder_blocks_without_checkpointing)
+    model = load_model(cfg, device, blocks_without_checkpointing=blocks)
     model.train()
+    accumulate_weight_grads_in_place(model)  # as the trainer does in one process
     module = Seq2SeqLMLoss(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, cfg, device)
@@ -116,7 +118,7 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
         micro_batch=f"{first['input_ids'].shape[0]} rows x ({first['input_ids'].shape[1]} + "
         f"{first['labels'].shape[1]})",
         accumulation=accumulation,
-        decoder_blocks_without_checkpointing=cfg.decoder_blocks_without_checkpointing
+        blocks_without_checkpointing=f"{min(blocks[0], 10**3)} decoder, {blocks[1]} encoder"
         if cfg.gradient_checkpointing
         else "all (no checkpointing)",
     )
@@ -218,7 +220,7 @@ def main() -> int:
     baseline = next((r for r in results if r.get("config") == "32k_plan" and r.get("mode") == "eager"), None)
     print()
     print(
-        "| config | micro-batch | accumulation | decoder blocks kept | mode | real tok/s | ms / micro-step "
+        "| config | micro-batch | accumulation | blocks kept | mode | real tok/s | ms / micro-step "
         "| peak alloc | vs eager | vs 32k_plan eager |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -232,7 +234,7 @@ def main() -> int:
         peak = f"{r['peak_alloc_gib']:.1f} GiB" if r["peak_alloc_gib"] is not None else "n/a (CPU)"
         print(
             f"| {r['config']} | {r['micro_batch']} | {r['accumulation']} | "
-            f"{r['decoder_blocks_without_checkpointing']} | {r['mode']} | {r['real_tok_s']:,.0f} | "
+            f"{r['blocks_without_checkpointing']} | {r['mode']} | {r['real_tok_s']:,.0f} | "
             f"{r['ms_per_micro_step']:.1f} | {peak} | {vs_eager} | {vs_base} |"
         )
     if args.out:

@@ -1,10 +1,14 @@
-"""Time T5's gated-GELU product with dropout, eager torch ops vs trainer.fused_ops, forward and backward.
+"""Time trainer.fused_ops against eager torch ops, forward and backward: the feed-forward's gated GELU with
+dropout and its output projection (gated_gelu_linear), and a sublayer's RMSNorm with its residual
+(norm_and_residual).
 
     python3 bench/fused_ops.py [--tokens 28672] [--d-ff 5120] [--dropout 0.1] [--sweep]
 
-Shapes are FLAN-T5-XL's feed-forward on a 32k-token micro-batch (~28k tokens after padding is counted out).
-Prints milliseconds per call (CUDA events, median of 20) and the ratio; --sweep also times the fused kernels
-at other block sizes and warp counts (trainer.fused_ops.BLOCK, NUM_WARPS). Needs a CUDA GPU.
+Shapes are FLAN-T5-XL's (d_model 2048, d_ff 5120) on a 32k-token micro-batch (~28k tokens after padding is
+counted out). Prints milliseconds per call (CUDA events, median of 20) and the ratio; --sweep also times the
+gated GELU's kernels at other block sizes and warp counts (trainer.fused_ops.BLOCK, NUM_WARPS) and the norm's
+backward at other rows at a time and programs per SM (NORM_BWD_ROWS, NORM_BWD_PROGRAMS_PER_SM). Needs a
+CUDA GPU.
 """
 
 from __future__ import annotations
@@ -19,11 +23,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer import fused_ops  # noqa: E402
-from trainer.fused_ops import gated_gelu  # noqa: E402
+from trainer.fused_ops import gated_gelu_linear, norm_and_residual  # noqa: E402
+
+D_MODEL = 2048
 
 
-def eager(a, b, p):
-    return torch.nn.functional.dropout(torch.nn.functional.gelu(a, approximate="tanh") * b, p)
+def eager_gated(a, b, weight, p):
+    product = torch.nn.functional.dropout(torch.nn.functional.gelu(a, approximate="tanh") * b, p)
+    return torch.nn.functional.linear(product, weight)
+
+
+def eager_norm(x, norm):
+    return norm(x), x
 
 
 def time_ms(fn, repeat: int = 20) -> float:
@@ -40,6 +51,21 @@ def time_ms(fn, repeat: int = 20) -> float:
     return statistics.median(times)
 
 
+def compare(title: str, variants: dict, inputs: tuple, grads: tuple) -> None:
+    """Forward, and forward + backward, of each variant (a function of `inputs`), and fused / eager."""
+    print(title)
+    rows = {}
+    for name, fn in variants.items():
+        fwd = time_ms(lambda fn=fn: fn(*inputs))
+        both = time_ms(lambda fn=fn: torch.autograd.grad(fn(*inputs), inputs, grads, allow_unused=True))
+        rows[name] = (fwd, both)
+        print(f"  {name:6s} forward {fwd:6.2f} ms   forward+backward {both:6.2f} ms")
+    print(
+        f"  fused/eager: forward {rows['fused'][0] / rows['eager'][0]:.2f}x, "
+        f"forward+backward {rows['fused'][1] / rows['eager'][1]:.2f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -49,34 +75,53 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
-    a, b = (torch.randn(args.tokens, args.d_ff, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    a.requires_grad_()
-    b.requires_grad_()
-    grad = torch.randn_like(a)
-    print(f"gated GELU x {args.tokens} tokens x d_ff {args.d_ff}, dropout {args.dropout}, bf16")
-    rows = {}
-    for name, fn in (("eager", eager), ("fused", gated_gelu)):
-        fwd = time_ms(lambda fn=fn: fn(a, b, args.dropout))
-        both = time_ms(lambda fn=fn: torch.autograd.grad(fn(a, b, args.dropout), (a, b), grad))
-        rows[name] = (fwd, both)
-        print(f"  {name:6s} forward {fwd:6.2f} ms   forward+backward {both:6.2f} ms")
-    print(
-        f"  fused/eager: forward {rows['fused'][0] / rows['eager'][0]:.2f}x, "
-        f"forward+backward {rows['fused'][1] / rows['eager'][1]:.2f}x"
+
+    def bf16(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
+
+    a, b, weight = bf16(args.tokens, args.d_ff), bf16(args.tokens, args.d_ff), bf16(D_MODEL, args.d_ff)
+    grad = torch.randn(args.tokens, D_MODEL, device="cuda", dtype=torch.bfloat16)
+    p = args.dropout
+    gated = (a, b, weight)
+    compare(
+        f"gated GELU x {args.tokens} tokens x d_ff {args.d_ff}, dropout {p}, then wo to {D_MODEL}, bf16",
+        {"eager": lambda *t: eager_gated(*t, p), "fused": lambda *t: gated_gelu_linear(*t, p)},
+        gated,
+        (grad,),
+    )
+    norm = torch.nn.RMSNorm(D_MODEL, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+    x = bf16(args.tokens, D_MODEL)
+    norm_grads = (grad, torch.randn_like(grad))
+    compare(
+        f"RMSNorm and residual x {args.tokens} tokens x {D_MODEL}, bf16",
+        {"eager": lambda x: eager_norm(x, norm), "fused": lambda x: norm_and_residual(x, norm)},
+        (x,),
+        norm_grads,
     )
     if args.sweep:
         default = fused_ops.BLOCK, fused_ops.NUM_WARPS
         for block in (1024, 2048, 4096):
             for warps in (4, 8, 16):
                 fused_ops.BLOCK, fused_ops.NUM_WARPS = block, warps
-                fwd = time_ms(lambda: gated_gelu(a, b, args.dropout))
-                both = time_ms(lambda: torch.autograd.grad(gated_gelu(a, b, args.dropout), (a, b), grad))
+                both = time_ms(
+                    lambda: torch.autograd.grad(gated_gelu_linear(*gated, p), gated, grad, allow_unused=True)
+                )
                 mark = " (default)" if (block, warps) == default else ""
                 print(
-                    f"  BLOCK {block:5d} warps {warps:2d}: forward {fwd:6.2f} ms   "
-                    f"forward+backward {both:6.2f} ms{mark}"
+                    f"  gated GELU BLOCK {block:5d} warps {warps:2d}: forward+backward {both:6.2f} ms{mark}"
                 )
         fused_ops.BLOCK, fused_ops.NUM_WARPS = default
+        default = fused_ops.NORM_BWD_ROWS, fused_ops.NORM_BWD_PROGRAMS_PER_SM
+        for rows in (1, 2, 4):
+            for programs in (1, 2, 4, 8):
+                fused_ops.NORM_BWD_ROWS, fused_ops.NORM_BWD_PROGRAMS_PER_SM = rows, programs
+                both = time_ms(lambda: torch.autograd.grad(norm_and_residual(x, norm), (x,), norm_grads))
+                mark = " (default)" if (rows, programs) == default else ""
+                print(
+                    f"  norm backward: {rows} rows at a time, {programs} programs per SM: forward+backward "
+                    f"{both:6.2f} ms{mark}"
+                )
+        fused_ops.NORM_BWD_ROWS, fused_ops.NORM_BWD_PROGRAMS_PER_SM = default
 
 
 if __name__ == "__main__":

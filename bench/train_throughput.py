@@ -147,7 +147,7 @@ def run_ours(
         shutil.copy(work / "out" / "profile" / "kernels.txt", Path(profile_dir) / f"{variant}.txt")
     rows = train_rows(work / "out")[:steps]
     summary = json.loads((work / "out" / SUMMARY).read_text())
-    blocks = summary.get("decoder_blocks_without_checkpointing")
+    blocks = tuple(summary.get(f"{stack}_blocks_without_checkpointing") for stack in ("decoder", "encoder"))
     planned = summary.get("planned_peak_gib")  # the worst case the trainer planned for
     typical = planned
     if planned is not None and not cfg.packing:  # padded batches: typical recipe rows as well
@@ -183,7 +183,7 @@ def run_ours(
         tokens_per_step=(src + tgt) / len(timed),
         accumulation=accumulation,
         max_tokens=cfg.max_tokens,
-        decoder_blocks_without_checkpointing=blocks,
+        blocks_without_checkpointing=blocks,
         packed_rows=summary.get("packed_rows"),
         optimizer=f"{cfg.optimizer} ({cfg.bf16_update})",
         final_loss=rows[-1]["loss"],

@@ -35,14 +35,16 @@ def load(model_dir, **config):
     from transformers import AutoModelForSeq2SeqLM
 
     from trainer.attention import use_triton_attention
-    from trainer.model import skip_decoder_checkpointing, use_fused_t5_ops
+    from trainer.model import skip_checkpointing, use_fused_t5_ops
+    from trainer.projections import accumulate_weight_grads_in_place
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, attn_implementation="eager", **config)
     model = model.to("cuda", torch.bfloat16).train()
     use_fused_t5_ops(model)
     use_triton_attention(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    skip_decoder_checkpointing(model, 1)  # the trainer's mix: checkpointed blocks and one that keeps all
+    skip_checkpointing(model, 1, 1)  # the trainer's mix: checkpointed blocks and blocks that keep all
+    accumulate_weight_grads_in_place(model)  # as the trainer runs one process
     return model
 
 

@@ -12,7 +12,7 @@ import torch
 
 from trainer.fused_ops import (
     BLOCK,
-    gated_gelu,
+    gated_gelu_linear,
     norm_and_residual,
     residual_dropout,
     use_fused_gated_gelu,
@@ -31,6 +31,11 @@ def inputs(*shape, seed=0):
     b = torch.randn(*shape, generator=g)
     b = (b.sign() * (b.abs() + 0.5)).to(DEVICE, DTYPE).requires_grad_()
     return a, b
+
+
+def gated_gelu(a, b, p=0.0):
+    """The kernels' product itself: the output projection an identity (exact in every dtype)."""
+    return gated_gelu_linear(a, b, torch.eye(a.size(-1), device=a.device, dtype=a.dtype), p)
 
 
 def reference(a, b):
@@ -77,6 +82,27 @@ def test_dropout_keeps_one_minus_p_and_backward_drops_the_same(shape):
     assert not torch.equal(gated_gelu(a, b, p) == 0, dropped)  # a new seed, a new mask
 
 
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_the_output_projections_weight_gradient_uses_the_forwards_product_to_the_bit(p):
+    # The backward makes the product (wo's input) again instead of keeping it: the same bits as the forward's,
+    # dropout included; with weight_grad_in_place the gradient is added into .grad by the matmul.
+    a, b = inputs(3, 7, 40)
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(24, 40, generator=g).to(DEVICE, DTYPE).requires_grad_()
+    grad = torch.randn(3, 7, 24, generator=g).to(DEVICE, DTYPE)
+    torch.manual_seed(7)
+    product = gated_gelu(a, b, p).detach()
+    torch.manual_seed(7)
+    out = gated_gelu_linear(a, b, weight, p)
+    assert torch.equal(out, torch.nn.functional.linear(product, weight))
+    (dw,) = torch.autograd.grad(out, (weight,), grad)
+    assert torch.equal(dw, grad.reshape(-1, 24).t().mm(product.reshape(-1, 40)))
+    weight.grad = dw.clone()
+    torch.manual_seed(7)
+    gated_gelu_linear(a, b, weight, p, weight_grad_in_place=True).backward(grad)
+    assert rel_err(weight.grad, 2 * dw) < 1e-2 if DEVICE == "cuda" else torch.allclose(weight.grad, 2 * dw)
+
+
 def test_checkpoint_recompute_reproduces_dropout():
     a, b = inputs(4, 50, 24)
 
@@ -114,7 +140,11 @@ def test_residual_dropout_adds_the_kept_part_and_backward_drops_the_same(shape):
 
 
 @pytest.mark.parametrize("shape", [(3, 7, 40), (70, 64)])  # more rows than programs on CPU; cols not 2**k
-def test_norm_and_residual_backward_sums_both_gradients_as_torch_does(shape):
+@pytest.mark.parametrize("rows_at_a_time", [1, 4])  # the rows of a program's last group partly outside
+def test_norm_and_residual_backward_sums_both_gradients_as_torch_does(shape, rows_at_a_time, monkeypatch):
+    from trainer import fused_ops
+
+    monkeypatch.setattr(fused_ops, "NORM_BWD_ROWS", rows_at_a_time)
     g = torch.Generator().manual_seed(0)
     norm = torch.nn.RMSNorm(shape[-1], eps=1e-6).to(DEVICE, DTYPE)
     with torch.no_grad():

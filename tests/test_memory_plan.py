@@ -30,7 +30,7 @@ from trainer.memory_plan import (
     plan_run,
     probe_shapes,
 )
-from trainer.model import skip_decoder_checkpointing, use_fused_t5_ops
+from trainer.model import skip_checkpointing, use_fused_t5_ops
 from trainer.model_shape import KNOWN_CONFIGS, ModelShape, load_shape
 from trainer.plan_report import parse_size
 from trainer.train import token_loss_sum
@@ -134,7 +134,7 @@ def measured_activation_peak(
     import optimi
 
     model = build_bf16(config, checkpointing)
-    assert skip_decoder_checkpointing(model, unchecked) == unchecked
+    assert skip_checkpointing(model, unchecked) == (unchecked, 0)
     use_fused_t5_ops(model)
     opt = optimi.AdamW(model.parameters(), lr=1e-4, kahan_sum=True)
     if inputs is None:
@@ -223,18 +223,22 @@ def test_decoder_blocks_without_checkpointing_keep_their_activations():
     assert peaks[0] < peaks[1] < peaks[2]  # each block kept costs memory
     # More than the decoder has: all of them (the plan clamps the same way).
     blocks = config.num_decoder_layers
-    assert skip_decoder_checkpointing(build_bf16(config), blocks + 1) == blocks
+    assert skip_checkpointing(build_bf16(config), blocks + 1, 1) == (blocks, 1)
 
 
 def test_the_trainer_skips_checkpointing_only_where_the_plan_has_room():
-    from trainer.memory_plan import choose_decoder_blocks_without_checkpointing
+    from trainer.memory_plan import choose_blocks_without_checkpointing as choose
 
     cfg = TrainConfig.load(Path(__file__).parents[1] / "configs" / "flan-t5-xl-rtx5090.yaml")
-    assert choose_decoder_blocks_without_checkpointing(cfg, 32 * GIB) == 3  # on the card the preset is for
-    assert choose_decoder_blocks_without_checkpointing(cfg, 24 * GIB) == 0  # no room left
-    assert choose_decoder_blocks_without_checkpointing(cfg, 80 * GIB) == 21  # most on an 80 GB card
+    assert choose(cfg, 32 * GIB) == (4, 0)  # (decoder, encoder) on the card the preset is for
+    assert choose(cfg, 24 * GIB) == (0, 0)  # no room left
+    assert choose(cfg, 80 * GIB) == (24, 24)  # every block keeps its activations on an 80 GB card
     off = dataclasses.replace(cfg, gradient_checkpointing=False)
-    assert choose_decoder_blocks_without_checkpointing(off, 80 * GIB) == 0
+    assert choose(off, 80 * GIB) == (0, 0)
+    # Encoder blocks only once every decoder block keeps its activations; a number the config sets is kept.
+    assert choose(dataclasses.replace(cfg, decoder_blocks_without_checkpointing=2), 80 * GIB) == (2, 0)
+    decoder, encoder = choose(dataclasses.replace(cfg, encoder_blocks_without_checkpointing=8), 32 * GIB)
+    assert encoder == 8 and decoder < 4  # the encoder's blocks take room from the decoder's
 
 
 def test_activation_terms_without_checkpointing():
@@ -440,35 +444,46 @@ def test_the_loaders_packed_rows_decide_how_many_blocks_keep_their_activations(c
     """The budget is planned before the data is read, on rows of the maximum lengths; the loader then chooses
     rows from the data (recipes: target-heavy). The blocks are chosen again on those, so the run's peak is the
     plan's."""
-    from trainer.memory_plan import choose_decoder_blocks_without_checkpointing, micro_batch_peak
+    from trainer.memory_plan import choose_blocks_without_checkpointing, micro_batch_peak
 
     cfg = TrainConfig.load(Path(__file__).parents[1] / "configs" / "flan-t5-xl-rtx5090.yaml")
     cfg = dataclasses.replace(
         cfg, packing=True, max_tokens=8192, gradient_accumulation_steps=8, cuda_graphs=True
     )
-    xl, card = load_shape(cfg.model_name_or_path), 32 * GIB
+    xl, card = load_shape(cfg.model_name_or_path), 28 * GIB
     assumed = plan_run(cfg, card)
     assert probe_shapes(cfg, assumed) == [(8, 512, 512)]
     loader_rows = {"rows": 4, "source_len": 560, "target_len": 1488}  # what it chooses for recipes at 8k
     plan = plan_packed_rows(assumed, cfg, loader_rows, card)
     assert plan.packed_rows == (4, 560, 1488) and probe_shapes(cfg, plan) == [(4, 560, 1488)]
-    blocks = plan.decoder_blocks_without_checkpointing
-    assert 0 < blocks < assumed.decoder_blocks_without_checkpointing  # longer decoder rows: fewer fit
-    assert blocks == choose_decoder_blocks_without_checkpointing(cfg, card, 8192, plan.packed_rows)
+    blocks = plan.blocks_without_checkpointing
+    # Longer decoder rows: fewer blocks fit (every decoder block and some encoder blocks on the assumed rows).
+    assert assumed.blocks_without_checkpointing[0] == 24 and assumed.blocks_without_checkpointing[1] > 0
+    assert 0 < blocks[0] < 24 and blocks[1] == 0
+    assert blocks == choose_blocks_without_checkpointing(cfg, card, 8192, plan.packed_rows)
     fits = [
-        micro_batch_peak(xl, cfg, 8192, k, plan.packed_rows).peak <= SAFETY_MARGIN * card
-        for k in (blocks, blocks + 1)
+        micro_batch_peak(xl, cfg, 8192, (k, 0), plan.packed_rows).peak <= SAFETY_MARGIN * card
+        for k in (blocks[0], blocks[0] + 1)
     ]
     assert fits == [True, False]
+    # On the card the preset is for, every block of both stacks keeps its activations.
+    assert plan_packed_rows(
+        plan_run(cfg, 32 * GIB), cfg, loader_rows, 32 * GIB
+    ).blocks_without_checkpointing == (
+        24,
+        24,
+    )
     # Rows that do not fit even with every block checkpointed: said, with what to do.
     with caplog.at_level(logging.WARNING, logger="trainer.memory_plan"):
-        assert plan_packed_rows(assumed, cfg, loader_rows, 16 * GIB).decoder_blocks_without_checkpointing == 0
+        assert plan_packed_rows(assumed, cfg, loader_rows, 16 * GIB).blocks_without_checkpointing == (0, 0)
     assert "set max_tokens lower" in caplog.text
-    # A config that sets the number keeps it.
-    fixed = dataclasses.replace(cfg, decoder_blocks_without_checkpointing=24)
-    assert (
-        plan_packed_rows(plan_run(fixed, card), fixed, loader_rows, card).decoder_blocks_without_checkpointing
-        == 24
+    # A config that sets the numbers keeps them.
+    fixed = dataclasses.replace(
+        cfg, decoder_blocks_without_checkpointing=24, encoder_blocks_without_checkpointing=2
+    )
+    assert plan_packed_rows(plan_run(fixed, card), fixed, loader_rows, card).blocks_without_checkpointing == (
+        24,
+        2,
     )
 
 

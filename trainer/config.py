@@ -64,6 +64,8 @@ class TrainConfig:
     # With checkpointing: how many of the last decoder blocks keep their activations instead of recomputing
     # them in the backward (they are the first to run it). None: as many as the memory plan fits on the GPU.
     decoder_blocks_without_checkpointing: int | None = None
+    # The same for the encoder's last blocks. None: as many as fit once every decoder block keeps its own.
+    encoder_blocks_without_checkpointing: int | None = None
     torch_compile: bool = False  # compile each T5 block (slower start, faster steps on a GPU)
     # Replay each micro-step (forward, backward, gradient accumulation) as a CUDA graph, so that the host's
     # launches stop limiting small micro-batches. Needs packing (one batch shape) and one process.
@@ -187,6 +189,7 @@ class TrainConfig:
             "max_source_length": 1,
             "max_target_length": 1,
             "decoder_blocks_without_checkpointing": 0,
+            "encoder_blocks_without_checkpointing": 0,
             "warmup_steps": 0,
             "empty_cache_steps": 0,
             "save_total_limit": 0,

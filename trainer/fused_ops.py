@@ -3,11 +3,12 @@
 Eager T5 (`T5DenseGatedActDense`) writes and reads the (tokens x d_ff) intermediate five times in the forward
 (GELU, product, dropout with its byte mask) and more in the backward, all twice with gradient checkpointing:
 at FLAN-T5-XL size (d_ff 5120) that is ~0.15 s of a ~1.9 s optimizer step (bench/NOTES.md). The fused
-forward reads a and b once and writes the result once; the backward reads the gradient, a and b and writes
-both gradients. Dropout keeps no mask: the kept set is drawn from a hash of each element's index keyed by
-a seed from torch's CUDA generator (trainer.attention.uniform16), regenerated in the backward, and
-reproduced by checkpoint recompute (which restores that generator). Arithmetic is fp32, rounded once at
-the end.
+forward reads a and b once and writes the result once, which the output projection wo reads and nothing
+keeps; the backward reads the gradient, a and b and writes both gradients and the result again, for wo's
+weight gradient (gated_gelu_linear: the kernels and wo are one autograd function). Dropout keeps no mask:
+the kept set is drawn from a hash of each element's index keyed by a seed from torch's CUDA generator
+(trainer.attention.uniform16), regenerated in the backward, and reproduced by checkpoint recompute (which
+restores that generator). Arithmetic is fp32, rounded once at the end.
 
 On CPU (tests) the kernels run under TRITON_INTERPRET=1.
 """
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from trainer.attention import dropout_keep, dropout_resolution, dropout_seed
+from trainer.projections import mark_rms_norm_output, weight_gradient
 
 BLOCK = 1024  # elements per program
 # 4 elements per thread: forward + backward 1.50 -> 1.13 ms at XL size (bench/fused_ops.py --sweep)
@@ -39,7 +41,8 @@ def _gated_gelu_fwd_kernel(A, B, Out, Seed, n, dropout_p, DROPOUT: tl.constexpr,
     inside = offs < n
     a = tl.load(A + offs, mask=inside, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=inside, other=0.0).to(tl.float32)
-    y = 0.5 * a * (1.0 + _tanh_inner(a)) * b
+    gelu = 0.5 * a * (1.0 + _tanh_inner(a))
+    y = gelu * b
     if DROPOUT:
         keep = dropout_keep(tl.load(Seed), offs, dropout_p)
         y = tl.where(keep, y / (1.0 - dropout_p), 0.0)
@@ -48,22 +51,27 @@ def _gated_gelu_fwd_kernel(A, B, Out, Seed, n, dropout_p, DROPOUT: tl.constexpr,
 
 @triton.jit(do_not_specialize=["n"])
 def _gated_gelu_bwd_kernel(
-    Grad, A, B, GradA, GradB, Seed, n, dropout_p, DROPOUT: tl.constexpr, BLOCK: tl.constexpr
+    Grad, A, B, GradA, GradB, Out, Seed, n, dropout_p, DROPOUT: tl.constexpr, BLOCK: tl.constexpr
 ):
+    """a's and b's gradients, and the forward's output again (`Out`: wo's input, for its weight's gradient).
+    GradA may be Grad itself: each element is read before it is written, by the same thread."""
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     inside = offs < n
     g = tl.load(Grad + offs, mask=inside, other=0.0).to(tl.float32)
     a = tl.load(A + offs, mask=inside, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=inside, other=0.0).to(tl.float32)
+    t = _tanh_inner(a)
+    gelu = 0.5 * a * (1.0 + t)
+    y = gelu * b  # as the forward computes it, to the bit
     if DROPOUT:
         keep = dropout_keep(tl.load(Seed), offs, dropout_p)
         g = tl.where(keep, g / (1.0 - dropout_p), 0.0)
-    t = _tanh_inner(a)
-    gelu = 0.5 * a * (1.0 + t)
+        y = tl.where(keep, y / (1.0 - dropout_p), 0.0)
     dgelu = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * a * a)
     tl.store(GradA + offs, (g * b * dgelu).to(GradA.dtype.element_ty), mask=inside)
     tl.store(GradB + offs, (g * gelu).to(GradB.dtype.element_ty), mask=inside)
+    tl.store(Out + offs, y.to(Out.dtype.element_ty), mask=inside)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -132,30 +140,45 @@ def residual_dropout(residual: torch.Tensor, x: torch.Tensor, dropout_p: float =
 
 @triton.jit(do_not_specialize=["rows", "cols"])
 def _rms_norm_bwd_kernel(
-    GradY, X, W, GradResidual, GradX, GradWPartial, rows, cols, eps, BLOCK_COLS: tl.constexpr
+    GradY,
+    X,
+    W,
+    GradResidual,
+    GradX,
+    GradWPartial,
+    rows,
+    cols,
+    eps,
+    BLOCK_COLS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    """RMSNorm's backward for the rows pid, pid + programs, ...: the input's gradient plus the residual
-    path's gradient, written once; this program's share of the weight's gradient, one fp32 row."""
+    """RMSNorm's backward for the groups of ROWS rows pid, pid + programs, ...: the input's gradient plus the
+    residual path's gradient, written once; this program's share of the weight's gradient, one fp32 row."""
     offs = tl.arange(0, BLOCK_COLS)
     inside = offs < cols
     w = tl.load(W + offs, mask=inside, other=0.0).to(tl.float32)
     grad_w = tl.zeros([BLOCK_COLS], dtype=tl.float32)
     first, programs = tl.program_id(0), tl.num_programs(0)
-    for i in range(0, tl.cdiv(rows - first, programs)):
-        start = (first + i * programs).to(tl.int64) * cols
-        x = tl.load(X + start + offs, mask=inside, other=0.0).to(tl.float32)
-        dy = tl.load(GradY + start + offs, mask=inside, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / cols + eps)
-        x_hat = x * rstd
-        dx_hat = dy * w
-        dx = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat, 0) / cols))
-        dx += tl.load(GradResidual + start + offs, mask=inside, other=0.0).to(tl.float32)
-        tl.store(GradX + start + offs, dx.to(GradX.dtype.element_ty), mask=inside)
-        grad_w += dy * x_hat
+    for i in range(0, tl.cdiv(tl.cdiv(rows, ROWS) - first, programs)):
+        row = (first + i * programs) * ROWS + tl.arange(0, ROWS)
+        ok = (row < rows)[:, None] & inside[None, :]
+        at = row.to(tl.int64)[:, None] * cols + offs[None, :]
+        x = tl.load(X + at, mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(GradY + at, mask=ok, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / cols + eps)
+        x_hat = x * rstd[:, None]
+        dx_hat = dy * w[None, :]
+        dx = rstd[:, None] * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat, 1) / cols)[:, None])
+        dx += tl.load(GradResidual + at, mask=ok, other=0.0).to(tl.float32)
+        tl.store(GradX + at, dx.to(GradX.dtype.element_ty), mask=ok)
+        grad_w += tl.sum(dy * x_hat, 0)
     tl.store(GradWPartial + tl.program_id(0).to(tl.int64) * cols + offs, grad_w, mask=inside)
 
 
-NORM_BWD_PROGRAMS_PER_SM = 4  # each program sums its rows' share of the weight's gradient in registers
+# Each program sums its rows' share of the weight's gradient in registers, ROWS rows at a time (their loads
+# in flight together); the programs' shares are then summed (bench/fused_ops.py --sweep).
+NORM_BWD_PROGRAMS_PER_SM = 2
+NORM_BWD_ROWS = 4
 
 
 class _RMSNormAndResidual(torch.autograd.Function):
@@ -178,7 +201,7 @@ class _RMSNormAndResidual(torch.autograd.Function):
             grad_residual = torch.zeros_like(flat)
         grad_x = torch.empty_like(flat)
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        programs = max(1, min(rows, sms * NORM_BWD_PROGRAMS_PER_SM))
+        programs = max(1, min(triton.cdiv(rows, NORM_BWD_ROWS), sms * NORM_BWD_PROGRAMS_PER_SM))
         partial = torch.empty(programs, cols, device=x.device, dtype=torch.float32)
         _rms_norm_bwd_kernel[(programs,)](
             grad_y.reshape(-1, cols).contiguous(),
@@ -191,7 +214,8 @@ class _RMSNormAndResidual(torch.autograd.Function):
             cols,
             ctx.eps,
             BLOCK_COLS=triton.next_power_of_2(cols),
-            num_warps=8 if cols >= 2048 else 4,
+            ROWS=NORM_BWD_ROWS,
+            num_warps=min(16, max(4, NORM_BWD_ROWS * cols // 256)),
         )
         return grad_x.view_as(x), partial.sum(0).to(weight.dtype), None
 
@@ -200,52 +224,74 @@ class _RMSNormAndResidual(torch.autograd.Function):
 def norm_and_residual(x: torch.Tensor, norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """`(norm(x), x)` for a sublayer `x + f(norm(x))`. With torch's RMSNorm (what trainer.model puts in
     T5's place) the backward adds the residual's gradient inside the norm's backward kernel: one pass over
-    the hidden states instead of the norm's two (input, weight) and an addition."""
+    the hidden states instead of the norm's two (input, weight) and an addition. The projections of the
+    output (trainer.projections) keep x, not the output, and make it again in their backward."""
     if type(norm) is torch.nn.RMSNorm and norm.eps is not None and norm.weight is not None:
-        return _RMSNormAndResidual.apply(x, norm.weight, norm.eps)
+        normed, residual = _RMSNormAndResidual.apply(x, norm.weight, norm.eps)
+        if torch.is_grad_enabled():
+            mark_rms_norm_output(normed, x, norm.weight, norm.eps)
+        return normed, residual
     return norm(x), x
 
 
-class _GatedGelu(torch.autograd.Function):
+class _GatedGeluLinear(torch.autograd.Function):
+    """wo(dropout(gelu_tanh(a) * b)). The product (wo's input) is not kept for wo's weight gradient: the
+    backward's kernel makes it again while it reads a and b for their gradients, and writes a's gradient over
+    the product's (a tokens x d_ff tensor less at every moment)."""
+
     @staticmethod
-    def forward(ctx, a, b, dropout_p):
+    def forward(ctx, a, b, weight, dropout_p, weight_grad_in_place):
         a, b = a.contiguous(), b.contiguous()
         seed = dropout_seed(a.device) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64, device=a.device)
-        out = torch.empty_like(a)
+        product = torch.empty_like(a)
         n = a.numel()
         _gated_gelu_fwd_kernel[(triton.cdiv(n, BLOCK),)](
-            a, b, out, seed, n, dropout_p, DROPOUT=dropout_p > 0, BLOCK=BLOCK, num_warps=NUM_WARPS
+            a, b, product, seed, n, dropout_p, DROPOUT=dropout_p > 0, BLOCK=BLOCK, num_warps=NUM_WARPS
         )
-        ctx.save_for_backward(a, b, seed)
+        ctx.save_for_backward(a, b, seed, weight)
         ctx.dropout_p = dropout_p
-        return out
+        ctx.parameter = weight if weight_grad_in_place else None
+        return torch.nn.functional.linear(product, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
-        a, b, seed = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+        a, b, seed, weight = ctx.saved_tensors
+        flat = grad_out.reshape(-1, grad_out.size(-1))
+        grad_a = flat.mm(weight).view_as(a)  # the product's gradient, then a's (in place)
+        grad_b, product = torch.empty_like(b), torch.empty_like(a)
         n = a.numel()
         p = ctx.dropout_p
         _gated_gelu_bwd_kernel[(triton.cdiv(n, BLOCK),)](
-            grad_out, a, b, grad_a, grad_b, seed, n, p, DROPOUT=p > 0, BLOCK=BLOCK, num_warps=NUM_WARPS
+            grad_a, a, b, grad_a, grad_b, product, seed, n, p, DROPOUT=p > 0, BLOCK=BLOCK, num_warps=NUM_WARPS
         )
-        return grad_a, grad_b, None
+        grad_weight = None
+        if ctx.needs_input_grad[2]:
+            grad_weight = weight_gradient(flat, product.view(-1, a.size(-1)), ctx.parameter)
+        return grad_a, grad_b, grad_weight, None, None
 
 
 @torch.compiler.disable  # a compiled block calls the kernels as they are, like trainer.attention's
-def gated_gelu(a: torch.Tensor, b: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """dropout(gelu_tanh(a) * b, dropout_p), fused; a and b of one shape and dtype.
+def gated_gelu_linear(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    weight: torch.Tensor,
+    dropout_p: float = 0.0,
+    weight_grad_in_place: bool = False,
+) -> torch.Tensor:
+    """linear(dropout(gelu_tanh(a) * b, dropout_p), weight), the GELU, product and dropout fused; a and b of
+    one shape and dtype. weight_grad_in_place: the weight's gradient is added into its `.grad` by the matmul
+    (trainer.projections.weight_gradient).
 
     dropout_p is rounded to a multiple of 2**-16 (0.1 -> 0.100006), the resolution of the random numbers.
     """
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"gated_gelu: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} differ")
-    return _GatedGelu.apply(a, b, dropout_resolution(dropout_p))
+    return _GatedGeluLinear.apply(a, b, weight, dropout_resolution(dropout_p), weight_grad_in_place)
 
 
 class FusedGatedGelu(torch.nn.Module):
-    """T5DenseGatedActDense with gelu_new (FLAN-T5, T5 v1.1): wo(dropout(gelu_tanh(wi_0 x) * wi_1 x)).
+    """T5DenseGatedActDense with gelu_new (FLAN-T5, T5 v1.1): wo(dropout(gelu_tanh(wi_0 x) * wi_1 x)), the
+    GELU, product, dropout and wo as one autograd function (gated_gelu_linear).
 
     Holds the original wi_0, wi_1 and wo Linear modules under the same names, so state-dict keys and
     checkpoints are unchanged.
@@ -255,11 +301,13 @@ class FusedGatedGelu(torch.nn.Module):
         super().__init__()
         self.wi_0, self.wi_1, self.wo = dense.wi_0, dense.wi_1, dense.wo
         self.dropout_p = dense.dropout.p
+        self.weight_grads_in_place = False  # trainer.projections.accumulate_weight_grads_in_place
         self.train(dense.training)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        a, b = self.wi_0(hidden_states), self.wi_1(hidden_states)
         p = self.dropout_p if self.training else 0.0
-        return self.wo(gated_gelu(self.wi_0(hidden_states), self.wi_1(hidden_states), p))
+        return gated_gelu_linear(a, b, self.wo.weight, p, self.weight_grads_in_place)
 
 
 def use_fused_gated_gelu(model: torch.nn.Module) -> int:

@@ -137,6 +137,13 @@ def _layer_norm_saved(n: int, d: int, e: int, fused: bool = True) -> int:
     return n * 4 + n * d * e + (0 if fused else 2 * n * d * 4)
 
 
+def _sublayer_norm_saved(n: int, d: int, e: int, fused: bool = True) -> int:
+    """A sublayer's layer norm on n tokens, beyond its input. On CUDA (trainer.fused_ops.norm_and_residual)
+    it keeps only its input, and the projections of its output keep that input too and make the output again
+    in their backward (trainer.projections): nothing more. Elsewhere: `_layer_norm_saved`."""
+    return 0 if fused else _layer_norm_saved(n, d, e, fused=False)
+
+
 def _attention_sublayer(
     b, q_len, kv_len, shape, e, mask, *, attention="eager", bias_rows=None, fused=True, has_bias=True
 ):
@@ -164,7 +171,7 @@ def _attention_sublayer(
     n, m = b * q_len, b * kv_len
     scores = b * h * q_len * kv_len
     drop = mask if p > 0 else 0
-    ln = _layer_norm_saved(n, d, e, fused)
+    ln = _sublayer_norm_saved(n, d, e, fused)
     qkv = n * inner * e + 2 * m * inner * e
     # o's input (with Triton the kernels' (B, T, H, D) output, saved by them too: o reads it as a view, so it
     # is counted once, below), the output dropout's mask (none with Triton: trainer.fused_ops fuses it with
@@ -179,7 +186,8 @@ def _attention_sublayer(
         saved = ln + qkv + n * inner * e + lse + bias + tail
         groups = bias_grad_groups(b, h, kv_len)[0] if has_bias else 0
         scratch = groups * bias // e * 4 + (h * q_len * kv_len * 4 if has_bias else 0)
-        return saved, saved + qkv + lse + scratch
+        # + the norm's output, made again for the projections' backward
+        return saved, saved + qkv + lse + scratch + n * d * e
     if attention == "sdpa":
         bias = (b if bias_rows is None else bias_rows) * h * q_len * kv_len * e
         lse = b * h * (-(-q_len // 32) * 32) * 4
@@ -204,14 +212,15 @@ def _ff_sublayer(n, shape, e, mask, fused=True):
     d, f, p = shape.d_model, shape.d_ff, shape.dropout_rate
     nf = n * f
     drop = mask if p > 0 else 0
-    ln = _layer_norm_saved(n, d, e, fused)
     # On CUDA the output dropout and the residual sum are one kernel (trainer.fused_ops): no mask kept.
     residual = n * d * e + (0 if fused else n * d * drop)
     if fused and shape.gated:
-        # trainer.fused_ops on CUDA: the kernel saves wi_0's and wi_1's outputs, wo saves the product (dropout
-        # drawn again in the backward, no mask); widest: the kernel's backward, its gradient in, two out.
-        saved = ln + 3 * nf * e + residual
-        return saved, ln + 5 * nf * e
+        # trainer.fused_ops on CUDA (gated_gelu_linear): wi_0's and wi_1's outputs kept, the product not (the
+        # backward's kernel makes it again for wo's weight gradient; dropout drawn again, no mask). Widest:
+        # that kernel, with a, b, the product's gradient (becoming a's), b's gradient and the product.
+        saved = _sublayer_norm_saved(n, d, e, fused) + 2 * nf * e + residual
+        return saved, 5 * nf * e
+    ln = _layer_norm_saved(n, d, e, fused)
     acts = (1 + (2 if shape.gated else 0)) * nf * e  # wi_0 .. wi_1 outputs
     dropped = nf * (drop + e) if p > 0 else (nf * e if shape.gated else 0)  # wo's input (or its dropout)
     saved = ln + acts + dropped + residual
@@ -295,6 +304,7 @@ def plan_memory(
     device: str = "cuda",
     attn_implementation: str = "eager",
     decoder_blocks_without_checkpointing: int = 0,
+    encoder_blocks_without_checkpointing: int = 0,
     packed: bool = False,
 ) -> MemoryPlan:
     """Predicted peak of the trainer's training step (trainer.loss.Seq2SeqLMLoss over the model with
@@ -305,8 +315,9 @@ def plan_memory(
     CPU tests check these formulas.
     attn_implementation: "eager" (checked term by term on CPU), "sdpa" (memory-efficient kernel) or "triton"
     (trainer.attention); the last two are calibrated on the GPU (bench/train_throughput.py).
-    decoder_blocks_without_checkpointing: with checkpointing, the last k decoder blocks keep everything they
-    save from the forward to their backward (which comes first), instead of recomputing it.
+    decoder_blocks_without_checkpointing, encoder_blocks_without_checkpointing: with checkpointing, the last
+    k blocks of a stack keep everything they save from the forward to their backward (which comes first in
+    the stack's backward), instead of recomputing it.
     packed: packed rows (trainer.packed_t5; R rows of src_len/tgt_len holding several records, every position
     a real token but a row's tail). With eager or SDPA attention the blocks get dense (R, 1, T, S) segment
     masks in place of the padding masks: the same terms (SDPA's decoder mask then has R rows). With the Triton
@@ -367,6 +378,10 @@ def plan_memory(
             # scratch, and the checkpointed blocks' recompute comes after they are freed.
             dec_keep += unchecked * dec_block
             dec_bwd -= dec_block
+        unchecked = min(le, max(0, encoder_blocks_without_checkpointing))
+        if unchecked:  # the same in the encoder, whose kept tensors stay through the whole decoder
+            enc_keep += unchecked * enc_block
+            enc_bwd -= enc_block
     else:  # everything every block saves stays until its backward
         enc_keep = le * (b * s * d * e + enc_block)
         dec_keep = ld * (b * t * d * e + dec_block)
@@ -487,20 +502,24 @@ def largest_batch_size(
     return rows
 
 
-def _plan_kwargs(cfg, decoder_blocks_without_checkpointing: int | None = None) -> dict:
-    """plan_memory's keyword arguments for `cfg` (the un-checkpointed decoder blocks: the given number, else
-    the config's)."""
+def _plan_kwargs(cfg, blocks: tuple[int, int] | None = None) -> dict:
+    """plan_memory's keyword arguments for `cfg` (the un-checkpointed (decoder, encoder) blocks: the given
+    numbers, else the config's)."""
     # Triton runs only on CUDA (eager elsewhere); other kernels transformers offers are planned like SDPA.
     attn = cfg.attn_implementation if cfg.attn_implementation in ("eager", "triton") else "sdpa"
-    if decoder_blocks_without_checkpointing is None:
-        decoder_blocks_without_checkpointing = cfg.decoder_blocks_without_checkpointing or 0
+    if blocks is None:
+        blocks = (
+            cfg.decoder_blocks_without_checkpointing or 0,
+            cfg.encoder_blocks_without_checkpointing or 0,
+        )
     return dict(
         dtype=cfg.dtype,
         optimizer=cfg.optimizer,
         bf16_update=cfg.bf16_update,
         gradient_checkpointing=cfg.gradient_checkpointing,
         attn_implementation=attn,
-        decoder_blocks_without_checkpointing=decoder_blocks_without_checkpointing,
+        decoder_blocks_without_checkpointing=blocks[0],
+        encoder_blocks_without_checkpointing=blocks[1],
         packed=cfg.packing,
     )
 
@@ -543,9 +562,10 @@ def choose_max_tokens(cfg, gpu_bytes: int) -> int:
 
 
 def micro_batch_peak(
-    shape: ModelShape, cfg, max_tokens: int | None, blocks: int, packed_rows: tuple | None = None
+    shape: ModelShape, cfg, max_tokens: int | None, blocks: tuple[int, int], packed_rows: tuple | None = None
 ) -> MemoryPlan:
-    """The predicted peak of `cfg`'s largest micro-batch, the last `blocks` decoder blocks un-checkpointed:
+    """The predicted peak of `cfg`'s largest micro-batch, `blocks` (decoder, encoder) the numbers of each
+    stack's last blocks without checkpointing:
     the loader's packed rows (rows, source length, target length) when given, else
     per_device_train_batch_size rows of the longest lengths, else the worst the budget `max_tokens` yields."""
     kw = _plan_kwargs(cfg, blocks)
@@ -561,27 +581,39 @@ def micro_batch_peak(
 def planned_peak_bytes(cfg, plan: RunPlan) -> int:
     """The predicted peak of the run `plan` makes of `cfg` (its micro-batch, blocks and packed rows)."""
     shape = load_shape(cfg.model_name_or_path)
-    blocks = plan.decoder_blocks_without_checkpointing if cfg.gradient_checkpointing else 0
-    return micro_batch_peak(shape, cfg, plan.max_tokens, blocks, plan.packed_rows).peak
+    return micro_batch_peak(
+        shape, cfg, plan.max_tokens, plan.blocks_without_checkpointing, plan.packed_rows
+    ).peak
 
 
-def choose_decoder_blocks_without_checkpointing(
+def choose_blocks_without_checkpointing(
     cfg, gpu_bytes: int, max_tokens: int | None = None, packed_rows: tuple | None = None
-) -> int:
-    """How many of the last decoder blocks can skip checkpointing (keeping their activations, saving their
-    recompute) with the micro-batch (`max_tokens`, default the config's; or the loader's `packed_rows`) still
-    within SAFETY_MARGIN of `gpu_bytes`, worst case."""
+) -> tuple[int, int]:
+    """How many of the last (decoder, encoder) blocks can skip checkpointing (keeping their activations,
+    saving their recompute) with the micro-batch (`max_tokens`, default the config's; or the loader's
+    `packed_rows`) still within SAFETY_MARGIN of `gpu_bytes`, worst case. Decoder blocks first, then, once
+    every decoder block keeps its activations, encoder blocks; a number the config sets is kept."""
     if not cfg.gradient_checkpointing:
-        return 0
+        return 0, 0
     shape = load_shape(cfg.model_name_or_path)
     tokens = max_tokens if max_tokens is not None else cfg.max_tokens
-    blocks = 0
-    while (
-        blocks < shape.num_decoder_layers
-        and micro_batch_peak(shape, cfg, tokens, blocks + 1, packed_rows).peak <= SAFETY_MARGIN * gpu_bytes
-    ):
-        blocks += 1
-    return blocks
+
+    def fits(decoder: int, encoder: int) -> bool:
+        peak = micro_batch_peak(shape, cfg, tokens, (decoder, encoder), packed_rows).peak
+        return peak <= SAFETY_MARGIN * gpu_bytes
+
+    decoder, encoder = cfg.decoder_blocks_without_checkpointing, cfg.encoder_blocks_without_checkpointing
+    if decoder is None:
+        decoder = 0
+        while decoder < shape.num_decoder_layers and fits(decoder + 1, encoder or 0):
+            decoder += 1
+    if encoder is None:
+        encoder = 0
+        while (
+            decoder >= shape.num_decoder_layers and encoder < shape.num_layers and fits(decoder, encoder + 1)
+        ):
+            encoder += 1
+    return decoder, encoder
 
 
 def gpu_bytes_for(cfg) -> int | None:
@@ -604,9 +636,15 @@ class RunPlan:
     per_device_train_batch_size: int | None  # rows per micro-batch (the config's), or else
     max_tokens: int | None  # a token budget per micro-batch: the config's, or the plan's
     decoder_blocks_without_checkpointing: int  # the last decoder blocks that keep their activations
+    encoder_blocks_without_checkpointing: int  # the same in the encoder
     # Packing: the loader's rows (rows, source length, target length), which it chooses from the data once
     # it is indexed (plan_packed_rows); until then None, and the plan assumes rows of the maximum lengths.
     packed_rows: tuple[int, int, int] | None = None
+
+    @property
+    def blocks_without_checkpointing(self) -> tuple[int, int]:
+        """(decoder, encoder) blocks that keep their activations."""
+        return self.decoder_blocks_without_checkpointing, self.encoder_blocks_without_checkpointing
 
     def micro_batch(self, split: int = 1) -> str:
         """The micro-batch in words, after the loader batches are split into `split` parts (OOM back-off)."""
@@ -622,15 +660,17 @@ class RunPlan:
             cfg,
             max_tokens=self.max_tokens,
             decoder_blocks_without_checkpointing=self.decoder_blocks_without_checkpointing,
+            encoder_blocks_without_checkpointing=self.encoder_blocks_without_checkpointing,
             eval_fraction=0.0 if cfg.eval_files else cfg.eval_fraction,
         )
 
 
 def plan_run(cfg, gpu_bytes: int | None = None) -> RunPlan:
     """The memory plan's choices for `cfg` on a card of `gpu_bytes` (default: this process's GPU): a token
-    budget when the config sets neither max_tokens nor per_device_train_batch_size, and how many decoder
-    blocks skip checkpointing when decoder_blocks_without_checkpointing is null. Without a GPU: two rows of
-    the maximum lengths, and every block checkpointed."""
+    budget when the config sets neither max_tokens nor per_device_train_batch_size, and how many decoder and
+    encoder blocks skip checkpointing where decoder_blocks_without_checkpointing or
+    encoder_blocks_without_checkpointing is null. Without a GPU: two rows of the maximum lengths, and every
+    block checkpointed where the config leaves it open."""
     if gpu_bytes is None:
         gpu_bytes = gpu_bytes_for(cfg)
     max_tokens = cfg.max_tokens
@@ -644,32 +684,37 @@ def plan_run(cfg, gpu_bytes: int | None = None) -> RunPlan:
             )
         else:
             max_tokens = choose_max_tokens(cfg, gpu_bytes)
-    blocks = cfg.decoder_blocks_without_checkpointing
-    if blocks is None:
-        blocks = 0
-        if gpu_bytes is not None:
-            blocks = choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes, max_tokens)
-    return RunPlan(cfg.per_device_train_batch_size, max_tokens, blocks)
+    if gpu_bytes is not None:
+        blocks = choose_blocks_without_checkpointing(cfg, gpu_bytes, max_tokens)
+    else:
+        blocks = (
+            cfg.decoder_blocks_without_checkpointing or 0,
+            cfg.encoder_blocks_without_checkpointing or 0,
+        )
+    return RunPlan(cfg.per_device_train_batch_size, max_tokens, *blocks)
 
 
 def plan_packed_rows(plan: RunPlan, cfg, packed_shape: dict, gpu_bytes: int | None = None) -> RunPlan:
     """`plan` for the packed rows the loader chose from the data (its `packed_shape`: rows, source_len,
     target_len), which the budget could only assume to be rows of the maximum lengths: where the config
-    leaves it to the plan, the number of decoder blocks without checkpointing is chosen again on them."""
+    leaves them to the plan, the numbers of blocks without checkpointing are chosen again on them."""
     rows = (packed_shape["rows"], packed_shape["source_len"], packed_shape["target_len"])
     plan = dataclasses.replace(plan, packed_rows=rows)
     if gpu_bytes is None:
         gpu_bytes = gpu_bytes_for(cfg)
-    if cfg.decoder_blocks_without_checkpointing is not None or gpu_bytes is None:
+    if gpu_bytes is None:
         return plan
-    blocks = choose_decoder_blocks_without_checkpointing(cfg, gpu_bytes, plan.max_tokens, rows)
-    plan = dataclasses.replace(plan, decoder_blocks_without_checkpointing=blocks)
+    decoder, encoder = choose_blocks_without_checkpointing(cfg, gpu_bytes, plan.max_tokens, rows)
+    plan = dataclasses.replace(
+        plan, decoder_blocks_without_checkpointing=decoder, encoder_blocks_without_checkpointing=encoder
+    )
     peak = planned_peak_bytes(cfg, plan)
     logger.info(
-        "memory plan: packed rows of %d x (%d + %d) tokens; the last %d decoder blocks without gradient "
-        "checkpointing, predicted peak %.1f GiB of %.1f",
+        "memory plan: packed rows of %d x (%d + %d) tokens; the last %d decoder and %d encoder blocks "
+        "without gradient checkpointing, predicted peak %.1f GiB of %.1f",
         *rows,
-        blocks,
+        decoder,
+        encoder,
         peak / GIB,
         gpu_bytes / GIB,
     )

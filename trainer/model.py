@@ -68,13 +68,13 @@ def load_model(
     *,
     path: str | Path | None = None,
     random_init: bool | None = None,
-    decoder_blocks_without_checkpointing: int = 0,
+    blocks_without_checkpointing: tuple[int, int] = (0, 0),
 ):
     """Load cfg.model_name_or_path (or `path`, e.g. a checkpoint) once, in cfg.dtype, onto `device`.
 
     On CUDA, asserts the peak memory during the load is at most 1.05x the weights + 64 MiB (no fp32 copy, no
     second copy on the device). Attention: cfg.attn_implementation. Gradient checkpointing is non-reentrant,
-    except for the last `decoder_blocks_without_checkpointing` decoder blocks (the run's plan decides how
+    except for the last `blocks_without_checkpointing` (decoder, encoder) blocks (the run's plan decides how
     many); use_cache is off (turned on for generation).
     """
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
@@ -122,12 +122,12 @@ def load_model(
     fused = f"{norms} layer norms and {gelus} GELUs in one kernel each"
     if gated or residual:
         fused += f", {gated} gated-GELU feed-forwards and {residual} residual dropouts as Triton kernels"
-    fused += f", {shared} groups of projections sharing their input's gradient"
+    fused += f", projections in {shared} groups (input gradients summed in their matmuls)"
     log.info("attention: %s; fused ops: %s", attn_used, fused)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        skip_decoder_checkpointing(model, decoder_blocks_without_checkpointing)
+        skip_checkpointing(model, *blocks_without_checkpointing)
     if cfg.torch_compile:
         compile_blocks(model)
     return model
@@ -157,7 +157,7 @@ def _use_triton_attention(model: torch.nn.Module, device: torch.device, dtype: t
 
 def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int, int, int]:
     """Swap T5's Python-written layer norm and GELU for fused kernels; returns the counts (norms, GELUs,
-    gated feed-forwards, sublayers with a fused residual dropout, groups of projections sharing an input).
+    gated feed-forwards, sublayers with a fused residual dropout, projection groups).
 
     T5LayerNorm (RMS norm, fp32 statistics) is ~7 elementwise kernels and gelu_new
     (0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))) ~8, each a full pass over B x T x d_ff in forward and more
@@ -166,9 +166,9 @@ def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int, int, int]:
     same functions in one kernel each; results differ only in bf16 rounding (RMSNorm rounds once, at the end).
     On CUDA, the gated feed-forward's GELU, product and dropout become one Triton kernel each way, and so do
     each sublayer's output dropout and residual sum (trainer.fused_ops); elsewhere they stay torch ops.
-    Projections of one input accumulate its gradient in their matmuls (trainer.projections), everywhere.
+    Projections run in groups by input (trainer.projections), everywhere.
     """
-    from trainer.projections import use_shared_input_projections
+    from trainer.projections import use_projection_groups
 
     gated = residual = 0
     if next(model.parameters()).is_cuda:
@@ -188,23 +188,35 @@ def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int, int, int]:
             elif kind == "NewGELUActivation":
                 setattr(parent, name, torch.nn.GELU(approximate="tanh"))
                 gelus += 1
-    return norms, gelus, gated, residual, use_shared_input_projections(model)
+    return norms, gelus, gated, residual, use_projection_groups(model)
 
 
-def skip_decoder_checkpointing(model: torch.nn.Module, blocks: int) -> int:
-    """Turn gradient checkpointing off for the last `blocks` decoder blocks: they keep their activations and
-    skip the recompute. Their backward runs first, so the checkpointed blocks' recompute finds their memory
-    freed (trainer.memory_plan counts it so). Returns how many were switched; 0 where transformers
-    checkpoints the stack as a whole (no per-block switch)."""
-    switched = 0
-    for block in list(model.decoder.block)[-blocks:] if blocks > 0 else []:
-        if getattr(block, "gradient_checkpointing", None) is True:
-            block.gradient_checkpointing = False
-            switched += 1
-    if blocks:
-        total = len(model.decoder.block)
-        log.info("gradient checkpointing: off for the last %d of %d decoder blocks", switched, total)
-    return switched
+def skip_checkpointing(
+    model: torch.nn.Module, decoder_blocks: int, encoder_blocks: int = 0
+) -> tuple[int, int]:
+    """Turn gradient checkpointing off for the last `decoder_blocks` decoder blocks and the last
+    `encoder_blocks` encoder blocks: they keep their activations and skip the recompute. Their backward runs
+    first in their stack, so the checkpointed blocks' recompute finds their memory freed (trainer.memory_plan
+    counts it so). Returns how many were switched in each; 0 where transformers checkpoints a stack as a
+    whole (no per-block switch)."""
+    switched = []
+    for stack, blocks in ((model.decoder, decoder_blocks), (model.encoder, encoder_blocks)):
+        count = 0
+        for block in list(stack.block)[-blocks:] if blocks > 0 else []:
+            if getattr(block, "gradient_checkpointing", None) is True:
+                block.gradient_checkpointing = False
+                count += 1
+        switched.append(count)
+    if decoder_blocks or encoder_blocks:
+        log.info(
+            "gradient checkpointing: off for the last %d of %d decoder blocks and the last %d of %d encoder "
+            "blocks",
+            switched[0],
+            len(model.decoder.block),
+            switched[1],
+            len(model.encoder.block),
+        )
+    return switched[0], switched[1]
 
 
 def compile_blocks(model: torch.nn.Module) -> int:

@@ -106,10 +106,10 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
     epoch = epoch_data(cfg, plan)
     if epoch.packed_shape:  # the trainer plans again on the rows the loader chose from the data
         plan = plan_packed_rows(plan, cfg, epoch.packed_shape, gpu_bytes)
-    blocks = plan.decoder_blocks_without_checkpointing
+    blocks = plan.blocks_without_checkpointing
     kw = _plan_kwargs(cfg, blocks)
     # The trainer picks the budget with every block checkpointed, then skips checkpointing where room is left.
-    kw_all = dict(kw, decoder_blocks_without_checkpointing=0)
+    kw_all = _plan_kwargs(cfg, (0, 0))
     peak = micro_batch_peak(shape, cfg, plan.max_tokens, blocks, plan.packed_rows)
     if plan.packed_rows is not None:
         rows, src, tgt = plan.packed_rows
@@ -129,7 +129,10 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
         f"checkpointing: {cfg.gradient_checkpointing}, attention: {kw['attn_implementation']}"
     )
     if cfg.gradient_checkpointing:
-        print(f"decoder blocks without checkpointing (the last ones; no recompute): {blocks}")
+        print(
+            f"blocks without checkpointing (the last ones; no recompute): {blocks[0]} decoder, "
+            f"{blocks[1]} encoder"
+        )
     print(f"micro-batch: {batch}")
     print(f"peak at: {peak.peak_moment}")
     print(f"{'component':<24}{'GiB':>8}")

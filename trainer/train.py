@@ -494,6 +494,7 @@ def build_model(
 
     from trainer.model import load_model
     from trainer.optim import build_optimizer, build_scheduler
+    from trainer.projections import accumulate_weight_grads_in_place
 
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -503,10 +504,12 @@ def build_model(
         device,
         path=resume_from,
         random_init=False if resume_from else None,
-        decoder_blocks_without_checkpointing=plan.decoder_blocks_without_checkpointing,
+        blocks_without_checkpointing=plan.blocks_without_checkpointing,
     )
     model.train()
     train_module = distributed.wrap(model, cfg.distributed_strategy, device)
+    if not distributed.is_distributed():  # DDP and FSDP act on autograd's own gradient accumulation
+        accumulate_weight_grads_in_place(model)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, data.total_steps)
     if resume_from:
@@ -905,6 +908,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         # The memory plan's prediction for the planned micro-batch, and what it chose, beside the measurement.
         summary["planned_peak_gib"] = planned_peak_bytes(cfg, run.plan) / memory.GIB
         summary["decoder_blocks_without_checkpointing"] = run.plan.decoder_blocks_without_checkpointing
+        summary["encoder_blocks_without_checkpointing"] = run.plan.encoder_blocks_without_checkpointing
         summary["packed_rows"] = run.plan.packed_rows
     run.meter.write_summary(state.step, duration, summary)
     for sample in (last_eval.samples if last_eval is not None else [])[:1]:
