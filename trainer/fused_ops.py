@@ -285,7 +285,9 @@ def gated_gelu_linear(
     dropout_p is rounded to a multiple of 2**-16 (0.1 -> 0.100006), the resolution of the random numbers.
     """
     if a.shape != b.shape or a.dtype != b.dtype:
-        raise ValueError(f"gated_gelu: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} differ")
+        raise ValueError(
+            f"gated_gelu_linear: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} differ"
+        )
     return _GatedGeluLinear.apply(a, b, weight, dropout_resolution(dropout_p), weight_grad_in_place)
 
 

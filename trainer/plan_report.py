@@ -107,7 +107,6 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
     if epoch.packed_shape:  # the trainer plans again on the rows the loader chose from the data
         plan = plan_packed_rows(plan, cfg, epoch.packed_shape, gpu_bytes)
     blocks = plan.blocks_without_checkpointing
-    kw = _plan_kwargs(cfg, blocks)
     # The trainer picks the budget with every block checkpointed, then skips checkpointing where room is left.
     kw_all = _plan_kwargs(cfg, (0, 0))
     peak = micro_batch_peak(shape, cfg, plan.max_tokens, blocks, plan.packed_rows)
@@ -126,7 +125,7 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
     print(f"model: {cfg.model_name_or_path} ({shape.num_params() / 1e9:.2f}B parameters)")
     print(
         f"optimizer: {cfg.optimizer} ({cfg.bf16_update} bf16 update), "
-        f"checkpointing: {cfg.gradient_checkpointing}, attention: {kw['attn_implementation']}"
+        f"checkpointing: {cfg.gradient_checkpointing}, attention: {kw_all['attn_implementation']}"
     )
     if cfg.gradient_checkpointing:
         print(
