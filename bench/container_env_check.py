@@ -448,7 +448,8 @@ def check(root: Path, gpu: bool, timeout: float, report: Report, package: Path) 
     if gpu:
         c1, c2 = counts
         report.check(
-            c1["kernels"] > 0 and c1["launchers"] > 0 and c1["graphs"] > 0,
+            # Compiled graphs come only with `torch_compile: true` (the Triton kernels are the trainer's own).
+            c1["kernels"] > 0 and c1["launchers"] > 0,
             "compile caches filled",
             f"run 1 left {c1['kernels']} Triton kernels, {c1['launchers']} launchers (built with gcc) and "
             f"{c1['graphs']} compiled-graph files under outputs/compile-cache",

@@ -1,11 +1,13 @@
 """One optimizer step over FLAN-T5-XL's parameters (2.85B, bf16, random gradients) on the GPU.
 
-    python3 bench/optimizer_step.py [--optimizers adafactor,adafactor_eager,adamw_kahan,adamw_fused]
+    python3 bench/optimizer_step.py [--optimizers adafactor,adafactor_graph,adafactor_torch,adamw_kahan]
 
-adafactor: trainer.optim.Adafactor with Kahan updates as the trainer runs it (weights stacked by shape,
-update compiled on CUDA); adafactor_eager: the same update uncompiled; adamw_kahan: torch-optimi
-AdamW(kahan_sum=True); adamw_fused: torch's fused AdamW (no compensation). Prints ms per step (and the
-host's part of it), the optimizer states' size and the step's scratch memory.
+adafactor: trainer.optim.Adafactor with Kahan updates as the trainer runs it on a GPU (same-shape weights
+together, trainer.adafactor_kernels); adafactor_graph: the same captured in a CUDA graph and replayed, as with
+`cuda_graphs: true` (trainer.cuda_graphs); adafactor_torch: the torch ops it runs off a GPU, one weight at a
+time; adamw_kahan: torch-optimi AdamW(kahan_sum=True); adamw_fused: torch's fused AdamW (no compensation).
+Prints ms per step (and the host's part of it), the optimizer states' size and the step's scratch memory.
+`--sweep` times trainer.adafactor_kernels' tilings instead (GPU time per kernel, profiled).
 """
 
 from __future__ import annotations
@@ -38,9 +40,20 @@ def xl_parameters() -> list[torch.nn.Parameter]:
     return params
 
 
+class TorchOpsAdafactor(optim.Adafactor):
+    """trainer.optim.Adafactor without its GPU kernels: what it runs on CPU, timed on the GPU."""
+
+    def advance(self):
+        layout = super().advance()
+        self._work = [(params, scalars, group, None) for params, scalars, group, _ in self._work]
+        return layout
+
+
 def build(name: str, params):
+    if name == "adafactor_torch":
+        return TorchOpsAdafactor(params, lr=1e-3, kahan=True)
     if name.startswith("adafactor"):
-        return optim.Adafactor(params, lr=1e-3, kahan=True, compile=name == "adafactor")
+        return optim.Adafactor(params, lr=1e-3, kahan=True)
     if name == "adamw_kahan":
         import optimi
 
@@ -48,19 +61,74 @@ def build(name: str, params):
     return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
 
+def captured_step(opt: optim.Adafactor):
+    """opt's step as trainer.cuda_graphs runs it: the host's `advance`, then the captured `apply` replayed."""
+    opt.advance()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=side):
+        opt.apply()
+
+    def step():
+        opt.advance()
+        graph.replay()
+
+    return step
+
+
+# (rows, columns, warps, pipeline stages) of the kernels' tiles
+SWEEP = [(64, 64, 8, 1), (64, 128, 8, 1), (32, 128, 8, 2), (16, 256, 8, 1), (16, 256, 8, 3), (16, 256, 4, 2)]
+SWEEP += [(8, 512, 8, 1), (32, 256, 8, 2)]
+
+
+def sweep(params) -> None:
+    """GPU time of each Adafactor kernel per step, for each tiling of SWEEP (the module's constants set)."""
+    from trainer import adafactor_kernels as kernels
+
+    defaults = kernels.BLOCK_ROWS, kernels.BLOCK_COLS, kernels.NUM_WARPS, kernels.STAGES
+    for tiling in SWEEP:
+        kernels.BLOCK_ROWS, kernels.BLOCK_COLS, kernels.NUM_WARPS, kernels.STAGES = tiling
+        opt = optim.Adafactor(params, lr=1e-3, kahan=True)
+        for _ in range(3):  # states, compilation
+            opt.step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                opt.step()
+            torch.cuda.synchronize()
+        ms = {e.key: e.device_time_total / 3e3 for e in prof.key_averages() if e.key.startswith("_")}
+        mark = " (the default)" if tiling == defaults else ""
+        per_kernel = "  ".join(f"{k} {v:.2f}" for k, v in sorted(ms.items()))
+        print(
+            f"  {tiling[0]} x {tiling[1]}, {tiling[2]} warps, {tiling[3]} stages: {sum(ms.values()):6.2f} ms "
+            f"({per_kernel}){mark}"
+        )
+        del opt
+        torch.cuda.empty_cache()
+    kernels.BLOCK_ROWS, kernels.BLOCK_COLS, kernels.NUM_WARPS, kernels.STAGES = defaults
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--optimizers", default="adafactor,adafactor_eager,adamw_kahan,adamw_fused")
+    parser.add_argument(
+        "--optimizers", default="adafactor,adafactor_graph,adafactor_torch,adamw_kahan,adamw_fused"
+    )
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="time the Adafactor kernels' tilings")
     args = parser.parse_args()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     params = xl_parameters()
     n = sum(p.numel() for p in params)
     print(f"{len(params)} tensors, {n / 1e9:.2f}B parameters")
+    if args.sweep:
+        sweep(params)
+        return 0
     for name in args.optimizers.split(","):
         opt = build(name, params)
         for _ in range(3):  # states, compilation
             opt.step()
+        step = captured_step(opt) if name == "adafactor_graph" else opt.step
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -68,7 +136,7 @@ def main() -> int:
         start.record()
         host_start = time.perf_counter()
         for _ in range(args.steps):
-            opt.step()
+            step()
         host_ms = (time.perf_counter() - host_start) * 1e3 / args.steps
         end.record()
         torch.cuda.synchronize()

@@ -18,8 +18,8 @@ graph's memory pool holds a micro-step's activations) capture again at the next 
 an eager micro-step's cached blocks would come on top of the memory the run holds by then.
 
 The optimizer step (trainer.optim.Adafactor) is captured too, into the micro-step graph's memory pool: its
-stacked weights and fp32 scratch (~1.25 GiB for FLAN-T5-XL) reuse the activations' memory instead of coming
-on top of it, and its ~24 compiled calls cost the host one replay. The host keeps the step counts and queues
+fp32 scratch reuses the activations' memory instead of coming on top of it, and its kernels (a few per weight
+shape, trainer.adafactor_kernels) cost the host one replay. The host keeps the step counts and queues
 the step's scalars before each replay (`Adafactor.advance`); the graph is the update itself (`apply`). The
 first update runs eagerly (it compiles), after the micro-step graph is dropped, to be captured again.
 """
@@ -44,7 +44,7 @@ class MicroStepGraph:
         self.params = params
         self.graph: torch.cuda.CUDAGraph | None = None
         self.update: torch.cuda.CUDAGraph | None = None  # the optimizer's update, in the graph's pool
-        self.update_key: tuple | None = None  # the update's stacks (Adafactor.advance)
+        self.update_key: tuple | None = None  # the update's layout (Adafactor.advance)
         self.stepped = False  # an optimizer step ran eagerly: its update is compiled, its states exist
         self.key: tuple | None = None  # the captured shape and gradient addresses
         self.static: dict[str, torch.Tensor] = {}

@@ -1,4 +1,5 @@
-"""T5's gated-GELU feed-forward product as one Triton kernel each way: gelu_tanh(a) * b, then dropout.
+"""T5's gated-GELU feed-forward product as one Triton kernel each way: gelu_tanh(a) * b, then dropout; the
+sublayers' residual dropout and RMSNorm backward; the loss's cross-entropy over a chunk of logits.
 
 Eager T5 (`T5DenseGatedActDense`) writes and reads the (tokens x d_ff) intermediate five times in the forward
 (GELU, product, dropout with its byte mask) and more in the backward, all twice with gradient checkpointing:
@@ -421,3 +422,53 @@ def _is_gelu_tanh(act: torch.nn.Module) -> bool:
     if type(act).__name__ == "NewGELUActivation":
         return True
     return isinstance(act, torch.nn.GELU) and act.approximate == "tanh"
+
+
+# Vocabulary entries a cross-entropy program holds at a time.
+CE_BLOCK = 4096
+
+
+@triton.jit(do_not_specialize=["vocab", "stride"])
+def _cross_entropy_kernel(Logits, Labels, Loss, vocab, stride, BLOCK: tl.constexpr, GRAD: tl.constexpr):
+    """One row of logits: its cross-entropy, fp32 (0 for the label -100), and with GRAD its softmax minus the
+    label's one-hot (zeros for -100) written over the row in the logits' dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    logits = Logits + row * stride
+    label = tl.load(Labels + row)
+    counted = label != -100
+    offs = tl.arange(0, BLOCK)
+    # Per lane: the running maximum and the sum of exp(x - maximum); lanes past the vocabulary stay -inf, 0.
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        x = tl.load(logits + start + offs, mask=start + offs < vocab, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        total = total * tl.exp(m - m_ref) + tl.exp(x - m_ref)
+        m = m_new
+    row_max = tl.max(m, 0)
+    lse = row_max + tl.log(tl.sum(total * tl.exp(m - row_max), 0))
+    target = tl.load(logits + tl.maximum(label, 0)).to(tl.float32)
+    tl.store(Loss + row, tl.where(counted, lse - target, 0.0))
+    if GRAD:
+        for start in range(0, vocab, BLOCK):
+            cols = start + offs
+            x = tl.load(logits + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+            g = tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)
+            g = tl.where(counted, g, 0.0)
+            tl.store(logits + cols, g.to(Logits.dtype.element_ty), mask=cols < vocab)
+
+
+def cross_entropy_rows_(logits: torch.Tensor, labels: torch.Tensor, grad: bool) -> torch.Tensor:
+    """Each row's cross-entropy (fp32; 0 where the label is -100) of 16-bit `logits` (rows, vocab) against
+    `labels` (rows,); with `grad`, the logits are overwritten by d(summed loss)/d(logits): softmax minus
+    one-hot, zeros in -100 rows. One Triton kernel (a GPU, or TRITON_INTERPRET=1)."""
+    if logits.dtype not in (torch.bfloat16, torch.float16) or logits.stride(-1) != 1:
+        raise ValueError(f"cross_entropy_rows_: 16-bit logits with unit column stride, not {logits.dtype}")
+    rows, vocab = logits.shape
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        _cross_entropy_kernel[(rows,)](
+            logits, labels, loss, vocab, logits.stride(0), BLOCK=CE_BLOCK, GRAD=grad, num_warps=8
+        )
+    return loss

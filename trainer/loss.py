@@ -6,6 +6,10 @@ fp32 copy, log-softmax and gradients that a plain `F.cross_entropy(logits.float(
 computes the logits, the loss and, when gradients are needed, the gradients of the hidden states and of the
 head's weight (softmax minus one-hot, in fp32), then drops the chunk's logits. Backward only scales the stored
 gradients. The arithmetic is the reference's: a bf16 matmul for the logits, fp32 for the softmax and loss.
+
+On a GPU one Triton kernel per chunk (trainer.fused_ops.cross_entropy_rows_) reads the 16-bit logits twice
+(their log-sum-exp, then the gradient written over them); torch's ops (on CPU) make an fp32 copy and pass over
+it ~6 times.
 """
 
 from __future__ import annotations
@@ -24,19 +28,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         grad_weight = torch.zeros_like(weight, dtype=acc) if need_grad else None
+        fused = hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
         for start in range(0, hidden.size(0), chunk_tokens):
             h = hidden[start : start + chunk_tokens]
             y = labels[start : start + chunk_tokens]
-            counted = (y != -100)[:, None]  # rows labelled -100 add nothing to the loss or the gradients
-            y = y.clamp(min=0)
-            logits = (h @ weight.t()).to(acc)
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            loss += (lse - logits.gather(1, y[:, None])).masked_fill(~counted, 0).sum()
+            if fused:
+                from trainer.fused_ops import cross_entropy_rows_  # Triton: imported where a GPU runs it
+
+                logits = h @ weight.t()
+                loss += cross_entropy_rows_(logits, y, need_grad).sum()
+                g = logits  # the kernel wrote the gradient over them
+            else:
+                loss_sum, g = _chunk_loss(h @ weight.t(), y, need_grad, acc)
+                loss += loss_sum
             if need_grad:
-                # d(sum of losses)/d(logits) = softmax - one_hot, computed in place over the fp32 logits; an
-                # uncounted row's infinite log-sum-exp makes its softmax 0.
-                g = logits.sub_(lse.masked_fill(~counted, float("inf"))).exp_()
-                g.scatter_add_(1, y[:, None], -counted.to(acc))
                 g = g.to(hidden.dtype)
                 grad_hidden[start : start + chunk_tokens] = g @ weight
                 grad_weight += (g.t() @ h).to(acc)
@@ -49,6 +54,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         g = grad_loss.to(grad_hidden.dtype)
         return grad_hidden * g, grad_weight * g, None, None
+
+
+def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool, acc: torch.dtype):
+    """What trainer.fused_ops.cross_entropy_rows_ computes, in torch ops over an `acc` copy of the logits: the
+    chunk's summed loss and (with need_grad) its gradient, in `acc`."""
+    counted = (labels != -100)[:, None]  # rows labelled -100 add nothing to the loss or the gradients
+    labels = labels.clamp(min=0)
+    logits = logits.to(acc)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    loss = (lse - logits.gather(1, labels[:, None])).masked_fill(~counted, 0).sum()
+    if not need_grad:
+        return loss, None
+    # d(sum of losses)/d(logits) = softmax - one_hot, in place over the copy; an uncounted row's infinite
+    # log-sum-exp makes its softmax 0.
+    g = logits.sub_(lse.masked_fill(~counted, float("inf"))).exp_()
+    g.scatter_add_(1, labels[:, None], -counted.to(acc))
+    return loss, g
 
 
 def linear_cross_entropy(

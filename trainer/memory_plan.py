@@ -31,7 +31,6 @@ from trainer.memory import GIB
 
 # KNOWN_CONFIGS is re-exported: scripts import the model catalogue from here.
 from trainer.model_shape import KNOWN_CONFIGS, ModelShape, load_shape  # noqa: F401
-from trainer.optim import STACK_BYTES as ADAFACTOR_STACK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +89,16 @@ class MemoryPlan:
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def adafactor_stack_bytes(shape: ModelShape, element_size: int) -> int:
-    """The largest stack of weights trainer.optim.Adafactor updates at once."""
+def adafactor_scratch_bytes(shape: ModelShape) -> int:
+    """The largest scratch of trainer.optim.Adafactor's step on a GPU: the fp32 partial sums of the group of
+    same-shape weights with the most (trainer.adafactor_kernels)."""
+    from trainer.adafactor_kernels import scratch_bytes
+
     largest = 0
     for dims, count in shape.weight_shapes().items():
-        size = math.prod(dims) * element_size
-        largest = max(largest, min(count, max(1, ADAFACTOR_STACK_BYTES // size)) * size)
+        factored = len(dims) == 2
+        rows, cols = (dims[0], dims[1]) if factored else (1, math.prod(dims))
+        largest = max(largest, scratch_bytes(count, rows, cols, factored))
     return largest
 
 
@@ -280,15 +283,16 @@ def _block_saved(
     return total, peak
 
 
-def _loss_bytes(n_rows: int, d: int, v: int, e: int) -> int:
+def _loss_bytes(n_rows: int, d: int, v: int, e: int, fused: bool) -> int:
     """Peak bytes of the chunked cross-entropy (trainer.loss) on N = `n_rows` target rows, chunks of C rows:
     the gathered rows (N x d) and their int64 indices, the hidden-state gradient (N x d, kept for backward)
-    and the head's fp32 gradient accumulator (V x d); per chunk the fp32 logits (C x V) next to their bf16
-    copy, then the bf16 softmax-minus-one-hot (C x V) and the head-gradient product in bf16 and fp32
-    (V x d)."""
+    and the head's fp32 gradient accumulator (V x d); per chunk the logits (C x V), which the GPU's kernel
+    overwrites with their gradient, and the head-gradient product in bf16 and fp32 (V x d). Torch's ops
+    (`fused` false: on CPU) first make an fp32 copy of the logits beside them."""
     chunk = min(n_rows, CE_CHUNK_TOKENS)
     kept = n_rows * 8 + n_rows * d * e * 2 + v * d * _acc_bytes(e)
-    return kept + max(chunk * v * (4 + e), chunk * v * e + v * d * (e + _acc_bytes(e)))
+    per_chunk = chunk * v * e + v * d * (e + _acc_bytes(e))
+    return kept + (per_chunk if fused else max(chunk * v * (4 + e), per_chunk))
 
 
 def plan_memory(
@@ -387,7 +391,7 @@ def plan_memory(
         dec_keep = ld * (b * t * d * e + dec_block)
         enc_bwd, dec_bwd = enc_bwd - enc_block, dec_bwd - dec_block  # only the backward scratch is new
 
-    logits_peak = _loss_bytes(b * t, d, v, e)
+    logits_peak = _loss_bytes(b * t, d, v, e, fused and e == 2)
 
     # Gradients flowing between blocks: the hidden-state gradient (two alive at a block boundary) and, during
     # the decoder's backward, the accumulated gradients of the encoder output and of the shared position
@@ -403,10 +407,9 @@ def plan_memory(
         ),
         "encoder block backward": (enc_keep + enc_shared + flow_enc + enc_bwd, 0),
     }
-    # trainer.optim.Adafactor updates stacks of same-shape weights: the stacked weights, gradients and Kahan
-    # buffers plus the compiled update's fp32 scratch come to ~5x the stack (1.25 GiB for FLAN-T5-XL's 256 MiB
-    # stacks, bench/optimizer_step.py). optimi's foreach step uses the gradients as its scratch buffer.
-    opt_temp = 5 * adafactor_stack_bytes(shape, e) if optimizer == "adafactor" else 0
+    # trainer.optim.Adafactor's kernels keep fp32 partial sums per group of same-shape weights (~0.3 GB for
+    # FLAN-T5-XL); optimi's foreach step uses the gradients as its scratch buffer.
+    opt_temp = adafactor_scratch_bytes(shape) if optimizer == "adafactor" else 0
     moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
     if opt_temp > acts + logits:
         moment, acts, logits = "optimizer step", 0, 0

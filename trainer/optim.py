@@ -12,18 +12,16 @@ fp32 weights need no compensation and use torch's AdamW.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from trainer.adafactor_kernels import WeightGroup
+
 log = logging.getLogger(__name__)
-
-
-# Weights updated in one compiled call: stacking bounds the temporaries (~5x this) and keeps the chunks few
-# (FLAN-T5-XL: 24 calls instead of 557, whose host time the GPU would wait for).
-STACK_BYTES = 256 << 20
 
 
 class Adafactor(torch.optim.Optimizer):
@@ -34,9 +32,9 @@ class Adafactor(torch.optim.Optimizer):
     clipping at RMS `clip_threshold`. The update is computed in fp32; with `kahan=True` the part of it that
     the bf16 weight cannot represent is kept in a bf16 buffer and added back on the next step.
 
-    Weights of one shape are updated together, stacked up to STACK_BYTES at a time, by one call of
-    `adafactor_update`, compiled when `compile` is true (default: on CUDA). FSDP's sharded weights are
-    updated one at a time, uncompiled.
+    On a GPU the weights of one shape are updated together by trainer.adafactor_kernels (four launches per
+    shape, each weight read where it lies); elsewhere (CPU, FSDP's sharded weights) one at a time by
+    `adafactor_update`.
     """
 
     def __init__(
@@ -48,18 +46,19 @@ class Adafactor(torch.optim.Optimizer):
         decay_rate: float = -0.8,
         weight_decay: float = 0.0,
         kahan: bool = True,
-        compile: bool | None = None,
     ):
         defaults = dict(
             lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate, weight_decay=weight_decay
         )
         super().__init__(params, defaults)
         self.kahan = kahan
-        self.compile = compile
         # The step's device scalars, one (lr, beta2t, weight decay) tensor per group, device and distinct step
         # count, kept from step to step so that a captured `apply` (trainer.cuda_graphs) reads this step's.
         self._scalars: dict[tuple, torch.Tensor] = {}
-        self._work: list[tuple[list[torch.Tensor], torch.Tensor, dict]] = []  # what `apply` updates
+        # The kernels' address tables per batch of same-shape weights, kept from step to step while those
+        # tensors stay put.
+        self._weight_groups: dict[tuple, WeightGroup] = {}
+        self._work: list[tuple[list[torch.Tensor], torch.Tensor, dict, WeightGroup | None]] = []
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -71,11 +70,12 @@ class Adafactor(torch.optim.Optimizer):
     @torch.no_grad()
     def advance(self) -> tuple:
         """The host's part of a step: states for new weights, step counts, the step's scalars queued to the
-        device, and the stacks `apply` updates. Returns the stacks' layout: equal layouts make equal `apply`
-        calls (the same tensors), which is what a captured `apply` needs."""
+        device, and the batches of same-shape weights `apply` updates. Returns their layout: equal layouts
+        make equal `apply` calls (the same tensors at the same addresses), which a captured `apply` needs."""
         self._work = []
         for gi, group in enumerate(self.param_groups):
-            stacks: dict[tuple, list[torch.Tensor]] = {}
+            # Same-shape weights at the same step count, updated together.
+            batches: dict[tuple, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -83,26 +83,56 @@ class Adafactor(torch.optim.Optimizer):
                 if not state:
                     self._init_state(p, state)
                 state["step"] += 1
-                key = (p.shape, p.dtype, p.device, state["step"], "kahan_comp" in state, _plain(p))
-                stacks.setdefault(key, []).append(p)
+                kind = (p.shape, p.dtype, p.device, "kahan_comp" in state, _on_kernels(p))
+                batches.setdefault((state["step"], kind), []).append(p)
             slots: dict[tuple, torch.Tensor] = {}  # (device, step) -> its scalars
-            for (shape, dtype, device, step, _, plain), params in stacks.items():
+            for (step, kind), params in batches.items():
+                device, kernels = kind[2], kind[4]
                 if (device, step) not in slots:
                     slots[device, step] = self._queue_scalars(gi, len(slots), device, step, group)
-                per_stack = max(1, STACK_BYTES // (math.prod(shape) * dtype.itemsize)) if plain else 1
-                for i in range(0, len(params), per_stack):
-                    self._work.append((params[i : i + per_stack], slots[device, step], group))
-        return tuple((tuple(map(id, params)), id(scalars)) for params, scalars, _ in self._work)
+                weight_group = self._weight_group((gi, kind), params) if kernels else None
+                self._work.append((params, slots[device, step], group, weight_group))
+        return tuple(
+            (tuple(map(id, params)), id(scalars), weight_group and weight_group.addresses)
+            for params, scalars, _, weight_group in self._work
+        )
 
     @torch.no_grad()
     def apply(self) -> None:
-        """The device's part of the step `advance` prepared: every stack's update; the host only launches."""
-        for params, scalars, group in self._work:
-            self._update_stack(params, scalars, group)
+        """The device's part of the step `advance` prepared: every weight's update; the host only launches."""
+        for params, scalars, group, weight_group in self._work:
+            eps, clip_threshold = group["eps"][0], group["clip_threshold"]
+            if weight_group is not None:
+                weight_group.update(scalars, eps, clip_threshold)
+                continue
+            for p in params:
+                state = self.state[p]
+                adafactor_update(
+                    p,
+                    p.grad,
+                    state.get("exp_avg_sq_row"),
+                    state.get("exp_avg_sq_col"),
+                    state.get("exp_avg_sq"),
+                    state.get("kahan_comp"),
+                    scalars,
+                    eps,
+                    clip_threshold,
+                )
+
+    def _weight_group(self, key: tuple, params: list[torch.Tensor]) -> WeightGroup:
+        """The kernels' tables for `params`, made again only when a tensor moved (new gradients, loaded
+        states)."""
+        from trainer.adafactor_kernels import WeightGroup
+
+        states = [self.state[p] for p in params]
+        kept = self._weight_groups.get(key)
+        if kept is None or kept.addresses != WeightGroup.addresses_of(WeightGroup.tensors_of(params, states)):
+            kept = self._weight_groups[key] = WeightGroup.build(params, states)
+        return kept
 
     def _queue_scalars(self, group_index: int, slot: int, device, step: int, group: dict) -> torch.Tensor:
         """[lr, beta2t, weight decay] of `step` copied into the kept device tensor of (group, device, slot).
-        A tensor, because they change every step and a compiled update must not recompile."""
+        A tensor, because they change every step and a captured update must read this step's."""
         values = torch.tensor(
             [group["lr"], 1.0 - math.pow(step, group["decay_rate"]), group["weight_decay"]],
             dtype=torch.float32,
@@ -126,54 +156,20 @@ class Adafactor(torch.optim.Optimizer):
         if self.kahan and p.dtype != torch.float32:
             state["kahan_comp"] = torch.zeros_like(p)
 
-    def _update_stack(self, params: list[torch.Tensor], scalars: torch.Tensor, group: dict) -> None:
-        """One update of same-shape weights, stacked (one alone is updated in place); the results are copied
-        back to each tensor."""
-        names = ["exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "kahan_comp"]
-        owned = {n: [self.state[p][n] for p in params] for n in names if n in self.state[params[0]]}
-        if len(params) == 1:
-            stacked, weights, grads = {n: ts[0] for n, ts in owned.items()}, params[0], params[0].grad
-        else:
-            stacked = {n: torch.stack(ts) for n, ts in owned.items()}
-            weights, grads = torch.stack(params), torch.stack([p.grad for p in params])
-        compiled = self.compile if self.compile is not None else weights.device.type == "cuda"
-        compiled = compiled and _plain(weights)
-        update = compiled_adafactor_update() if compiled else adafactor_update
-        # The stacks have one shape per weight shape and chunk size; the default limit (8) is too few for
-        # some models, and past it the update would silently run uncompiled.
-        with torch._dynamo.config.patch(recompile_limit=64):
-            update(
-                weights,
-                grads,
-                stacked.get("exp_avg_sq_row"),
-                stacked.get("exp_avg_sq_col"),
-                stacked.get("exp_avg_sq"),
-                stacked.get("kahan_comp"),
-                scalars,
-                group["eps"][0],
-                group["clip_threshold"],
-                params[0].dim(),
-            )
-        if len(params) > 1:
-            torch._foreach_copy_(params, weights.unbind(0))
-            for n, ts in owned.items():
-                torch._foreach_copy_(ts, stacked[n].unbind(0))
+
+def _on_kernels(p: torch.Tensor) -> bool:
+    """Whether trainer.adafactor_kernels update `p` (a GPU's; imported there only: they need Triton)."""
+    if not p.is_cuda:
+        return False
+    from trainer.adafactor_kernels import WeightGroup
+
+    return WeightGroup.supports(p)
 
 
-def _plain(t: torch.Tensor) -> bool:
-    """Not a tensor subclass such as FSDP's sharded DTensor weights, which Adafactor neither stacks (no
-    `_foreach_copy_` for them) nor compiles (not tried on GPUs here): they are updated one at a time,
-    eagerly."""
-    return type(t.data) is torch.Tensor
-
-
-def adafactor_update(
-    p, grad, row, col, sq, comp, scalars, eps: float, clip_threshold: float, param_dims: int
-) -> None:
-    """One Adafactor step for a stack of weights, in place: the second-moment statistics (`row`/`col` for
-    matrices, `sq` otherwise), the weights `p` and their Kahan buffer `comp` (or None). Leading dimensions
-    beyond a weight's own `param_dims` index the stack. scalars: [lr, beta2t, weight decay] as a float32
-    tensor on p's device."""
+def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_threshold: float) -> None:
+    """One Adafactor step of one weight, in place, in torch ops: the second-moment statistics (`row`/`col`
+    for matrices, `sq` otherwise), the weight `p` and its Kahan buffer `comp` (or None). scalars: [lr, beta2t,
+    weight decay] as a float32 tensor on p's device. What trainer.adafactor_kernels computes on a GPU."""
     lr, beta2t, weight_decay = scalars[0], scalars[1], scalars[2]
     grad = grad.float()
     update = grad.square() + eps
@@ -185,7 +181,7 @@ def adafactor_update(
     else:
         sq.mul_(beta2t).add_(update * (1.0 - beta2t))
         update = sq.rsqrt() * grad
-    rms = update.square().mean(dim=tuple(range(-param_dims, 0)), keepdim=True).sqrt()
+    rms = update.square().mean().sqrt()
     update = update / (rms / clip_threshold).clamp(min=1.0) * lr
     w = p.float()
     if comp is not None:
@@ -193,27 +189,10 @@ def adafactor_update(
     w = w - w * (weight_decay * lr) - update
     if comp is None:
         p.copy_(w)
-    else:  # bf16 weights
-        rounded = round_to_bf16(w)
+    else:  # 16-bit weights
+        rounded = w.to(p.dtype)
         p.copy_(rounded)
-        comp.copy_(w - rounded)  # what the bf16 weight could not hold this step
-
-
-def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
-    """fp32 `x` rounded to the nearest bf16 value (ties to even), still fp32, as `x.bfloat16().float()`.
-
-    Integer arithmetic on the bits, because compilers may drop a round trip through bf16: inductor keeps
-    intermediates in fp32 (unless `emulate_precision_casts`, which torch 2.11 still skipped here), and the
-    Kahan buffer `w - w.bfloat16().float()` came out zero."""
-    bits = x.view(torch.int32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
-
-
-@functools.cache
-def compiled_adafactor_update():
-    """adafactor_update compiled: ~25 elementwise passes fused into a few kernels per stack. Static shapes
-    (one compile per weight shape) make faster kernels than dynamic ones (bench/NOTES.md)."""
-    return torch.compile(adafactor_update, dynamic=False)
+        comp.copy_(w - rounded.float())  # what the weight's dtype could not hold this step
 
 
 def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
