@@ -20,6 +20,7 @@ Sums are fixed-order (no atomics): the same inputs give the same bits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -136,19 +137,17 @@ def _update_rms(
 ):
     n, rb = tl.program_id(0), tl.program_id(1)
     grad = _tensor(G, n, TY)
+    row, col, sq = _tensor(Row, n, tl.float32), _tensor(Col, n, tl.float32), _tensor(Sq, n, tl.float32)
+    beta = tl.load(Scalars + 1)
     r = rb * BR + tl.arange(0, BR)
     acc = tl.zeros([BR, BC], tl.float32)
     for c0 in tl.range(0, cols, BC, num_stages=STAGES):
         c = c0 + tl.arange(0, BC)
         inside = (r < rows)[:, None] & (c < cols)[None, :]
         if FACTORED:
-            u = _factored_update(
-                grad, _tensor(Row, n, tl.float32), _tensor(Col, n, tl.float32), RowMean, n, r, c, rows, cols
-            )
+            u = _factored_update(grad, row, col, RowMean, n, r, c, rows, cols)
         else:  # a vector (one row): its state is updated here, and the update made from the new state
-            sq = _tensor(Sq, n, tl.float32)
             g = tl.load(grad + c[None, :], mask=inside, other=0.0).to(tl.float32)
-            beta = tl.load(Scalars + 1)
             state = tl.load(sq + c[None, :], mask=inside, other=1.0) * beta + (g * g + eps) * (1.0 - beta)
             tl.store(sq + c[None, :], state, mask=inside)
             u = tl.rsqrt(state) * g
@@ -270,8 +269,7 @@ class WeightGroup:
         tensors = cls.tensors_of(weights, states)
         if any(t.data_ptr() % 16 for ts in tensors.values() for t in ts):
             raise ValueError("Adafactor's kernels need tensors at addresses that are multiples of 16 bytes")
-        factored = first.dim() == 2
-        rows, cols = (first.shape[0], first.shape[1]) if factored else (1, first.numel())
+        rows, cols, factored = matrix_layout(tuple(first.shape))
         return cls(
             count=len(weights),
             rows=rows,
@@ -369,12 +367,17 @@ class WeightGroup:
             num_warps=NUM_WARPS,
         )
 
-    def scratch_bytes(self) -> int:
-        """The fp32 partial sums one update allocates."""
-        return scratch_bytes(self.count, self.rows, self.cols, self.factored)
+
+def matrix_layout(shape: tuple[int, ...]) -> tuple[int, int, bool]:
+    """(rows, columns, factored) the kernels see a weight of `shape` as: a matrix as itself (its second
+    moment factored), anything smaller as one row."""
+    if len(shape) == 2:
+        return shape[0], shape[1], True
+    return 1, math.prod(shape), False
 
 
-def scratch_bytes(count: int, rows: int, cols: int, factored: bool) -> int:
-    """Bytes of fp32 partial sums an update of `count` weights of (rows, cols) allocates."""
+def scratch_bytes(count: int, shape: tuple[int, ...]) -> int:
+    """Bytes of fp32 partial sums an update of `count` weights of `shape` allocates."""
+    rows, cols, factored = matrix_layout(shape)
     row_blocks = triton.cdiv(rows, BLOCK_ROWS) if factored else 1
     return 4 * count * (1 + row_blocks + (row_blocks * cols if factored else 0))

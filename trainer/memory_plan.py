@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 
 from trainer.loss import CHUNK_TOKENS as CE_CHUNK_TOKENS
@@ -94,12 +93,7 @@ def adafactor_scratch_bytes(shape: ModelShape) -> int:
     same-shape weights with the most (trainer.adafactor_kernels)."""
     from trainer.adafactor_kernels import scratch_bytes
 
-    largest = 0
-    for dims, count in shape.weight_shapes().items():
-        factored = len(dims) == 2
-        rows, cols = (dims[0], dims[1]) if factored else (1, math.prod(dims))
-        largest = max(largest, scratch_bytes(count, rows, cols, factored))
-    return largest
+    return max(scratch_bytes(count, dims) for dims, count in shape.weight_shapes().items())
 
 
 def optimizer_state_bytes(

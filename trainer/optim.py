@@ -87,7 +87,7 @@ class Adafactor(torch.optim.Optimizer):
                 batches.setdefault((state["step"], kind), []).append(p)
             slots: dict[tuple, torch.Tensor] = {}  # (device, step) -> its scalars
             for (step, kind), params in batches.items():
-                device, kernels = kind[2], kind[4]
+                _, _, device, _, kernels = kind
                 if (device, step) not in slots:
                     slots[device, step] = self._queue_scalars(gi, len(slots), device, step, group)
                 weight_group = self._weight_group((gi, kind), params) if kernels else None
