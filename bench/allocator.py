@@ -156,11 +156,10 @@ def train_step(model, optimizer, group: list[dict], max_grad_norm: float) -> Non
     """One optimizer step over `group` (loader batches on the device), as the trainer's loop runs it."""
     import torch
 
-    from trainer import distributed
     from trainer.step import accumulate_gradients
 
     accumulate_gradients(model, group, 1)
-    distributed.clip_grad_norm_(model.parameters(), max_grad_norm)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if torch.cuda.is_available():

@@ -51,11 +51,11 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
 
     from trainer.config import TrainConfig
     from trainer.data import resolve_tokenizer_file, stream_for, to_device
-    from trainer.distributed import clip_grad_norm_
+    from trainer.distributed import grad_norm
     from trainer.loss import Seq2SeqLMLoss
     from trainer.memory_plan import plan_packed_rows, plan_run
     from trainer.model import load_model
-    from trainer.optim import build_optimizer
+    from trainer.optim import build_optimizer, clip_coefficient
     from trainer.projections import accumulate_weight_grads_in_place
     from trainer.step import accumulate_gradients
     from trainer.train import setup_device
@@ -126,12 +126,13 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
     def optimizer_step(group: list[dict], n_target: int, graph=None) -> float:
         """The loop's step: its accumulation (eagerly, or through `graph`), clipping and update."""
         total, _ = accumulate_gradients(module, group, 1, n_target=n_target, graph=graph)
-        norm = clip_grad_norm_(params, 1.0)
+        norm = grad_norm(params)
+        layout = optimizer.advance(grad_scale=clip_coefficient(norm, 1.0))  # Adafactor, as configured
         loss_sum, _ = torch.stack([total.float(), norm.float()]).tolist()
         if graph is not None:  # the update replayed too, in the graph's memory pool
-            graph.optimizer_step(optimizer)
+            graph.update(optimizer, layout)
         else:
-            optimizer.step()
+            optimizer.apply()
         optimizer.zero_grad(set_to_none=graph is None)  # a graph adds into gradients that stay
         return loss_sum
 

@@ -150,10 +150,10 @@ def test_the_optimizer_update_replays_as_a_graph_exactly_like_an_eager_step(tiny
     for _ in range(3):
         for b in batches:
             graph.run(b, 1.0 / 1000)
-        graph.optimizer_step(opt)
+        graph.update(opt, opt.advance())
         opt.zero_grad(set_to_none=False)
     # Once more after the first (eager) update, at once: a warm shape runs no eager micro-step again.
-    assert graph.update is not None and graph.captures == 2
+    assert graph.update_graph is not None and graph.captures == 2
     assert {s["step"] for s in opt.state.values()} == {3}
 
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -173,7 +173,7 @@ def test_the_optimizer_update_replays_as_a_graph_exactly_like_an_eager_step(tiny
                 else:
                     opt.state[p][k] = v
         if replayed:
-            graph.optimizer_step(opt)
+            graph.update(opt, opt.advance())
         else:
             opt.step()
         torch.cuda.synchronize()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from trainer.optim import Adafactor, build_optimizer, lr_lambda
+from trainer.optim import Adafactor, build_optimizer, clip_coefficient, lr_lambda
 
 STEPS = 25
 
@@ -87,8 +87,11 @@ DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 def test_adafactor_matches_transformers_in_fp32(small_t5, device):
     from transformers.optimization import Adafactor as HFAdafactor
 
+    from trainer.distributed import grad_norm
+
     base, x, y = small_t5
     x, y = x.to(device), y.to(device)
+    max_norm = 0.05  # below every step's gradient norm: clipping scales each step's gradients
     models = []
     for cls, kwargs in [
         (HFAdafactor, dict(scale_parameter=False, relative_step=False, warmup_init=False)),
@@ -98,13 +101,42 @@ def test_adafactor_matches_transformers_in_fp32(small_t5, device):
         opt = cls(model.parameters(), lr=1e-3, **kwargs)
         for _ in range(3):
             model(input_ids=x, labels=y).loss.backward()
-            opt.step()
+            if cls is HFAdafactor:  # as Seq2SeqTrainer: the gradients clipped in place, then the step
+                assert torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) > 2 * max_norm
+                opt.step()
+            else:  # as the trainer's loop: the clipping coefficient handed to the update
+                norm = grad_norm(list(model.parameters()))
+                opt.advance(grad_scale=clip_coefficient(norm, max_norm))
+                opt.apply()
             opt.zero_grad()
         models.append(model)
     ref, ours = (dict(m.named_parameters()) for m in models)
     for name, w in ref.items():
         moved = (w - base.get_parameter(name).to(device)).norm()
         assert (ours[name] - w).norm() <= 1e-4 * moved, name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_skipped_step_leaves_adafactor_as_if_it_never_came(small_t5, device):
+    """The loop advances Adafactor (step counts, the step's scalars) before it knows the step is finite, and
+    takes a skipped step back: the updates after it are those of a run without it."""
+    base, x, y = small_t5
+    x, y = x.to(device), y.to(device)
+    runs = []
+    for skipped in (False, True):
+        model = copy.deepcopy(base).to(device)
+        opt = Adafactor(model.parameters(), lr=1e-3)
+        for i in range(3):
+            model(input_ids=x, labels=y).loss.backward()
+            if skipped and i == 1:
+                opt.advance()
+                opt.retreat()
+            opt.step()
+            opt.zero_grad()
+        assert {s["step"] for s in opt.state.values()} == {3}
+        runs.append(dict(model.named_parameters()))
+    for name, w in runs[0].items():
+        assert torch.equal(runs[1][name], w), name
 
 
 # Shapes that cover the kernels' edges: several row blocks and column chunks with partial last ones
@@ -116,8 +148,8 @@ KERNEL_SHAPES = [(70, 1100), (70, 1100), (3, 5), (3, 5), (3, 5), (1500,), (1500,
 @pytest.mark.parametrize(("dtype", "kahan"), [(torch.bfloat16, True), (torch.float32, False)])
 def test_adafactor_kernels_equal_the_torch_update(dtype, kahan):
     """trainer.adafactor_kernels (on CPU in Triton's interpreter) against `adafactor_update`, the torch ops
-    the optimizer runs off a GPU, over three steps with weight decay: the second-moment states, the weights
-    and (bf16) the Kahan buffers, whose weight + buffer is the effective weight."""
+    the optimizer runs off a GPU, over three steps with weight decay and gradient scales: the second-moment
+    states, the weights and (bf16) the Kahan buffers, whose weight + buffer is the effective weight."""
     from trainer.adafactor_kernels import WeightGroup
     from trainer.optim import adafactor_update
 
@@ -131,12 +163,13 @@ def test_adafactor_kernels_equal_the_torch_update(dtype, kahan):
     for kernels in (False, True):
         params = [torch.nn.Parameter(w.clone()) for w in weights]
         opt = Adafactor(params, lr=1e-3, weight_decay=0.1, kahan=kahan)
-        for step_grads in grads:
+        for step, (step_grads, grad_scale) in enumerate(zip(grads, (1.0, 0.3, 0.6), strict=True), start=1):
             for p, grad in zip(params, step_grads, strict=True):
                 p.grad = grad.clone()
                 if not opt.state[p]:
                     opt._init_state(p, opt.state[p])
-            scalars = opt._queue_scalars(0, 0, torch.device(device), 1, opt.param_groups[0])
+            scale = torch.tensor(grad_scale, device=device)
+            scalars = opt._queue_scalars(0, 0, torch.device(device), step, opt.param_groups[0], scale)
             by_shape: dict[tuple, list] = {}
             for p in params:
                 by_shape.setdefault(tuple(p.shape), []).append(p)

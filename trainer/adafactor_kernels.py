@@ -14,7 +14,9 @@ small kernels. Per factored weight (rows, cols), the passes are:
 4. `_apply`: the update clipped by its RMS, weight decay, and the weight written (with Kahan compensation:
    rounded to the weight's dtype, the rounding error kept in the compensation buffer).
 
-The gradient is read three times and the weight and its buffer once each way: ~14 bytes per bf16 weight.
+The gradient is read three times, each time times the step's gradient scale (gradient clipping, as a factor
+instead of a pass that writes the gradients over), and the weight and its buffer once each way: ~14 bytes
+per bf16 weight.
 Sums are fixed-order (no atomics): the same inputs give the same bits.
 """
 
@@ -68,6 +70,7 @@ def _row_stats(
 ):
     n, rb = tl.program_id(0), tl.program_id(1)
     grad = _tensor(G, n, TY)
+    grad_scale = tl.load(Scalars + 3)
     r = rb * BR + tl.arange(0, BR)
     inside_rows = r < rows
     row_sum = tl.zeros([BR], tl.float32)
@@ -76,6 +79,7 @@ def _row_stats(
         c = c0 + tl.arange(0, BC)
         inside = inside_rows[:, None] & (c < cols)[None, :]
         g = tl.load(grad + r.to(tl.int64)[:, None] * cols + c[None, :], mask=inside, other=0.0).to(tl.float32)
+        g *= grad_scale
         sq = tl.where(inside, g * g + eps, 0.0)
         row_sum += tl.sum(sq, 1)
         tl.store(partial + c, tl.sum(sq, 0), mask=c < cols)
@@ -107,10 +111,11 @@ def _col_stats(Col, Row, ColPartial, RowMean, Scalars, rows, cols, row_blocks, B
 
 
 @triton.jit
-def _factored_update(grad, row, col, RowMean, n, r, c, rows, cols):
+def _factored_update(grad, grad_scale, row, col, RowMean, n, r, c, rows, cols):
     """The unclipped update of a factored weight's tile (rows r, columns c): r_factor * c_factor * grad."""
     inside = (r < rows)[:, None] & (c < cols)[None, :]
     g = tl.load(grad + r.to(tl.int64)[:, None] * cols + c[None, :], mask=inside, other=0.0).to(tl.float32)
+    g *= grad_scale
     r_factor = tl.rsqrt(tl.load(row + r, mask=r < rows, other=1.0) / tl.load(RowMean + n))
     c_factor = tl.rsqrt(tl.load(col + c, mask=c < cols, other=1.0))
     return r_factor[:, None] * c_factor[None, :] * g
@@ -138,16 +143,16 @@ def _update_rms(
     n, rb = tl.program_id(0), tl.program_id(1)
     grad = _tensor(G, n, TY)
     row, col, sq = _tensor(Row, n, tl.float32), _tensor(Col, n, tl.float32), _tensor(Sq, n, tl.float32)
-    beta = tl.load(Scalars + 1)
+    beta, grad_scale = tl.load(Scalars + 1), tl.load(Scalars + 3)
     r = rb * BR + tl.arange(0, BR)
     acc = tl.zeros([BR, BC], tl.float32)
     for c0 in tl.range(0, cols, BC, num_stages=STAGES):
         c = c0 + tl.arange(0, BC)
         inside = (r < rows)[:, None] & (c < cols)[None, :]
         if FACTORED:
-            u = _factored_update(grad, row, col, RowMean, n, r, c, rows, cols)
+            u = _factored_update(grad, grad_scale, row, col, RowMean, n, r, c, rows, cols)
         else:  # a vector (one row): its state is updated here, and the update made from the new state
-            g = tl.load(grad + c[None, :], mask=inside, other=0.0).to(tl.float32)
+            g = tl.load(grad + c[None, :], mask=inside, other=0.0).to(tl.float32) * grad_scale
             state = tl.load(sq + c[None, :], mask=inside, other=1.0) * beta + (g * g + eps) * (1.0 - beta)
             tl.store(sq + c[None, :], state, mask=inside)
             u = tl.rsqrt(state) * g
@@ -187,15 +192,15 @@ def _apply(
         tl.load(RmsPartial + n.to(tl.int64) * row_blocks + blocks, mask=blocks < row_blocks, other=0.0)
     )
     clip = tl.maximum(tl.sqrt(total / numel) / clip_threshold, 1.0)
-    lr, weight_decay = tl.load(Scalars), tl.load(Scalars + 2)
+    lr, weight_decay, grad_scale = tl.load(Scalars), tl.load(Scalars + 2), tl.load(Scalars + 3)
     r = rb * BR + tl.arange(0, BR)
     for c0 in tl.range(0, cols, BC, num_stages=STAGES):
         c = c0 + tl.arange(0, BC)
         inside = (r < rows)[:, None] & (c < cols)[None, :]
         if FACTORED:
-            u = _factored_update(grad, row, col, RowMean, n, r, c, rows, cols)
+            u = _factored_update(grad, grad_scale, row, col, RowMean, n, r, c, rows, cols)
         else:
-            g = tl.load(grad + c[None, :], mask=inside, other=0.0).to(tl.float32)
+            g = tl.load(grad + c[None, :], mask=inside, other=0.0).to(tl.float32) * grad_scale
             u = tl.rsqrt(tl.load(sq + c[None, :], mask=inside, other=1.0)) * g
         u = u / clip * lr
         at = r.to(tl.int64)[:, None] * cols + c[None, :]
@@ -286,8 +291,8 @@ class WeightGroup:
         return tuple(t.data_ptr() for ts in tensors.values() for t in ts)
 
     def update(self, scalars: torch.Tensor, eps: float, clip_threshold: float) -> None:
-        """One Adafactor step of every weight of the group. scalars: [lr, beta2t, weight decay], fp32, on the
-        weights' device."""
+        """One Adafactor step of every weight of the group. scalars: [lr, beta2t, weight decay, gradient
+        scale], fp32, on the weights' device."""
         t, ty = self.tables, _TRITON_DTYPES[self.dtype]
         device = scalars.device
         br, bc = (BLOCK_ROWS, BLOCK_COLS) if self.factored else (1, VECTOR_BLOCK)

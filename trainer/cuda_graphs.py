@@ -20,15 +20,20 @@ an eager micro-step's cached blocks would come on top of the memory the run hold
 The optimizer step (trainer.optim.Adafactor) is captured too, into the micro-step graph's memory pool: its
 fp32 scratch reuses the activations' memory instead of coming on top of it, and its kernels (a few per weight
 shape, trainer.adafactor_kernels) cost the host one replay. The host keeps the step counts and queues
-the step's scalars before each replay (`Adafactor.advance`); the graph is the update itself (`apply`). The
-first update runs eagerly (it compiles), after the micro-step graph is dropped, to be captured again.
+the step's scalars before each replay (`Adafactor.advance`, which the loop calls while the GPU is still on
+the backward); the graph is the update itself (`apply`). The first update runs eagerly (it makes the
+optimizer's states), after the micro-step graph is dropped, to be captured again.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from trainer.optim import Adafactor
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +48,9 @@ class MicroStepGraph:
         self.loss_fn = loss_fn
         self.params = params
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.update: torch.cuda.CUDAGraph | None = None  # the optimizer's update, in the graph's pool
+        self.update_graph: torch.cuda.CUDAGraph | None = None  # the optimizer's update, in the graph's pool
         self.update_key: tuple | None = None  # the update's layout (Adafactor.advance)
-        self.stepped = False  # an optimizer step ran eagerly: its update is compiled, its states exist
+        self.stepped = False  # an update ran eagerly: the optimizer's states exist
         self.key: tuple | None = None  # the captured shape and gradient addresses
         self.static: dict[str, torch.Tensor] = {}
         self.scale: torch.Tensor | None = None
@@ -68,26 +73,20 @@ class MicroStepGraph:
         self.graph.replay()
         return self.loss.clone()
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """`optimizer.step()`; a trainer.optim.Adafactor's update replayed from a graph in the micro-step
-        graph's memory pool once that graph exists (other optimizers step eagerly)."""
-        from trainer.optim import Adafactor
-
-        if not isinstance(optimizer, Adafactor):
-            optimizer.step()
-            self.stepped = True
-            return
-        layout = optimizer.advance()  # the host's part, every step: step counts, the step's scalars
+    def update(self, optimizer: Adafactor, layout: tuple) -> None:
+        """Adafactor's `apply` for the step its `advance` prepared (`layout`, what advance returned), replayed
+        from a graph in the micro-step graph's memory pool once that graph exists."""
         if self.graph is None or not self.stepped:
             if self.graph is not None:
-                # The first update compiles (not while capturing) and makes the states, eagerly: its memory
-                # would come on top of the graph's pool, given back first (the micro-step is captured again).
+                # The first update runs eagerly, after `advance` made the optimizer's states outside the
+                # graph's pool: its scratch would come on top of that pool, given back first (the micro-step
+                # is captured again).
                 self.reset()
             optimizer.apply()
             self.stepped = True
             return
-        if self.update is None or layout != self.update_key:
-            self.update = None
+        if self.update_graph is None or layout != self.update_key:
+            self.update_graph = None
             graph = torch.cuda.CUDAGraph()
             # Its temporaries reuse the pool's free blocks (the micro-step's activations); the two graphs
             # replay in the order they were captured, never at once, as sharing a pool requires.
@@ -98,18 +97,18 @@ class MicroStepGraph:
             except BaseException:
                 self.reset()
                 raise
-            self.update, self.update_key = graph, layout
+            self.update_graph, self.update_key = graph, layout
             grown = (torch.cuda.memory_reserved() - before) / 2**30
             log.info(
                 "cuda_graphs: optimizer update captured in the micro-step's memory pool (%+.2f GiB)", grown
             )
-        self.update.replay()
+        self.update_graph.replay()
 
     def reset(self) -> None:
         """Drop the graphs and their memory pool; the next micro-step captures again."""
         had_graph = self.graph is not None
         self.graph, self.key, self.static, self.scale, self.loss = None, None, {}, None, None
-        self.update, self.update_key = None, None
+        self.update_graph, self.update_key = None, None
         if had_graph:
             torch.cuda.empty_cache()  # the pool's memory back to the device: for an evaluation, a new capture
 

@@ -178,15 +178,11 @@ def full_weights(module: torch.nn.Module):
         module.reshard()
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_, with the norm of FSDP's sharded gradients taken over all ranks.
-    `max_norm` 0 only measures the norm (logged, and checked for non-finite values): no clipping, as in HF."""
+def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The total L2 norm of `params`' gradients (a device scalar), over all ranks for FSDP's sharded ones."""
     from torch.distributed.tensor import DTensor
 
-    params = [p for p in parameters if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in params])
     if isinstance(total, DTensor):
         total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

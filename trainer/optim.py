@@ -48,7 +48,13 @@ class Adafactor(torch.optim.Optimizer):
         kahan: bool = True,
     ):
         defaults = dict(
-            lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate, weight_decay=weight_decay
+            lr=lr,
+            eps=eps,
+            clip_threshold=clip_threshold,
+            decay_rate=decay_rate,
+            weight_decay=weight_decay,
+            # Read by torch's zero_grad: the gradients zeroed by one launch per dtype, not one per weight.
+            foreach=True,
         )
         super().__init__(params, defaults)
         self.kahan = kahan
@@ -68,10 +74,12 @@ class Adafactor(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def advance(self) -> tuple:
+    def advance(self, grad_scale: torch.Tensor | None = None) -> tuple:
         """The host's part of a step: states for new weights, step counts, the step's scalars queued to the
         device, and the batches of same-shape weights `apply` updates. Returns their layout: equal layouts
-        make equal `apply` calls (the same tensors at the same addresses), which a captured `apply` needs."""
+        make equal `apply` calls (the same tensors at the same addresses), which a captured `apply` needs.
+        `grad_scale`: a one-element device tensor the update multiplies every gradient by as it reads it
+        (gradient clipping's coefficient, `clip_coefficient`), so the gradients are not written over first."""
         self._work = []
         for gi, group in enumerate(self.param_groups):
             # Same-shape weights at the same step count, updated together.
@@ -89,13 +97,21 @@ class Adafactor(torch.optim.Optimizer):
             for (step, kind), params in batches.items():
                 _, _, device, _, kernels = kind
                 if (device, step) not in slots:
-                    slots[device, step] = self._queue_scalars(gi, len(slots), device, step, group)
+                    slots[device, step] = self._queue_scalars(gi, len(slots), device, step, group, grad_scale)
                 weight_group = self._weight_group((gi, kind), params) if kernels else None
                 self._work.append((params, slots[device, step], group, weight_group))
         return tuple(
             (tuple(map(id, params)), id(scalars), weight_group and weight_group.addresses)
             for params, scalars, _, weight_group in self._work
         )
+
+    def retreat(self) -> None:
+        """Take back the `advance` of a step that is skipped (a non-finite loss or gradient): the step counts
+        as they were. The next `advance` queues its scalars again."""
+        for params, *_ in self._work:
+            for p in params:
+                self.state[p]["step"] -= 1
+        self._work = []
 
     @torch.no_grad()
     def apply(self) -> None:
@@ -130,21 +146,28 @@ class Adafactor(torch.optim.Optimizer):
             kept = self._weight_groups[key] = WeightGroup.build(params, states)
         return kept
 
-    def _queue_scalars(self, group_index: int, slot: int, device, step: int, group: dict) -> torch.Tensor:
-        """[lr, beta2t, weight decay] of `step` copied into the kept device tensor of (group, device, slot).
-        A tensor, because they change every step and a captured update must read this step's."""
+    def _queue_scalars(
+        self, group_index: int, slot: int, device, step: int, group: dict, grad_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[lr, beta2t, weight decay, gradient scale] of `step` copied into the kept device tensor of (group,
+        device, slot). A tensor, because they change every step and a captured update must read this step's;
+        the gradient scale is copied from its device tensor (1 without one)."""
         values = torch.tensor(
-            [group["lr"], 1.0 - math.pow(step, group["decay_rate"]), group["weight_decay"]],
+            [group["lr"], 1.0 - math.pow(step, group["decay_rate"]), group["weight_decay"], 1.0],
             dtype=torch.float32,
         )
         key = (group_index, device, slot)
         if key not in self._scalars:
-            self._scalars[key] = torch.empty(3, dtype=torch.float32, device=device)
+            self._scalars[key] = torch.empty(4, dtype=torch.float32, device=device)
+        scalars = self._scalars[key]
         if device.type == "cuda":
             # From pinned memory the copy is queued; from pageable memory the host would wait for the GPU to
             # finish what is queued before it.
             values = values.pin_memory()
-        return self._scalars[key].copy_(values, non_blocking=True)
+        scalars.copy_(values, non_blocking=True)
+        if grad_scale is not None:
+            scalars[3:].copy_(grad_scale.reshape(1), non_blocking=True)
+        return scalars
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         state["step"] = 0
@@ -168,10 +191,11 @@ def _on_kernels(p: torch.Tensor) -> bool:
 
 def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_threshold: float) -> None:
     """One Adafactor step of one weight, in place, in torch ops: the second-moment statistics (`row`/`col`
-    for matrices, `sq` otherwise), the weight `p` and its Kahan buffer `comp` (or None). scalars: [lr, beta2t,
-    weight decay] as a float32 tensor on p's device. What trainer.adafactor_kernels computes on a GPU."""
-    lr, beta2t, weight_decay = scalars[0], scalars[1], scalars[2]
-    grad = grad.float()
+    for matrices, `sq` otherwise), the weight `p` and its Kahan buffer `comp` (or None). scalars: [lr,
+    beta2t, weight decay, gradient scale] as a float32 tensor on p's device. What trainer.adafactor_kernels
+    computes on a GPU."""
+    lr, beta2t, weight_decay, grad_scale = scalars[0], scalars[1], scalars[2], scalars[3]
+    grad = grad.float() * grad_scale
     update = grad.square() + eps
     if row is not None:
         row.mul_(beta2t).add_(update.mean(dim=-1) * (1.0 - beta2t))
@@ -193,6 +217,15 @@ def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_thre
         rounded = w.to(p.dtype)
         p.copy_(rounded)
         comp.copy_(w - rounded.float())  # what the weight's dtype could not hold this step
+
+
+def clip_coefficient(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """The factor gradient clipping multiplies the gradients by, min(1, max_norm / norm) (as
+    torch.nn.utils.clip_grad_norm_ computes it), on the norm's device; None for `max_norm` 0 (the norm is
+    only measured, as in Hugging Face)."""
+    if max_norm <= 0:
+        return None
+    return (max_norm / (grad_norm.float() + 1e-6)).clamp(max=1.0)
 
 
 def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:

@@ -38,6 +38,7 @@ from trainer.healthcheck import Heartbeat
 from trainer.jsonl import fsync_file
 from trainer.memory_plan import RunPlan, plan_packed_rows, plan_run, planned_peak_bytes
 from trainer.model_files import ModelFiles, check_model_dir
+from trainer.optim import Adafactor, clip_coefficient
 from trainer.profiling import StepProfiler
 from trainer.prompt import PromptTemplate
 from trainer.report import Reporter
@@ -583,20 +584,22 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
     cfg, data = run.cfg, run.data
     empty_cache = memory.EmptyCacheSchedule(cfg.empty_cache_steps)
     batches = loader_batches(data.train_stream, state.loader)
+    upcoming: StepBatches | None = None  # the next step's, read while the GPU finishes this one
     last_eval, evaluated_at = None, None
     while state.step < data.total_steps:
         run.profiler.before_step(state.step)
         with record_function("data"):
-            group_np, data_error = next_group(batches, cfg.gradient_accumulation_steps)
+            current = upcoming if upcoming is not None else next_step_batches(batches, run)
+            upcoming = None
         # Collective, once per step: all ranks stop, save after a data error on one of them, or end at the
         # time budget at the same step, never inside a step.
         stop, failed, out_of_time = (
             n > 0
-            for n in distributed.all_sum([bool(run.stop), data_error is not None, run.meter.out_of_time()])
+            for n in distributed.all_sum([bool(run.stop), current.error is not None, run.meter.out_of_time()])
         )
         if failed:
-            save_after_error(run, state, data_error, collective=True)
-            raise data_error or RecipeDataError(
+            save_after_error(run, state, current.error, collective=True)
+            raise current.error or RecipeDataError(
                 f"another rank stopped on a data error at step {state.step}; its message names the file"
             )
         if stop:
@@ -609,32 +612,34 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
                 last_eval = evaluate_and_track(run, state)
                 empty_cache.after_evaluation()
             break
-        with record_function("data"):
-            loader_after = data.train_stream.state_dict()
-            group = [to_device(b, run.device) for b in group_np]
-            counts = step_counts(group_np)  # this rank's
         with record_function("forward_backward"):
             # Several ranks stop together at a step boundary (above), never inside a step.
             stop = run.stop if distributed.world_size() == 1 else None
             result = accumulate_with_oom_backoff(
                 run.train_module,
-                group,
+                current.group,
                 state.oom,
                 cfg,
                 run.plan,
                 run.reporter,
                 state.step,
                 stop,
-                n_target=counts.target_tokens,
+                n_target=current.counts.target_tokens,
                 graph=run.graph,
             )
         run.heartbeat.beat(state.step)
         if result is None:  # stop requested mid-step: the partial gradients are dropped
             run.model.zero_grad(set_to_none=True)
             break
+        if state.step + 1 < data.total_steps:
+            # The GPU is still on this step's backward: the loader's work and the copies for the next step
+            # cost it nothing now, where after the update it would wait for them. This step's checkpoint keeps
+            # the loader state from before them (current.loader_after), so a resume reads that group again.
+            with record_function("data"):
+                upcoming = next_step_batches(batches, run)
         with record_function("optimizer"), run.intact.changing():
             loss, grad_norm = optimizer_step(run, *result)
-        state.loader = loader_after
+        state.loader = current.loader_after
         state.step += 1
         run.profiler.after_step(state.step)
         state.rng = ckpt.rng_state()
@@ -642,7 +647,7 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
         count_nan_step(run, state, loss, grad_norm)
         lr = run.scheduler.get_last_lr()[0]
         # Summed over ranks: the train log and tokens/s count the whole job.
-        counts = StepCounts(*(int(c) for c in distributed.all_sum(list(counts.row().values()))))
+        counts = StepCounts(*(int(c) for c in distributed.all_sum(list(current.counts.row().values()))))
         run.meter.step_done(state.step, loss, lr, counts)
         run.heartbeat.beat(state.step)
         if state.consecutive_nan >= cfg.max_consecutive_nan_steps:
@@ -671,12 +676,25 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
     return last_eval
 
 
-def next_group(batches: Iterator[dict], n: int) -> tuple[list[dict] | None, Exception | None]:
-    """The next `n` loader batches (one optimizer step's), or the data error the loader raised instead."""
+@dataclass
+class StepBatches:
+    """One optimizer step's loader batches on the device, this rank's counts of them, and the loader state
+    after them (what a checkpoint of the step saves); or, instead, the data error the loader raised."""
+
+    group: list[dict] | None = None
+    counts: StepCounts | None = None
+    loader_after: dict | None = None
+    error: Exception | None = None
+
+
+def next_step_batches(batches: Iterator[dict], run: Run) -> StepBatches:
+    """The next `gradient_accumulation_steps` loader batches, copied to the device (queued: no wait)."""
     try:
-        return [next(batches) for _ in range(n)], None
+        group = [next(batches) for _ in range(run.cfg.gradient_accumulation_steps)]
     except DATA_ERRORS as e:
-        return None, e
+        return StepBatches(error=e)
+    loader_after = run.data.train_stream.state_dict()
+    return StepBatches([to_device(b, run.device) for b in group], step_counts(group), loader_after)
 
 
 def save_after_error(run: Run, state: RunState, error: BaseException, collective: bool = False) -> None:
@@ -716,15 +734,28 @@ def step_counts(group: list[dict]) -> StepCounts:
 def optimizer_step(run: Run, loss_sum, n_target: int) -> tuple[float, float]:
     """Clip, then update unless the loss or the gradient norm is not finite (that step is skipped); the
     schedule advances either way. Returns the step's loss (token mean over the job) and gradient norm."""
-    grad_norm = distributed.clip_grad_norm_(run.model.parameters(), run.cfg.max_grad_norm)
+    params = [p for p in run.model.parameters() if p.grad is not None]
+    grad_norm, max_norm = distributed.grad_norm(params), run.cfg.max_grad_norm
+    adafactor = run.optimizer if isinstance(run.optimizer, Adafactor) else None
+    if adafactor is not None:
+        # The host's part of the update (step counts, the step's scalars, the kernels' tables) while the GPU
+        # is still busy: after the wait below it would idle until the update is launched. Taken back if the
+        # step is skipped. Clipping is a factor the update applies as it reads the gradients.
+        layout = adafactor.advance(grad_scale=clip_coefficient(grad_norm, max_norm))
+    elif max_norm > 0:  # 0: the norm is only measured, as in Hugging Face
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
     # One wait for the GPU per step, for both numbers the update depends on.
     loss_sum, grad_norm = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()
     loss = distributed.all_sum([loss_sum])[0] / max(n_target, 1)  # the same on every rank
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        if run.graph is not None:
-            run.graph.optimizer_step(run.optimizer)
-        else:
-            run.optimizer.step()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if adafactor is not None:
+            adafactor.retreat()
+    elif adafactor is None:
+        run.optimizer.step()
+    elif run.graph is not None:
+        run.graph.update(adafactor, layout)
+    else:
+        adafactor.apply()
     # A CUDA graph adds into the gradients where they are: they stay, zeroed.
     run.optimizer.zero_grad(set_to_none=run.graph is None)
     run.scheduler.step()
