@@ -139,7 +139,8 @@ def test_residual_dropout_adds_the_kept_part_and_backward_drops_the_same(shape):
     assert not torch.equal(residual_dropout(residual, x, p), out)  # a new seed, a new mask
 
 
-@pytest.mark.parametrize("shape", [(3, 7, 40), (70, 64)])  # more rows than programs on CPU; cols not 2**k
+# More rows than programs on CPU; columns not a power of two; T5-base's width (a warp count rounded up).
+@pytest.mark.parametrize("shape", [(3, 7, 40), (70, 64), (5, 768)])
 @pytest.mark.parametrize("rows_at_a_time", [1, 4])  # the rows of a program's last group partly outside
 def test_norm_and_residual_backward_sums_both_gradients_as_torch_does(shape, rows_at_a_time, monkeypatch):
     from trainer import fused_ops
@@ -158,6 +159,16 @@ def test_norm_and_residual_backward_sums_both_gradients_as_torch_does(shape, row
     rdx, rdw = torch.autograd.grad((ref_normed, x), (x, norm.weight), (grad_y, grad_residual))
     assert torch.equal(normed, ref_normed)  # the forward is torch's
     assert rel_err(dx, rdx) < TOL and rel_err(dw, rdw) < TOL
+
+
+def test_the_norm_backward_asks_triton_for_a_power_of_two_warps_at_every_t5_width():
+    """Triton refuses any other warp count on a GPU (the interpreter on CPU does not check): FLAN-T5 small,
+    base, large and XL, and widths between."""
+    from trainer.fused_ops import norm_bwd_warps
+
+    for cols in (512, 768, 1024, 2048, 4096, 40, 1000, 1536):
+        warps = norm_bwd_warps(cols)
+        assert 4 <= warps <= 16 and warps & (warps - 1) == 0, (cols, warps)
 
 
 def test_mismatched_inputs_are_refused():

@@ -182,6 +182,12 @@ NORM_BWD_PROGRAMS_PER_SM = 2
 NORM_BWD_ROWS = 4
 
 
+def norm_bwd_warps(cols: int) -> int:
+    """Warps for the norm backward's programs on rows of `cols`: ~256 elements of a group of rows per warp,
+    4 to 16, a power of two (what Triton compiles; T5-base's 768 columns would ask for 12)."""
+    return min(16, max(4, triton.next_power_of_2(NORM_BWD_ROWS * cols // 256)))
+
+
 class _RMSNormAndResidual(torch.autograd.Function):
     """(rms_norm(x), x): a sublayer's normed input and its residual, whose two gradients the backward sums
     in the norm's own pass instead of in a separate addition."""
@@ -216,7 +222,7 @@ class _RMSNormAndResidual(torch.autograd.Function):
             ctx.eps,
             BLOCK_COLS=triton.next_power_of_2(cols),
             ROWS=NORM_BWD_ROWS,
-            num_warps=min(16, max(4, NORM_BWD_ROWS * cols // 256)),
+            num_warps=norm_bwd_warps(cols),
         )
         return grad_x.view_as(x), partial.sum(0).to(weight.dtype), None
 
