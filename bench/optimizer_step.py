@@ -43,8 +43,8 @@ def xl_parameters() -> list[torch.nn.Parameter]:
 class TorchOpsAdafactor(optim.Adafactor):
     """trainer.optim.Adafactor without its GPU kernels: what it runs on CPU, timed on the GPU."""
 
-    def advance(self):
-        layout = super().advance()
+    def advance(self, grad_scale=None):
+        layout = super().advance(grad_scale)
         self._work = [(params, scalars, group, None) for params, scalars, group, _ in self._work]
         return layout
 

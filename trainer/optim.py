@@ -58,8 +58,9 @@ class Adafactor(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.kahan = kahan
-        # The step's device scalars, one (lr, beta2t, weight decay) tensor per group, device and distinct step
-        # count, kept from step to step so that a captured `apply` (trainer.cuda_graphs) reads this step's.
+        # The step's device scalars, one (lr, beta2t, weight decay, gradient scale) tensor per group, device
+        # and distinct step count, kept from step to step so that a captured `apply` (trainer.cuda_graphs)
+        # reads this step's.
         self._scalars: dict[tuple, torch.Tensor] = {}
         # The kernels' address tables per batch of same-shape weights, kept from step to step while those
         # tensors stay put.
