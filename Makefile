@@ -29,7 +29,7 @@ quickstart: install
 rust-test:
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --release -- -D warnings
-	cargo test -p recipe_core --release
+	cargo test -p recipe_core -p recipe_sample --release
 
 lint: install
 	$(VENV)/bin/ruff check trainer tests bench

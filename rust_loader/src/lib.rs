@@ -3,7 +3,7 @@ use std::path::PathBuf;
 
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
 use recipe_core::{Loader, LoaderConfig, LoaderError, LoaderOptions, State};
 use serde_json::Value;
 
@@ -42,6 +42,14 @@ fn to_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
         return Ok(Value::String(
             os.call_method1("fspath", (v,))?.str()?.to_string(),
         ));
+    }
+    if let Ok(m) = v.cast::<PyMapping>() {
+        let mut out = serde_json::Map::new();
+        for item in m.items()?.iter() {
+            let (key, value) = item.extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>()?;
+            out.insert(key.str()?.to_string(), to_value(&value)?);
+        }
+        return Ok(Value::Object(out));
     }
     if v.cast::<PyList>().is_ok() || v.cast::<PyTuple>().is_ok() {
         let items: PyResult<Vec<Value>> = v.try_iter()?.map(|x| to_value(&x?)).collect();
@@ -206,9 +214,19 @@ fn options_table(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     py.import("json")?.call_method1("loads", (json,))
 }
 
+/// The directory where the loader keeps index caches and decoded copies when the data's directory is not
+/// writable, and converted datasets: `cache_dir`, else `$XDG_CACHE_HOME/recipe-trainer`, else
+/// `~/.cache/recipe-trainer`.
+#[pyfunction]
+#[pyo3(signature = (cache_dir = None))]
+fn cache_root(cache_dir: Option<PathBuf>) -> PathBuf {
+    recipe_core::paths::cache_root(cache_dir.as_deref())
+}
+
 #[pymodule]
 fn _loader(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RecipeLoader>()?;
+    m.add_function(wrap_pyfunction!(cache_root, m)?)?;
     m.add("LOADER_OPTIONS", options_table(m.py())?)?;
     errors::register(m)?;
     sample::register(m)?;

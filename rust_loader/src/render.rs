@@ -1,10 +1,11 @@
 //! Python binding of `recipe_core::records`: the training loader's rendering (and tokenization) of prompts and
 //! references, for generation and evaluation (`trainer.prompt`).
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use recipe_core::formats::Format;
+use recipe_core::formats::{ColumnNames, Format};
 use recipe_core::plan::Split;
 use recipe_core::records::{Prompter, ReadOptions, Rendered};
 
@@ -90,7 +91,7 @@ impl RecipeRenderer {
 
     /// Every usable record of `paths`, in file order, as dicts (id, source, reference, source_ids,
     /// target_ids), with the skip counts by reason and the first skipped records as `file:line: reason`.
-    #[pyo3(signature = (paths, *, data_format = None, split = "all", eval_fraction = 0.0))]
+    #[pyo3(signature = (paths, *, data_format = None, split = "all", eval_fraction = 0.0, columns = None))]
     #[allow(clippy::type_complexity)]
     fn read<'py>(
         &self,
@@ -99,15 +100,17 @@ impl RecipeRenderer {
         data_format: Option<&str>,
         split: &str,
         eval_fraction: f64,
+        columns: Option<BTreeMap<String, String>>,
     ) -> PyResult<(Vec<Bound<'py, PyDict>>, Bound<'py, PyDict>, Vec<String>)> {
         let format = match data_format {
             None => None,
             Some(f) => Some(Format::parse(f).ok_or_else(|| {
                 config_error(format!(
-                    "unknown data_format {f:?} (recipenlg-csv, foodcom-csv, jsonl)"
+                    "unknown data_format {f:?} (recipenlg-csv, foodcom-csv, jsonl, parquet, arrow)"
                 ))
             })?),
         };
+        let names = ColumnNames::new(&columns.unwrap_or_default()).map_err(config_error)?;
         let split = Split::parse(split).ok_or_else(|| {
             config_error(format!("split must be all, train or eval, got {split:?}"))
         })?;
@@ -118,6 +121,7 @@ impl RecipeRenderer {
         }
         let opts = ReadOptions {
             format,
+            names,
             split,
             eval_fraction,
         };

@@ -1,23 +1,32 @@
-//! Python binding of `recipe_core::sample`: `write_sample(path, n, seed, fmt)`.
+//! Python binding of `recipe_sample`: `write_sample(path, n, seed, fmt)`.
 use std::path::PathBuf;
 
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
-use recipe_core::sample::{write_sample_file, SampleError, SampleFormat};
+use recipe_sample::{write_sample_file, SampleError, SampleFormat};
 
-/// Writes `n` generated recipes to `path` in `fmt` ("recipenlg-csv", "foodcom-csv" or "jsonl"); a `.gz` or
-/// `.zst` suffix compresses. Raises ValueError for an unknown format and OSError when the file cannot be written.
+/// Writes `n` generated recipes to `path` in the format its name says (`.csv`, `.jsonl`, `.parquet`, `.arrow`;
+/// a `.gz` or `.zst` suffix compresses); `fmt` ("recipenlg-csv", "foodcom-csv", "jsonl", "parquet", "arrow"), if
+/// given, must agree with the name (`foodcom-csv` picks Food.com's layout for a `.csv`). Returns the format
+/// written. Raises ValueError for an unknown format or file name and OSError when the file cannot be written.
 #[pyfunction]
-#[pyo3(signature = (path, n, seed = 0, fmt = "recipenlg-csv"))]
-fn write_sample(py: Python<'_>, path: PathBuf, n: u64, seed: u64, fmt: &str) -> PyResult<()> {
-    let format = SampleFormat::parse(fmt).map_err(to_py)?;
-    py.detach(|| write_sample_file(&path, n, seed, format))
-        .map_err(to_py)
+#[pyo3(signature = (path, n, seed = 0, fmt = None))]
+fn write_sample(
+    py: Python<'_>,
+    path: PathBuf,
+    n: u64,
+    seed: u64,
+    fmt: Option<&str>,
+) -> PyResult<&'static str> {
+    let requested = fmt.map(SampleFormat::parse).transpose().map_err(to_py)?;
+    let written = py
+        .detach(|| write_sample_file(&path, n, seed, requested))
+        .map_err(to_py)?;
+    Ok(written.name())
 }
 
 fn to_py(err: SampleError) -> PyErr {
     match err {
-        SampleError::BadFormat(_) => PyValueError::new_err(err.to_string()),
         // OSError(errno, strerror, filename) lets Python pick the subclass (FileNotFoundError, PermissionError...).
         SampleError::Io {
             ref path,
@@ -30,6 +39,7 @@ fn to_py(err: SampleError) -> PyErr {
             }
             None => PyOSError::new_err(err.to_string()),
         },
+        _ => PyValueError::new_err(err.to_string()),
     }
 }
 

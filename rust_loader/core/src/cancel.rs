@@ -4,20 +4,7 @@
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::error::{LoaderError, Result};
-
-/// The I/O error a [`CancellableRead`] fails with; [`LoaderError::io`] turns it into
-/// [`LoaderError::Cancelled`].
-#[derive(Debug)]
-pub struct Cancelled;
-
-impl std::fmt::Display for Cancelled {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("cancelled")
-    }
-}
-
-impl std::error::Error for Cancelled {}
+use crate::error::{Cancelled, LoaderError, Result};
 
 /// `Err(Cancelled)` once `flag` is set.
 pub fn check(flag: &AtomicBool) -> Result<()> {

@@ -53,12 +53,10 @@ impl LoaderError {
         }
     }
     /// A file error caused by `err`, keeping its errno; `context` (may be empty) says what was being done.
-    /// A read stopped by [`crate::cancel::CancellableRead`] is [`LoaderError::Cancelled`].
+    /// A read that failed with [`Cancelled`] (stopped by [`crate::cancel::CancellableRead`]) is
+    /// [`LoaderError::Cancelled`].
     pub fn io(path: impl std::fmt::Display, context: &str, err: &std::io::Error) -> Self {
-        if err
-            .get_ref()
-            .is_some_and(|e| e.is::<crate::cancel::Cancelled>())
-        {
+        if err.get_ref().is_some_and(|e| e.is::<Cancelled>()) {
             return LoaderError::Cancelled;
         }
         LoaderError::File {
@@ -81,3 +79,16 @@ impl LoaderError {
 }
 
 pub type Result<T> = std::result::Result<T, LoaderError>;
+
+/// The I/O error a read fails with when the caller stopped it ([`crate::cancel::CancellableRead`]);
+/// [`LoaderError::io`] turns it into [`LoaderError::Cancelled`].
+#[derive(Debug)]
+pub struct Cancelled;
+
+impl std::fmt::Display for Cancelled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("cancelled")
+    }
+}
+
+impl std::error::Error for Cancelled {}

@@ -5,9 +5,17 @@
 //! - Food.com `RAW_recipes.csv`: `name`, `ingredients`, `steps`; list columns are Python list literals
 //!   (single-quoted, items with an apostrophe double-quoted), parsed by [`parse_py_list`].
 //! - JSONL: `title`, `ingredients`, `directions`, `NER` as strings or lists, or pre-rendered pairs
-//!   `source`/`target` (also `input`/`output`) used verbatim.
+//!   `source`/`target` (also `input`/`output`) used verbatim: a record with a `target` is a pair.
+//! - Parquet and Arrow IPC ([`crate::columnar`]): the JSONL fields as columns of strings or lists of strings.
+//!
+//! [`ColumnNames`] renames the fields for any format (the `columns` option: `{ingredients: ingr}`).
+use std::collections::BTreeMap;
+use std::path::Path;
+
 use csv::ByteRecord;
 use serde_json::Value;
+
+use crate::compress::Compression;
 
 /// Records longer than this (raw bytes) are skipped as `over_long`: it catches an unclosed CSV quote that would
 /// otherwise swallow the rest of the file into one record.
@@ -18,15 +26,24 @@ pub enum Format {
     RecipeNlg,
     FoodCom,
     Jsonl,
+    Parquet,
+    /// Arrow IPC, as a file (Feather v2) or a stream (what `datasets` writes).
+    Arrow,
 }
 
+/// The file names [`Format::from_path`] knows, for messages.
+pub const EXTENSIONS: &str =
+    ".csv, .jsonl, .json, .ndjson, .parquet, .arrow or .feather, optionally .gz/.zst";
+
 impl Format {
-    /// Accepts `recipenlg`/`recipenlg-csv`, `foodcom`/`foodcom-csv`, `jsonl`/`json`.
+    /// Accepts `recipenlg`/`recipenlg-csv`, `foodcom`/`foodcom-csv`, `jsonl`/`json`, `parquet`, `arrow`.
     pub fn parse(name: &str) -> Option<Format> {
         match name {
             "recipenlg" | "recipenlg-csv" => Some(Format::RecipeNlg),
             "foodcom" | "foodcom-csv" => Some(Format::FoodCom),
             "jsonl" | "json" => Some(Format::Jsonl),
+            "parquet" => Some(Format::Parquet),
+            "arrow" => Some(Format::Arrow),
             _ => None,
         }
     }
@@ -35,9 +52,115 @@ impl Format {
             Format::RecipeNlg => "recipenlg-csv",
             Format::FoodCom => "foodcom-csv",
             Format::Jsonl => "jsonl",
+            Format::Parquet => "parquet",
+            Format::Arrow => "arrow",
         }
     }
+
+    /// Whether records are rows of typed columns (Parquet, Arrow), named by row rather than line.
+    pub fn is_columnar(self) -> bool {
+        matches!(self, Format::Parquet | Format::Arrow)
+    }
+
+    /// The compression and format a file's name says: the extension under a `.gz`/`.zst` suffix
+    /// ([`Compression::split`]), any case. `.csv` is [`Format::RecipeNlg`] here: a reader tells the two CSV
+    /// layouts apart by the header. The one rule for the loader, the sequential reader and `trainer data sample`.
+    pub fn from_path(path: &Path) -> (Compression, Option<Format>) {
+        let (compression, stem) = Compression::split(path);
+        let ext = Path::new(&stem)
+            .extension()
+            .map(|e| e.to_string_lossy().to_ascii_lowercase());
+        let format = match ext.as_deref() {
+            Some("jsonl" | "json" | "ndjson") => Some(Format::Jsonl),
+            Some("csv") => Some(Format::RecipeNlg),
+            Some("parquet" | "pq") => Some(Format::Parquet),
+            Some("arrow" | "feather" | "ipc") => Some(Format::Arrow),
+            _ => None,
+        };
+        (compression, format)
+    }
 }
+
+/// The fields a record has, as the `columns` option names them.
+pub const FIELDS: [&str; 6] = [
+    "title",
+    "ingredients",
+    "directions",
+    "ner",
+    "source",
+    "target",
+];
+
+/// Where each field of a record is found in a file: the column (CSV header, JSON key, Parquet/Arrow column) that
+/// the `columns` option maps it to, else the format's own names.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ColumnNames {
+    mapped: BTreeMap<&'static str, String>,
+}
+
+impl ColumnNames {
+    /// From the `columns` option (`{"ingredients": "ingr"}`; `NER` is `ner`); Err names an unknown field or an
+    /// empty name.
+    pub fn new(columns: &BTreeMap<String, String>) -> Result<ColumnNames, String> {
+        let mut mapped = BTreeMap::new();
+        for (field, column) in columns {
+            let lower = field.to_ascii_lowercase();
+            let Some(&known) = FIELDS.iter().find(|f| **f == lower) else {
+                return Err(format!(
+                    "columns: unknown field {field:?} (known: {})",
+                    FIELDS.join(", ")
+                ));
+            };
+            if column.trim().is_empty() {
+                return Err(format!("columns: {field} maps to an empty column name"));
+            }
+            if mapped.insert(known, column.clone()).is_some() {
+                return Err(format!("columns: {known} is given twice"));
+            }
+        }
+        Ok(ColumnNames { mapped })
+    }
+
+    /// The column `columns` maps `field` to, if any.
+    pub fn mapped(&self, field: &str) -> Option<&str> {
+        self.mapped.get(field).map(String::as_str)
+    }
+
+    /// The names to look `field` up under: the mapped one alone, else `defaults` in order.
+    pub fn candidates<'a>(&'a self, field: &str, defaults: &[&'a str]) -> Vec<&'a str> {
+        match self.mapped(field) {
+            Some(m) => vec![m],
+            None => defaults.to_vec(),
+        }
+    }
+
+    /// `column `ingr` (ingredients, from `columns`)`, or `column `ingredients`` when not mapped.
+    pub fn describe(&self, field: &str, column: &str) -> String {
+        if self.mapped(field).is_some() {
+            format!("column `{column}` ({field}, from `columns`)")
+        } else {
+            format!("column `{column}`")
+        }
+    }
+
+    /// Whether the mapping names the pre-rendered pair (`source`/`target`).
+    pub fn maps_pair(&self) -> bool {
+        self.mapped("source").is_some() || self.mapped("target").is_some()
+    }
+
+    /// Every mapped column, `field -> column`.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &str)> {
+        self.mapped.iter().map(|(f, c)| (*f, c.as_str()))
+    }
+}
+
+/// The names each field is found under where `columns` does not map it: JSONL, Parquet and Arrow.
+pub const TITLE: &[&str] = &["title", "name"];
+pub const INGREDIENTS: &[&str] = &["ingredients"];
+pub const DIRECTIONS: &[&str] = &["directions", "steps"];
+pub const NER: &[&str] = &["NER", "ner"];
+pub const SOURCE: &[&str] = &["source", "input"];
+pub const TARGET: &[&str] = &["target", "output"];
 
 /// A list or free-text field.
 #[derive(Clone, Debug, PartialEq)]
@@ -100,35 +223,75 @@ pub struct Columns {
 }
 
 impl Columns {
-    /// Finds the columns of `format` in `header`; Err names the missing column.
-    pub fn from_header(format: Format, header: &[String]) -> Result<Columns, String> {
+    /// Finds the columns of `format` in `header` (names compared trimmed, in any case), each under the name
+    /// `names` maps it to if any; Err names the missing column and the ones the header has.
+    pub fn from_header(
+        format: Format,
+        header: &[String],
+        names: &ColumnNames,
+    ) -> Result<Columns, String> {
         let find = |name: &str| {
             header
                 .iter()
-                .position(|h| h.trim().eq_ignore_ascii_case(name))
-        };
-        let need = |name: &str| {
-            find(name).ok_or_else(|| format!("missing column `{name}` in the CSV header"))
+                .position(|h| h.trim().eq_ignore_ascii_case(name.trim()))
         };
         let (t, i, d, n) = match format {
             Format::RecipeNlg => ("title", "ingredients", "directions", "NER"),
             Format::FoodCom => ("name", "ingredients", "steps", "NER"),
-            Format::Jsonl => return Err("JSONL has no CSV header".into()),
+            other => return Err(format!("{} has no CSV header", other.name())),
+        };
+        if names.maps_pair() {
+            return Err(
+                "columns: source/target (pre-rendered pairs) are read from JSONL, Parquet and Arrow files, \
+                 not CSV"
+                    .into(),
+            );
+        }
+        let need = |field: &str, default: &str| {
+            let name = names.mapped(field).unwrap_or(default);
+            find(name).ok_or_else(|| missing_column(names, field, name, header))
+        };
+        let (title, ingredients, directions) = (
+            need("title", t)?,
+            need("ingredients", i)?,
+            need("directions", d)?,
+        );
+        let ner = match names.mapped("ner") {
+            Some(name) => {
+                Some(find(name).ok_or_else(|| missing_column(names, "ner", name, header))?)
+            }
+            None => find(n),
         };
         Ok(Columns {
-            title: need(t)?,
-            ingredients: need(i)?,
-            directions: need(d)?,
-            ner: find(n),
+            title,
+            ingredients,
+            directions,
+            ner,
             n_fields: header.len(),
         })
     }
 }
 
-/// Sniffs a CSV header: RecipeNLG if it has `directions`, Food.com if it has `steps`.
-pub fn sniff_csv(header: &[String]) -> Option<Format> {
+/// The message for a column a file lacks: `missing column `ingr` (ingredients, from `columns`); the file has:
+/// `a`, `b``.
+pub fn missing_column(names: &ColumnNames, field: &str, column: &str, has: &[String]) -> String {
+    let has: Vec<String> = has.iter().map(|h| format!("`{}`", h.trim())).collect();
+    format!(
+        "missing {}; the file has: {}",
+        names.describe(field, column),
+        if has.is_empty() {
+            "no columns".to_string()
+        } else {
+            has.join(", ")
+        }
+    )
+}
+
+/// Sniffs a CSV header: RecipeNLG if it has `directions`, Food.com if it has `steps`. With `columns` mapping
+/// the directions to another column, RecipeNLG (whose list columns may also be Python literals).
+pub fn sniff_csv(header: &[String], names: &ColumnNames) -> Option<Format> {
     let has = |n: &str| header.iter().any(|h| h.trim().eq_ignore_ascii_case(n));
-    if has("directions") {
+    if names.mapped("directions").is_some() || has("directions") {
         Some(Format::RecipeNlg)
     } else if has("steps") {
         Some(Format::FoodCom)
@@ -210,18 +373,18 @@ fn json_field(obj: &serde_json::Map<String, Value>, keys: &[&str]) -> Result<Opt
     Ok(None)
 }
 
-/// Parses one JSONL line (without its line end).
-pub fn parse_jsonl(line: &[u8]) -> Result<Parsed, Skip> {
-    parse_jsonl_with(line, false)
+/// Parses one JSONL line (without its line end), its fields under `names`.
+pub fn parse_jsonl(line: &[u8], names: &ColumnNames) -> Result<Parsed, Skip> {
+    parse_jsonl_with(line, names, false)
 }
 
 /// Parses one JSONL line like [`parse_jsonl`], but a missing `title`, `ingredients` or `directions` is left
 /// empty instead of skipping the record: a prompt to generate from has no directions.
-pub fn parse_jsonl_prompt(line: &[u8]) -> Result<Parsed, Skip> {
-    parse_jsonl_with(line, true)
+pub fn parse_jsonl_prompt(line: &[u8], names: &ColumnNames) -> Result<Parsed, Skip> {
+    parse_jsonl_with(line, names, true)
 }
 
-fn parse_jsonl_with(line: &[u8], missing_ok: bool) -> Result<Parsed, Skip> {
+fn parse_jsonl_with(line: &[u8], names: &ColumnNames, missing_ok: bool) -> Result<Parsed, Skip> {
     let s = utf8(line, "line")?;
     let v: Value =
         serde_json::from_str(s).map_err(|e| Skip::new("malformed_json", e.to_string()))?;
@@ -234,9 +397,26 @@ fn parse_jsonl_with(line: &[u8], missing_ok: bool) -> Result<Parsed, Skip> {
             Field::List(v) => v.join(" "),
         }))
     };
-    if obj.contains_key("source") || obj.contains_key("input") {
-        let source = text(&["source", "input"])?;
-        let target = text(&["target", "output"])?;
+    let missing = |field: &str, keys: &[&str]| {
+        let mut detail = format!("missing field `{}`", keys[0]);
+        if names.mapped(field).is_some() {
+            let has: Vec<&str> = obj.keys().map(String::as_str).collect();
+            detail = format!(
+                "missing {}; the record has: {}",
+                names.describe(field, keys[0]),
+                has.join(", ")
+            );
+        }
+        Skip::new("missing_field", detail)
+    };
+    let (source_keys, target_keys) = (
+        names.candidates("source", SOURCE),
+        names.candidates("target", TARGET),
+    );
+    // A pair when the record has a target: a RecipeNLG record's `source` is where it was gathered from.
+    if names.maps_pair() || target_keys.iter().any(|k| obj.contains_key(*k)) {
+        let source = text(&source_keys)?;
+        let target = text(&target_keys)?;
         return match (source, target) {
             (Some(source), Some(target)) => {
                 if source.trim().is_empty() {
@@ -247,32 +427,53 @@ fn parse_jsonl_with(line: &[u8], missing_ok: bool) -> Result<Parsed, Skip> {
                     Ok(Parsed::Pair { source, target })
                 }
             }
-            _ => Err(Skip::new(
-                "missing_field",
-                "pre-rendered record needs both `source` and `target`",
-            )),
+            (None, _) => Err(missing("source", &source_keys)),
+            (_, None) => Err(missing("target", &target_keys)),
         };
     }
-    let missing = |k: &str| Skip::new("missing_field", format!("missing field `{k}`"));
-    let title = match text(&["title", "name"])? {
+    let title_keys = names.candidates("title", TITLE);
+    let title = match text(&title_keys)? {
         None if missing_ok => String::new(),
-        t => t.ok_or_else(|| missing("title"))?,
+        t => t.ok_or_else(|| missing("title", &title_keys))?,
     };
-    let list = |keys: &[&str]| -> Result<Field, Skip> {
-        match json_field(&obj, keys)? {
+    let list = |field: &str, defaults: &[&str]| -> Result<Field, Skip> {
+        let keys = names.candidates(field, defaults);
+        match json_field(&obj, &keys)? {
             None if missing_ok => Ok(Field::List(vec![])),
-            f => f.ok_or_else(|| missing(keys[0])),
+            f => f.ok_or_else(|| missing(field, &keys)),
         }
     };
-    let ingredients = list(&["ingredients"])?;
-    let directions = list(&["directions", "steps"])?;
-    let ner = json_field(&obj, &["NER", "ner"])?.unwrap_or_else(|| ingredients.clone());
+    let ingredients = list("ingredients", INGREDIENTS)?;
+    let directions = list("directions", DIRECTIONS)?;
+    let ner_keys = names.candidates("ner", NER);
+    let ner = match json_field(&obj, &ner_keys)? {
+        Some(f) => f,
+        None if names.mapped("ner").is_some() && !missing_ok => {
+            return Err(missing("ner", &ner_keys))
+        }
+        None => ingredients.clone(),
+    };
     Ok(Parsed::Recipe(Recipe {
         title,
         ingredients,
         directions,
         ner,
     }))
+}
+
+/// A list field given as one string (a Parquet or Arrow column of strings, as a CSV re-saved through pandas
+/// writes it): the list it spells as a JSON array or a Python list literal, else the text as it is.
+pub fn list_or_text(s: &str) -> Field {
+    let t = s.trim_start();
+    if t.starts_with('[') {
+        if let Ok(v) = serde_json::from_str::<Vec<String>>(t) {
+            return Field::List(v);
+        }
+        if let Ok(v) = parse_py_list(t) {
+            return Field::List(v);
+        }
+    }
+    Field::Text(s.to_string())
 }
 
 /// Parses a Python list of str literals as `repr` writes it: `['a', "b's", 'c\'d']`. Single or double quotes,
@@ -371,7 +572,8 @@ mod tests {
         let header: Vec<String> = ["title", "ingredients", "directions"]
             .map(String::from)
             .into();
-        let cols = Columns::from_header(Format::RecipeNlg, &header).unwrap();
+        let cols =
+            Columns::from_header(Format::RecipeNlg, &header, &ColumnNames::default()).unwrap();
         let parse = |ingredients: &str| {
             let rec = ByteRecord::from(vec!["Pie", ingredients, r#"["Mix."]"#]);
             parse_csv(&rec, Format::RecipeNlg, &cols).map(|p| match p {
@@ -393,10 +595,8 @@ mod tests {
 
     #[test]
     fn jsonl_variants() {
-        let p = parse_jsonl(
-            br#"{"title":"T","ingredients":["a","b"],"directions":"Mix.","NER":["a"]}"#,
-        )
-        .unwrap();
+        let p = jsonl(br#"{"title":"T","ingredients":["a","b"],"directions":"Mix.","NER":["a"]}"#)
+            .unwrap();
         match p {
             Parsed::Recipe(r) => {
                 assert_eq!(r.title, "T");
@@ -406,18 +606,19 @@ mod tests {
             _ => panic!(),
         }
         assert_eq!(
-            parse_jsonl(br#"{"input":"x","output":"y"}"#).unwrap(),
+            jsonl(br#"{"input":"x","output":"y"}"#).unwrap(),
             Parsed::Pair {
                 source: "x".into(),
                 target: "y".into()
             }
         );
-        assert_eq!(parse_jsonl(b"{bad").unwrap_err().reason, "malformed_json");
+        assert_eq!(jsonl(b"{bad").unwrap_err().reason, "malformed_json");
         assert_eq!(
-            parse_jsonl(br#"{"title":"T"}"#).unwrap_err().reason,
+            jsonl(br#"{"title":"T"}"#).unwrap_err().reason,
             "missing_field"
         );
-        match parse_jsonl_prompt(br#"{"ingredients":["2 eggs"]}"#).unwrap() {
+        match parse_jsonl_prompt(br#"{"ingredients":["2 eggs"]}"#, &ColumnNames::default()).unwrap()
+        {
             Parsed::Recipe(r) => {
                 assert_eq!(r.title, "");
                 assert_eq!(r.ingredients, Field::List(vec!["2 eggs".into()]));
@@ -426,8 +627,74 @@ mod tests {
             _ => panic!(),
         }
         assert_eq!(
-            parse_jsonl(b"{\"title\":\"\xff\"}").unwrap_err().reason,
+            jsonl(b"{\"title\":\"\xff\"}").unwrap_err().reason,
             "invalid_utf8"
+        );
+    }
+
+    fn jsonl(line: &[u8]) -> Result<Parsed, Skip> {
+        parse_jsonl(line, &ColumnNames::default())
+    }
+
+    #[test]
+    fn columns_rename_fields_and_a_missing_one_is_named() {
+        let map = |pairs: &[(&str, &str)]| {
+            let m = pairs
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect();
+            ColumnNames::new(&m)
+        };
+        let names = map(&[("title", "name"), ("ingredients", "ingr"), ("NER", "tags")]).unwrap();
+        let line = br#"{"name":"Pie","ingr":["egg"],"directions":["Mix."],"tags":["egg"]}"#;
+        match parse_jsonl(line, &names).unwrap() {
+            Parsed::Recipe(r) => {
+                assert_eq!(r.title, "Pie");
+                assert_eq!(r.ingredients, Field::List(vec!["egg".into()]));
+            }
+            _ => panic!(),
+        }
+        // The default name no longer counts once a field is mapped.
+        let e = parse_jsonl(
+            br#"{"name":"Pie","ingredients":["egg"],"directions":["Mix."]}"#,
+            &names,
+        )
+        .unwrap_err();
+        assert_eq!(e.reason, "missing_field");
+        assert_eq!(
+            e.detail,
+            "missing column `ingr` (ingredients, from `columns`); the record has: directions, ingredients, name"
+        );
+        let header: Vec<String> = ["name", "ingredients", "directions"]
+            .map(String::from)
+            .into();
+        let e = Columns::from_header(Format::RecipeNlg, &header, &names).unwrap_err();
+        assert_eq!(
+            e,
+            "missing column `ingr` (ingredients, from `columns`); the file has: `name`, `ingredients`, `directions`"
+        );
+        let pair = map(&[("source", "prompt"), ("target", "completion")]).unwrap();
+        assert_eq!(
+            parse_jsonl(br#"{"prompt":"x","completion":"y"}"#, &pair).unwrap(),
+            Parsed::Pair {
+                source: "x".into(),
+                target: "y".into()
+            }
+        );
+        assert!(map(&[("titel", "x")])
+            .unwrap_err()
+            .contains("unknown field \"titel\""));
+        assert!(map(&[("title", " ")]).is_err());
+    }
+
+    #[test]
+    fn list_or_text_reads_lists_written_as_strings() {
+        let want = Field::List(vec!["1 egg".into(), "mom's pie".into()]);
+        assert_eq!(list_or_text(r#"["1 egg", "mom's pie"]"#), want);
+        assert_eq!(list_or_text(r#"['1 egg', "mom's pie"]"#), want);
+        assert_eq!(
+            list_or_text("[Note] Mix well."),
+            Field::Text("[Note] Mix well.".into())
         );
     }
 }

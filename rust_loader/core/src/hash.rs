@@ -59,7 +59,7 @@ impl<R: Read> Read for HashingReader<R> {
     }
 }
 
-/// xxh3-64 of a whole file, read in 1 MiB blocks; stops with [`crate::cancel::Cancelled`] once `stop` is set.
+/// xxh3-64 of a whole file, read in 1 MiB blocks; stops with [`crate::error::Cancelled`] once `stop` is set.
 pub fn hash_file(path: &Path, stop: &AtomicBool) -> std::io::Result<u64> {
     let file = std::fs::File::open(path)?;
     let mut r = HashingReader::new(crate::cancel::CancellableRead::new(file, stop));
@@ -110,22 +110,9 @@ impl Rng {
         (((self.next_u64() >> 32) * n as u64) >> 32) as usize
     }
 
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + self.below(hi - lo + 1)
-    }
-
     /// Uniform in `[0, 1)`.
     pub fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-
-    pub fn chance(&mut self, p: f64) -> bool {
-        self.unit() < p
-    }
-
-    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
     }
 
     /// Fisher-Yates.

@@ -24,15 +24,17 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::cancel::{self, CancellableRead};
+use crate::columnar::{self, ArrowTable, TableColumns};
 use crate::compress::Compression;
 use crate::error::{LoaderError, Result};
-use crate::formats::{self, Columns, Format, Parsed, Skip, MAX_RECORD_BYTES};
+use crate::formats::{self, ColumnNames, Columns, Format, Parsed, Skip, MAX_RECORD_BYTES};
 use crate::hash::{hash_file, hash_parts, mix, HashingReader};
+use crate::paths::{cache_root, write_atomic};
 use crate::render::Renderer;
 use crate::split::{read_line_bounded, CsvRecords};
 use crate::tokenize::Tok;
 
-const MAGIC: &[u8; 8] = b"RLIDX004";
+const MAGIC: &[u8; 8] = b"RLIDX005";
 const CHUNK: usize = 1024;
 /// Bad-record examples kept per file.
 pub const MAX_EXAMPLES: usize = 10;
@@ -41,7 +43,10 @@ pub const MAX_EXAMPLES: usize = 10;
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Example {
     pub path: String,
+    /// The record's first line (1-based), or with `row` its row (0-based, as pandas and pyarrow count).
     pub line: u64,
+    #[serde(default)]
+    pub row: bool,
     pub reason: String,
     pub detail: String,
 }
@@ -50,23 +55,60 @@ impl std::fmt::Display for Example {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{}:{}: {} ({})",
-            self.path, self.line, self.reason, self.detail
+            "{}: {} ({})",
+            place(&self.path, self.line, self.row),
+            self.reason,
+            self.detail
         )
     }
 }
 
+/// Where a record is, for messages: `file:line`, or `file:row N` for a row of a Parquet or Arrow file.
+pub fn place(path: &str, line: u64, row: bool) -> String {
+    if row {
+        format!("{path}:row {line}")
+    } else {
+        format!("{path}:{line}")
+    }
+}
+
+/// A [`LoaderError::Data`] about the record at `line` (with `row`: a row, see [`place`]) of `path`.
+pub fn record_error(
+    path: &str,
+    line: u64,
+    row: bool,
+    reason: impl std::fmt::Display,
+) -> LoaderError {
+    if row {
+        LoaderError::data(place(path, line, row), 0, reason)
+    } else {
+        LoaderError::data(path, line, reason)
+    }
+}
+
+/// How a file's records are read back.
+pub enum Reader {
+    /// JSONL: a record is a line, at its byte offset.
+    Lines,
+    /// CSV: a record at its byte offset, its fields in these columns.
+    Csv(Columns),
+    /// Parquet or Arrow: a record is `(batch, row)` of this table (the file, or its decoded copy).
+    Table(Box<ArrowTable>, TableColumns),
+}
+
 /// Everything the loader needs to know about one file.
-#[derive(Debug)]
 pub struct FileIndex {
     pub path: PathBuf,
-    /// The file read at random offsets: `path` itself, or its decompressed copy.
+    /// The file read back: `path` itself, or its decompressed (or, for Parquet, decoded) copy.
     pub data_path: PathBuf,
     pub format: Format,
-    pub columns: Option<Columns>,
+    pub reader: Reader,
+    pub names: ColumnNames,
     pub key: u64,
+    /// Per record: its byte offset and length (CSV, JSONL), or its batch and row in the batch (Parquet, Arrow).
     pub offsets: Vec<u64>,
     pub lens: Vec<u32>,
+    /// Per record: its first line (1-based), or its row in the file (0-based) for Parquet and Arrow.
     pub lines: Vec<u32>,
     pub src_len: Vec<u16>,
     pub tgt_len: Vec<u16>,
@@ -88,31 +130,68 @@ impl FileIndex {
         self.offsets.is_empty()
     }
 
-    /// Reads and parses record `i` (an index into this file's valid records).
-    pub fn read(&self, file: &File, i: usize) -> Result<Parsed> {
-        let mut buf = vec![0u8; self.lens[i] as usize];
-        file.read_exact_at(&mut buf, self.offsets[i])
-            .map_err(|e| LoaderError::io(self.data_path.display(), "cannot read record", &e))?;
-        let parsed = match self.format {
-            Format::Jsonl => formats::parse_jsonl(&buf),
-            f => {
-                let mut rdr = csv::ReaderBuilder::new()
-                    .has_headers(false)
-                    .flexible(true)
-                    .from_reader(&buf[..]);
-                let mut rec = csv::ByteRecord::new();
-                match rdr.read_byte_record(&mut rec) {
-                    Ok(true) => {
-                        formats::parse_csv(&rec, f, self.columns.as_ref().expect("csv columns"))
+    /// Where record `i` is, for messages: `file:line` or `file:row N`.
+    pub fn place(&self, i: usize) -> String {
+        place(
+            &self.path.display().to_string(),
+            self.lines[i] as u64,
+            self.format.is_columnar(),
+        )
+    }
+
+    /// A [`LoaderError::Data`] about record `i`.
+    pub fn error(&self, i: usize, reason: impl std::fmt::Display) -> LoaderError {
+        record_error(
+            &self.path.display().to_string(),
+            self.lines[i] as u64,
+            self.format.is_columnar(),
+            reason,
+        )
+    }
+
+    /// Reads and parses record `i` (an index into this file's valid records); `file` is this thread's handle
+    /// on the data file, opened here when needed.
+    pub fn read(&self, file: &mut Option<File>, i: usize) -> Result<Parsed> {
+        let parsed = match &self.reader {
+            Reader::Table(table, cols) => {
+                let batch = table
+                    .batch(self.offsets[i] as usize)
+                    .map_err(|e| self.error(i, e))?;
+                cols.parse(batch, self.lens[i] as usize)
+            }
+            text => {
+                if file.is_none() {
+                    *file = Some(
+                        File::open(&self.data_path)
+                            .map_err(|e| LoaderError::io(self.data_path.display(), "", &e))?,
+                    );
+                }
+                let mut buf = vec![0u8; self.lens[i] as usize];
+                file.as_ref()
+                    .expect("opened")
+                    .read_exact_at(&mut buf, self.offsets[i])
+                    .map_err(|e| {
+                        LoaderError::io(self.data_path.display(), "cannot read record", &e)
+                    })?;
+                match text {
+                    Reader::Csv(cols) => {
+                        let mut rdr = csv::ReaderBuilder::new()
+                            .has_headers(false)
+                            .flexible(true)
+                            .from_reader(&buf[..]);
+                        let mut rec = csv::ByteRecord::new();
+                        match rdr.read_byte_record(&mut rec) {
+                            Ok(true) => formats::parse_csv(&rec, self.format, cols),
+                            _ => Err(Skip::new("malformed_csv", "record changed since indexing")),
+                        }
                     }
-                    _ => Err(Skip::new("malformed_csv", "record changed since indexing")),
+                    _ => formats::parse_jsonl(&buf, &self.names),
                 }
             }
         };
         parsed.map_err(|s| {
-            LoaderError::data(
-                self.path.display(),
-                self.lines[i] as u64,
+            self.error(
+                i,
                 format!(
                     "{} ({}); the file changed since it was indexed?",
                     s.reason, s.detail
@@ -131,141 +210,9 @@ pub struct IndexSettings<'a> {
     pub max_source: usize,
     pub max_target: usize,
     pub format: Option<Format>,
+    pub names: ColumnNames,
     pub cache_dir: Option<PathBuf>,
     pub strict: bool,
-}
-
-/// Expands paths and globs, in the given order (each glob sorted). An existing path is taken as it is, even with
-/// `[`, `*` or `?` in its name; a glob skips hidden files (the loader's own `.<name>.<key>.rlidx` caches live
-/// beside the data). A file named twice, literally or through overlapping globs, is an error: it would be read
-/// twice per epoch.
-pub fn expand_paths(patterns: &[String]) -> Result<Vec<PathBuf>> {
-    if patterns.is_empty() {
-        return Err(LoaderError::Config("no data paths given".into()));
-    }
-    let mut out: Vec<PathBuf> = Vec::new();
-    let mut seen: std::collections::HashMap<(u64, u64), String> = std::collections::HashMap::new();
-    for p in patterns {
-        let literal = PathBuf::from(p);
-        let meta = std::fs::metadata(&literal);
-        let found = if meta.is_ok() || !p.contains(['*', '?', '[']) {
-            match meta {
-                Ok(m) if m.is_file() => vec![literal],
-                Ok(_) => return Err(LoaderError::file(p, "not a regular file")),
-                Err(e) => return Err(path_error(&literal, "", &e)),
-            }
-        } else {
-            // Hidden files only when the pattern's file name asks for them (`.*.csv`). (glob's own
-            // require_literal_leading_dot drops every hidden entry, even for such a pattern.)
-            let hidden_wanted = Path::new(p)
-                .file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with('.'));
-            let entries =
-                glob::glob(p).map_err(|e| LoaderError::file(p, format!("bad glob: {e}")))?;
-            let mut found = Vec::new();
-            for entry in entries {
-                let path = entry.map_err(|e| {
-                    LoaderError::io(
-                        e.path().display(),
-                        &format!("cannot read while expanding {p}"),
-                        e.error(),
-                    )
-                })?;
-                let hidden = path
-                    .file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with('.'));
-                if !hidden_wanted && hidden {
-                    continue;
-                }
-                match std::fs::metadata(&path) {
-                    Ok(m) if m.is_file() => found.push(path),
-                    Ok(_) => {} // a directory matched by the glob
-                    // A broken symlink or a loop: a file the user meant, not to be skipped silently.
-                    Err(e) => return Err(path_error(&path, "", &e)),
-                }
-            }
-            if found.is_empty() {
-                return Err(LoaderError::file(
-                    shown_path(Path::new(p)),
-                    "glob matches no file",
-                ));
-            }
-            found.sort();
-            found
-        };
-        for path in found {
-            // Device and inode: the same file through a symlink, a hard link or another spelling of the path.
-            let id = std::fs::metadata(&path)
-                .map(|m| (m.dev(), m.ino()))
-                .map_err(|e| LoaderError::io(path.display(), "", &e))?;
-            if let Some(first) = seen.insert(id, p.clone()) {
-                return Err(LoaderError::file(
-                    path.display(),
-                    format!("named twice (by {first:?} and {p:?}); each file must be listed once"),
-                ));
-            }
-            out.push(path);
-        }
-    }
-    Ok(out)
-}
-
-/// `path` as the user gave it, with the directory a relative path was resolved against: `data/x.csv (resolved
-/// against /home/u/proj)`.
-pub fn shown_path(path: &Path) -> String {
-    match std::env::current_dir() {
-        Ok(cwd) if path.is_relative() => {
-            format!("{} (resolved against {})", path.display(), cwd.display())
-        }
-        _ => path.display().to_string(),
-    }
-}
-
-/// The operating system's number for "too many levels of symbolic links".
-#[cfg(any(target_os = "macos", target_os = "ios", target_os = "freebsd"))]
-const ELOOP: i32 = 62;
-#[cfg(not(any(target_os = "macos", target_os = "ios", target_os = "freebsd")))]
-const ELOOP: i32 = 40;
-
-/// The error for a path that cannot be opened: a symlink loop or a broken symlink said as such, a missing
-/// relative path with the directory it was resolved against; the errno kept. `context` (may be empty) says what
-/// was being done.
-pub fn path_error(path: &Path, context: &str, e: &std::io::Error) -> LoaderError {
-    let link = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
-    let reason = if e.raw_os_error() == Some(ELOOP) {
-        "symlink loop (too many levels of symbolic links, ELOOP)".to_string()
-    } else if e.kind() == std::io::ErrorKind::NotFound && link {
-        let target =
-            std::fs::read_link(path).map_or_else(|_| "?".into(), |t| t.display().to_string());
-        format!("broken symlink: it points to {target}, which does not exist")
-    } else if e.kind() == std::io::ErrorKind::NotFound {
-        "no such file".to_string()
-    } else {
-        e.to_string()
-    };
-    LoaderError::File {
-        path: shown_path(path),
-        reason: if context.is_empty() {
-            reason
-        } else {
-            format!("{context}: {reason}")
-        },
-        errno: e.raw_os_error(),
-    }
-}
-
-/// The cache directory used when the data's directory is not writable.
-pub fn cache_root(cache_dir: Option<&Path>) -> PathBuf {
-    if let Some(d) = cache_dir {
-        return d.to_path_buf();
-    }
-    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|x| !x.is_empty()) {
-        return PathBuf::from(x).join("recipe-trainer");
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    home.join(".cache").join("recipe-trainer")
 }
 
 /// What the file system says about a file: the cache key's part (path, size, mtime) and what changes whenever
@@ -333,28 +280,10 @@ fn stamp(path: &Path) -> Result<Stamp> {
     })
 }
 
-/// Writes via a temporary file and rename, so a reader never sees half a file.
-fn write_atomic(
-    dest: &Path,
-    write: impl FnOnce(&mut File) -> std::io::Result<()>,
-) -> std::io::Result<()> {
-    let tmp = dest.with_extension(format!("tmp{}", std::process::id()));
-    let res = (|| {
-        let mut f = File::create(&tmp)?;
-        write(&mut f)?;
-        f.flush()?;
-        std::fs::rename(&tmp, dest)
-    })();
-    if res.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    res
-}
-
 /// The decompressed copy of `path`, made once per version of the compressed file: its key has the inode and
 /// ctime too, so a compressed file rewritten with the same size and mtime gets a new copy (and `chmod` one more
 /// decompression).
-fn decompress(
+pub fn decompressed_copy(
     path: &Path,
     comp: Compression,
     stem: &str,
@@ -456,6 +385,8 @@ fn first_content_byte(path: &Path) -> std::io::Result<Option<u8>> {
 enum RawData {
     Csv(csv::ByteRecord),
     Line(Vec<u8>),
+    /// A row of a table: `start` is its batch, `len` its row in the batch, `line` its row in the file.
+    Row,
 }
 
 struct Raw {
@@ -471,68 +402,133 @@ struct Entry {
     hash: u64,
 }
 
+/// The file a Parquet file (or an Arrow file with compressed buffers) is read from: its decoded copy, an
+/// uncompressed Arrow IPC file of the columns `names` needs ([`columnar::convert`]), made once per version of
+/// `data_path` (keyed, as a decompressed copy, by its path, size, mtime, inode and ctime) and of `names`.
+fn decoded_copy(
+    data_path: &Path,
+    format: Format,
+    names: &ColumnNames,
+    shown: &str,
+    root: &Path,
+    stop: &AtomicBool,
+) -> Result<PathBuf> {
+    let st = stamp(data_path)?;
+    let key = hash_parts(&[
+        b"decoded-v1",
+        st.canon.as_bytes(),
+        &st.size.to_le_bytes(),
+        &st.mtime.to_le_bytes(),
+        &st.identity.to_bytes(),
+        format!("{names:?}").as_bytes(),
+    ]);
+    let name = data_path.file_name().unwrap_or_default().to_string_lossy();
+    let dest = root.join(format!("{name}.{key:016x}.arrow"));
+    if !dest.is_file() {
+        std::fs::create_dir_all(root)
+            .map_err(|e| LoaderError::io(root.display(), "cannot create cache directory", &e))?;
+        columnar::convert(data_path, format, &dest, names, shown, stop)?;
+    }
+    Ok(dest)
+}
+
+/// The format of `path` (`data_path`: the file as read, decompressed) from `s.format` or its name; a CSV's
+/// header is read to tell RecipeNLG from Food.com, and returned.
+fn format_of(
+    path: &Path,
+    data_path: &Path,
+    s: &IndexSettings,
+) -> Result<(Format, Option<Vec<String>>)> {
+    let by_name = Format::from_path(path).1;
+    match (s.format, by_name) {
+        (Some(f), _) => Ok((f, None)),
+        (None, Some(Format::RecipeNlg)) => {
+            let h = read_header(data_path, path)?;
+            let f = formats::sniff_csv(&h, &s.names).ok_or_else(|| {
+                LoaderError::data(
+                    path.display(),
+                    1,
+                    "CSV header has neither `directions` (RecipeNLG) nor `steps` (Food.com); name the \
+                     columns with `columns`",
+                )
+            })?;
+            Ok((f, Some(h)))
+        }
+        (None, Some(f)) => Ok((f, None)),
+        (None, None) => Err(LoaderError::file(
+            path.display(),
+            format!(
+                "cannot tell the format from the extension ({}); pass data_format",
+                formats::EXTENSIONS
+            ),
+        )),
+    }
+}
+
 /// Builds the index of one file, or loads it from the cache. What the user should know but that does not stop
 /// the loader (a cache that could not be written) is pushed to `warnings`; the Python layer logs it.
 pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) -> Result<FileIndex> {
-    let meta = std::fs::metadata(path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
+    let shown = path.display().to_string();
+    let meta = std::fs::metadata(path).map_err(|e| LoaderError::io(&shown, "", &e))?;
     if meta.len() == 0 {
-        return Err(LoaderError::file(path.display(), "empty file"));
+        return Err(LoaderError::file(&shown, "empty file"));
     }
     let root = cache_root(s.cache_dir.as_deref());
     let (comp, stem) = Compression::split(path);
-    let data_path = if comp == Compression::None {
+    let mut data_path = if comp == Compression::None {
         path.to_path_buf()
     } else {
-        decompress(path, comp, &stem, &root, s.cancel)?
+        decompressed_copy(path, comp, &stem, &root, s.cancel)?
     };
-    let first_byte =
-        first_content_byte(&data_path).map_err(|e| LoaderError::io(path.display(), "", &e))?;
-    let Some(first_byte) = first_byte else {
-        return Err(LoaderError::file(path.display(), "empty file"));
+    let columnar = s
+        .format
+        .or(Format::from_path(path).1)
+        .is_some_and(Format::is_columnar);
+    // Text with nothing but blank lines is empty whatever its name says; a columnar file is binary.
+    let first_byte = if columnar {
+        0
+    } else {
+        first_content_byte(&data_path)
+            .map_err(|e| LoaderError::io(&shown, "", &e))?
+            .ok_or_else(|| LoaderError::file(&shown, "empty file"))?
     };
-    let ext = Path::new(&stem)
-        .extension()
-        .map(|e| e.to_string_lossy().to_lowercase())
-        .unwrap_or_default();
-    let mut header = None;
-    let format = match s.format {
-        Some(f) => f,
-        None => match ext.as_str() {
-            "jsonl" | "json" | "ndjson" => Format::Jsonl,
-            "csv" => {
-                let h = read_header(&data_path, path)?;
-                let f = formats::sniff_csv(&h).ok_or_else(|| {
-                    LoaderError::data(path.display(), 1, "CSV header has neither `directions` (RecipeNLG) nor `steps` (Food.com)")
-                })?;
-                header = Some(h);
-                f
+    let (format, header) = format_of(path, &data_path, s)?;
+    let reader = match format {
+        Format::Jsonl | Format::RecipeNlg | Format::FoodCom => {
+            if format == Format::Jsonl {
+                if first_byte == b'[' {
+                    return Err(LoaderError::data(
+                        &shown,
+                        1,
+                        "a JSON array, not JSON Lines (one object per line); convert it with `jq -c '.[]' FILE > FILE.jsonl`",
+                    ));
+                }
+                Reader::Lines
+            } else {
+                let h = match header {
+                    Some(h) => h,
+                    None => read_header(&data_path, path)?,
+                };
+                Reader::Csv(
+                    Columns::from_header(format, &h, &s.names)
+                        .map_err(|e| LoaderError::data(&shown, 1, e))?,
+                )
             }
-            _ => {
-                return Err(LoaderError::file(
-                    path.display(),
-                    "cannot tell the format from the extension (.csv, .jsonl, .json, optionally .gz/.zst); pass data_format",
-                ))
+        }
+        Format::Parquet | Format::Arrow => {
+            let needs_copy =
+                format == Format::Parquet || ArrowTable::open(&data_path, &shown)?.compressed();
+            if needs_copy {
+                data_path = decoded_copy(&data_path, format, &s.names, &shown, &root, s.cancel)?;
             }
-        },
-    };
-    if format == Format::Jsonl && first_byte == b'[' {
-        return Err(LoaderError::data(
-            path.display(),
-            1,
-            "a JSON array, not JSON Lines (one object per line); convert it with `jq -c '.[]' FILE > FILE.jsonl`",
-        ));
-    }
-    let columns = match format {
-        Format::Jsonl => None,
-        f => {
-            let h = match header {
-                Some(h) => h,
-                None => read_header(&data_path, path)?,
-            };
-            Some(Columns::from_header(f, &h).map_err(|e| LoaderError::data(path.display(), 1, e))?)
+            let table = ArrowTable::open(&data_path, &shown)?;
+            let cols = TableColumns::resolve(table.schema(), &s.names)
+                .map_err(|e| LoaderError::data(&shown, 0, e))?;
+            Reader::Table(Box::new(table), cols)
         }
     };
     let st = stamp(path)?;
+    let names = format!("{:?}", s.names);
     let key = hash_parts(&[
         MAGIC,
         st.canon.as_bytes(),
@@ -544,6 +540,7 @@ pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) ->
         &(s.max_source as u64).to_le_bytes(),
         &(s.max_target as u64).to_le_bytes(),
         format.name().as_bytes(),
+        names.as_bytes(),
         &(MAX_RECORD_BYTES as u64).to_le_bytes(),
     ]);
     let dir = if comp == Compression::None {
@@ -565,7 +562,8 @@ pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) ->
         path: path.to_path_buf(),
         data_path,
         format,
-        columns,
+        reader,
+        names: s.names.clone(),
         key,
         offsets: vec![],
         lens: vec![],
@@ -585,9 +583,10 @@ pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) ->
         idx.cached = true;
         if s.strict {
             if let Some(ex) = idx.examples.first() {
-                return Err(LoaderError::data(
+                return Err(record_error(
                     &ex.path,
                     ex.line,
+                    ex.row,
                     format!("{} ({})", ex.reason, ex.detail),
                 ));
             }
@@ -596,12 +595,11 @@ pub fn index_file(path: &Path, s: &IndexSettings, warnings: &mut Vec<String>) ->
         scan(&mut idx, s)?;
         idx.identity = now;
         if idx.is_empty() && idx.skipped.is_empty() {
-            return Err(LoaderError::file(path.display(), "empty file: no records"));
+            return Err(LoaderError::file(&shown, "empty file: no records"));
         }
         if !candidates.iter().any(|c| save_cache(c, &idx).is_ok()) {
             warnings.push(format!(
-                "could not write the index cache of {} (beside it or in {}): the next run indexes it again",
-                path.display(),
+                "could not write the index cache of {shown} (beside it or in {}): the next run indexes it again",
                 root.display()
             ));
         }
@@ -651,14 +649,48 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
     idx.hashes.clear();
     idx.skipped.clear();
     idx.examples.clear();
+    // Lent out while the index fills: the chunks read through it.
+    let reader = std::mem::replace(&mut idx.reader, Reader::Lines);
+    let res = scan_with(idx, &reader, s);
+    idx.reader = reader;
+    res
+}
+
+fn scan_with(idx: &mut FileIndex, reader: &Reader, s: &IndexSettings) -> Result<()> {
     let shown = idx.path.display().to_string();
+    if let Reader::Table(table, _) = reader {
+        let mut chunk = Vec::with_capacity(CHUNK);
+        let mut row = 0u64;
+        for k in 0..table.num_batches() {
+            let batch = table
+                .batch(k)
+                .map_err(|e| LoaderError::file(&shown, format!("batch {k}: {e}")))?;
+            for r in 0..batch.num_rows() {
+                chunk.push(Raw {
+                    data: RawData::Row,
+                    start: k as u64,
+                    len: r as u64,
+                    line: row,
+                });
+                row += 1;
+                if chunk.len() == CHUNK {
+                    process_chunk(idx, reader, s, std::mem::take(&mut chunk))?;
+                }
+            }
+        }
+        if !chunk.is_empty() {
+            process_chunk(idx, reader, s, chunk)?;
+        }
+        idx.content = xxhash_rust::xxh3::xxh3_64(table.bytes());
+        return Ok(());
+    }
     let file = File::open(&idx.data_path).map_err(|e| LoaderError::io(&shown, "", &e))?;
     // The content hash of what is indexed, computed on the way (both readers below read to the end).
     let mut hashing = HashingReader::new(CancellableRead::new(file, s.cancel));
     let f = &mut hashing;
     let io_err = |e: std::io::Error| LoaderError::io(&shown, "read error", &e);
-    match idx.format {
-        Format::Jsonl => {
+    match reader {
+        Reader::Lines => {
             let mut r = BufReader::with_capacity(1 << 20, f);
             let mut pos = 0u64;
             let mut line = 0u64;
@@ -701,10 +733,10 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
                 if chunk.is_empty() {
                     break;
                 }
-                process_chunk(idx, s, chunk)?;
+                process_chunk(idx, reader, s, chunk)?;
             }
         }
-        Format::RecipeNlg | Format::FoodCom => {
+        Reader::Csv(_) => {
             let mut rdr = CsvRecords::new(f);
             rdr.next_record().map_err(io_err)?; // the header, read by `read_header`
             loop {
@@ -726,32 +758,43 @@ fn scan(idx: &mut FileIndex, s: &IndexSettings) -> Result<()> {
                 if chunk.is_empty() {
                     break;
                 }
-                process_chunk(idx, s, chunk)?;
+                process_chunk(idx, reader, s, chunk)?;
             }
         }
+        Reader::Table(..) => unreachable!("read above"),
     }
     idx.content = hashing.digest();
     Ok(())
 }
 
-fn process_chunk(idx: &mut FileIndex, s: &IndexSettings, chunk: Vec<Raw>) -> Result<()> {
+fn process_chunk(
+    idx: &mut FileIndex,
+    reader: &Reader,
+    s: &IndexSettings,
+    chunk: Vec<Raw>,
+) -> Result<()> {
     cancel::check(s.cancel)?;
     let format = idx.format;
-    let cols = idx.columns.clone();
+    let names = &idx.names;
     let results: Vec<std::result::Result<Entry, Skip>> = chunk
         .par_iter()
         .map(|raw| {
-            if raw.len as usize > MAX_RECORD_BYTES {
-                return Err(Skip::new(
-                    "over_long",
-                    format!("record of {} bytes (limit {MAX_RECORD_BYTES})", raw.len),
-                ));
-            }
-            let parsed = match &raw.data {
-                RawData::Line(b) => formats::parse_jsonl(b)?,
-                RawData::Csv(rec) => {
-                    formats::parse_csv(rec, format, cols.as_ref().expect("csv columns"))?
+            let parsed = match (&raw.data, reader) {
+                (RawData::Row, Reader::Table(table, cols)) => {
+                    let batch = table
+                        .batch(raw.start as usize)
+                        .map_err(|e| Skip::new("malformed_row", e))?;
+                    cols.parse(batch, raw.len as usize)?
                 }
+                _ if raw.len as usize > MAX_RECORD_BYTES => {
+                    return Err(Skip::new(
+                        "over_long",
+                        format!("record of {} bytes (limit {MAX_RECORD_BYTES})", raw.len),
+                    ));
+                }
+                (RawData::Line(b), _) => formats::parse_jsonl(b, names)?,
+                (RawData::Csv(rec), Reader::Csv(cols)) => formats::parse_csv(rec, format, cols)?,
+                _ => unreachable!("records come from their file's reader"),
             };
             let (src, tgt) = s.renderer.render(&parsed)?;
             let (si, ti) = s
@@ -766,6 +809,7 @@ fn process_chunk(idx: &mut FileIndex, s: &IndexSettings, chunk: Vec<Raw>) -> Res
             })
         })
         .collect();
+    let row = format.is_columnar();
     for (raw, res) in chunk.iter().zip(results) {
         match res {
             Ok(e) => {
@@ -777,18 +821,21 @@ fn process_chunk(idx: &mut FileIndex, s: &IndexSettings, chunk: Vec<Raw>) -> Res
                 idx.hashes.push(e.hash);
             }
             Err(skip) => {
+                let path = idx.path.display().to_string();
                 if s.strict {
-                    return Err(LoaderError::data(
-                        idx.path.display(),
+                    return Err(record_error(
+                        &path,
                         raw.line,
+                        row,
                         format!("{} ({})", skip.reason, skip.detail),
                     ));
                 }
                 *idx.skipped.entry(skip.reason.to_string()).or_default() += 1;
                 if idx.examples.len() < MAX_EXAMPLES {
                     idx.examples.push(Example {
-                        path: idx.path.display().to_string(),
+                        path,
                         line: raw.line,
+                        row,
                         reason: skip.reason.to_string(),
                         detail: skip.detail,
                     });
@@ -898,8 +945,13 @@ fn load_cache(src: &Path, idx: &mut FileIndex) -> std::io::Result<()> {
     idx.src_len = arr(&mut r, n, u16::from_le_bytes)?;
     idx.tgt_len = arr(&mut r, n, u16::from_le_bytes)?;
     idx.hashes = arr(&mut r, n, u64::from_le_bytes)?;
-    let in_data = |(&o, &l): (&u64, &u32)| {
-        l as usize <= MAX_RECORD_BYTES && o.checked_add(l as u64).is_some_and(|e| e <= data_len)
+    let in_data = |(&o, &l): (&u64, &u32)| match &idx.reader {
+        Reader::Table(table, _) => {
+            (o as usize) < table.num_batches() && (l as u64) < table.batch_rows(o as usize)
+        }
+        _ => {
+            l as usize <= MAX_RECORD_BYTES && o.checked_add(l as u64).is_some_and(|e| e <= data_len)
+        }
     };
     if !idx.offsets.iter().zip(&idx.lens).all(in_data) {
         return Err(bad());

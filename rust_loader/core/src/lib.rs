@@ -1,17 +1,19 @@
 //! recipe_core: reading recipe dumps, rendering, tokenizing and batching, without Python.
 
 pub mod cancel;
+pub mod columnar;
 pub mod compress;
 pub mod error;
 pub mod formats;
 pub mod hash;
 pub mod index;
+pub mod mixture;
 pub mod options;
 pub mod pack;
+pub mod paths;
 pub mod plan;
 pub mod records;
 pub mod render;
-pub mod sample;
 pub mod split;
 pub mod stream;
 pub mod tokenize;

@@ -3,6 +3,7 @@
 //! ([`LoaderOptions::check`]) and the table the Python binding exports ([`LoaderOptions::table`]: name, Python
 //! type, default, doc), against which the `.pyi` stub and the docs are tested. Adding an option is one line in
 //! the `options!` list below, plus its use.
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use serde::de::DeserializeOwned;
@@ -10,7 +11,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::{LoaderError, Result};
-use crate::formats::Format;
+use crate::formats::{ColumnNames, Format};
 use crate::pack;
 use crate::plan::{PackShape, PlanConfig, Split};
 
@@ -43,6 +44,8 @@ option_type! {
     String => "str", "a string";
     PathBuf => "str | PathLike[str]", "a path";
     Split => "str", "'all', 'train' or 'eval'";
+    Vec<f64> => "list[float]", "a list of numbers";
+    BTreeMap<String, String> => "dict[str, str]", "a mapping of field names to column names";
 }
 
 impl<T: OptionType> OptionType for Option<T> {
@@ -148,7 +151,14 @@ options! {
     dedup: bool = false,
         "Drop records whose rendered source and target repeat an earlier one.";
     data_format: Option<String> = None,
-        "`recipenlg-csv`, `foodcom-csv` or `jsonl`; None: from each file's extension.";
+        "`recipenlg-csv`, `foodcom-csv`, `jsonl`, `parquet` or `arrow`; None: from each file's extension.";
+    columns: Option<BTreeMap<String, String>> = None,
+        "The column (CSV header, JSON key, Parquet/Arrow column) each field is in, e.g. `{\"title\": \"name\", \
+         \"ingredients\": \"ingr\"}`; fields: title, ingredients, directions, ner, source, target; None: each \
+         format's own names.";
+    weights: Option<Vec<f64>> = None,
+        "Mixing weight of each path (or glob) in order: an epoch draws weight x its records (2.0: each twice; \
+         0.5: a seeded half); None: each record once.";
     num_threads: Option<usize> = None,
         "Worker threads; None: one per core.";
     prefetch: usize = 8,
@@ -298,7 +308,17 @@ impl LoaderOptions {
             }
         }
         self.format()?;
+        self.column_names()?;
+        if let Some(w) = &self.weights {
+            crate::mixture::check_weights(w).map_err(LoaderError::Config)?;
+        }
         Ok(())
+    }
+
+    /// The `columns` mapping, checked.
+    pub fn column_names(&self) -> Result<ColumnNames> {
+        ColumnNames::new(self.columns.as_ref().unwrap_or(&BTreeMap::new()))
+            .map_err(LoaderError::Config)
     }
 
     /// The packed batch shape (None without `packing`): the row lengths given, or chosen from the token lengths
@@ -361,7 +381,7 @@ impl LoaderOptions {
             None => Ok(None),
             Some(f) => Format::parse(f).map(Some).ok_or_else(|| {
                 LoaderError::Config(format!(
-                    "unknown data_format {f:?} (recipenlg-csv, foodcom-csv, jsonl)"
+                    "unknown data_format {f:?} (recipenlg-csv, foodcom-csv, jsonl, parquet, arrow)"
                 ))
             }),
         }

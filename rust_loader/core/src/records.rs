@@ -17,12 +17,17 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
+use std::sync::atomic::AtomicBool;
 
+use crate::columnar;
 use crate::compress::Compression;
 use crate::error::{LoaderError, Result};
-use crate::formats::{self, Columns, Field, Format, Parsed, Recipe, Skip, MAX_RECORD_BYTES};
+use crate::formats::{
+    self, ColumnNames, Columns, Field, Format, Parsed, Recipe, Skip, MAX_RECORD_BYTES,
+};
 use crate::hash::hash_parts;
-use crate::index::{expand_paths, path_error, Example, MAX_EXAMPLES};
+use crate::index::{decompressed_copy, place, Example, MAX_EXAMPLES};
+use crate::paths::{cache_root, expand_paths, path_error};
 use crate::plan::{is_eval, Split};
 use crate::render::Renderer;
 use crate::split::{read_line_bounded, CsvRecords};
@@ -55,6 +60,8 @@ pub struct RecordSet {
 #[derive(Clone, Debug)]
 pub struct ReadOptions {
     pub format: Option<Format>,
+    /// The columns the fields are in (the `columns` option).
+    pub names: ColumnNames,
     pub split: Split,
     pub eval_fraction: f64,
 }
@@ -63,6 +70,7 @@ impl Default for ReadOptions {
     fn default() -> Self {
         ReadOptions {
             format: None,
+            names: ColumnNames::default(),
             split: Split::All,
             eval_fraction: 0.0,
         }
@@ -194,28 +202,13 @@ impl Prompter {
     }
 }
 
-/// The format of `path` from its extension (under a compression suffix, see [`Compression::split`]), and its
-/// compression.
-fn format_of(path: &Path) -> (Compression, Option<Format>) {
-    let (compression, stem) = Compression::split(path);
-    let ext = Path::new(&stem)
-        .extension()
-        .map(|e| e.to_string_lossy().to_ascii_lowercase());
-    let format = match ext.as_deref() {
-        Some("jsonl" | "json" | "ndjson") => Some(Format::Jsonl),
-        Some("csv") => Some(Format::RecipeNlg), // which CSV: from the header
-        _ => None,
-    };
-    (compression, format)
-}
-
 fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet) -> Result<()> {
     let shown = path.display().to_string();
     let meta = std::fs::metadata(path).map_err(|e| path_error(path, "", &e))?;
     if meta.len() == 0 {
         return Err(LoaderError::file(&shown, "empty file"));
     }
-    let (compression, by_ext) = format_of(path);
+    let (compression, by_ext) = Format::from_path(path);
     let io_err = |e: std::io::Error| match compression {
         Compression::None => LoaderError::io(&shown, "read error", &e),
         kind => LoaderError::io(
@@ -227,18 +220,19 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
     let format = opts.format.or(by_ext).ok_or_else(|| {
         LoaderError::file(
             &shown,
-            "cannot tell the format from the extension (.csv, .jsonl, .json, optionally .gz/.zst); pass data_format",
+            format!(
+                "cannot tell the format from the extension ({}); pass data_format",
+                formats::EXTENSIONS
+            ),
         )
     })?;
-    let file = File::open(path).map_err(|e| path_error(path, "", &e))?;
-    let input = compression.reader(file).map_err(io_err)?;
     let (mut seen, mut file_examples) = (0u64, 0);
     // `prompt`: the record read leniently where the training parser refused it (a JSONL line without
     // directions), still usable as a prompt.
     let mut take =
         |line: u64, parsed: std::result::Result<Parsed, Skip>, prompt: Option<Parsed>| {
             seen += 1;
-            let id = format!("{shown}:{line}");
+            let id = place(&shown, line, format.is_columnar());
             let mut rendered = parsed.and_then(|parsed| p.render(id.clone(), &parsed, opts));
             if let (Err(skip), Some(lenient), Split::All) = (&rendered, &prompt, opts.split) {
                 rendered = p.render(id, lenient, opts).map_err(|_| skip.clone());
@@ -253,6 +247,7 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
                         set.examples.push(Example {
                             path: shown.clone(),
                             line,
+                            row: format.is_columnar(),
                             reason: skip.reason.to_string(),
                             detail: skip.detail,
                         });
@@ -260,6 +255,31 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
                 }
             }
         };
+    if format.is_columnar() {
+        // Parquet and Arrow need random access: a compressed one is read from its decompressed copy.
+        let plain = match compression {
+            Compression::None => path.to_path_buf(),
+            kind => {
+                let (_, stem) = Compression::split(path);
+                decompressed_copy(
+                    path,
+                    kind,
+                    &stem,
+                    &cache_root(None),
+                    &AtomicBool::new(false),
+                )?
+            }
+        };
+        columnar::for_each_row(&plain, format, &opts.names, &shown, |row, parsed| {
+            take(row, parsed, None)
+        })?;
+        if seen == 0 {
+            return Err(LoaderError::file(&shown, "empty file: no records"));
+        }
+        return Ok(());
+    }
+    let file = File::open(path).map_err(|e| path_error(path, "", &e))?;
+    let input = compression.reader(file).map_err(io_err)?;
     match format {
         Format::Jsonl => {
             let mut r = BufReader::with_capacity(1 << 20, input);
@@ -300,15 +320,17 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
                     take(line, Err(skip), None);
                     continue;
                 }
-                let strict = formats::parse_jsonl(body);
+                let strict = formats::parse_jsonl(body, &opts.names);
                 let lenient = match &strict {
-                    Err(s) if s.reason == "missing_field" => formats::parse_jsonl_prompt(body).ok(),
+                    Err(s) if s.reason == "missing_field" => {
+                        formats::parse_jsonl_prompt(body, &opts.names).ok()
+                    }
                     _ => None,
                 };
                 take(line, strict, lenient);
             }
         }
-        Format::RecipeNlg | Format::FoodCom => {
+        _ => {
             let mut rdr = CsvRecords::new(input);
             let header = rdr.next_record().map_err(io_err)?;
             let Some(header) = header else {
@@ -329,7 +351,7 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
                 .collect();
             let format = match opts.format {
                 Some(f) => f,
-                None => formats::sniff_csv(&header).ok_or_else(|| {
+                None => formats::sniff_csv(&header, &opts.names).ok_or_else(|| {
                     LoaderError::data(
                         &shown,
                         1,
@@ -337,7 +359,7 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
                     )
                 })?,
             };
-            let cols = Columns::from_header(format, &header)
+            let cols = Columns::from_header(format, &header, &opts.names)
                 .map_err(|e| LoaderError::data(&shown, 1, e))?;
             while let Some(rec) = rdr.next_record().map_err(io_err)? {
                 if rec.is_blank() {
@@ -534,9 +556,9 @@ Tea,\"[\"\"tea\"\"]\",\"[\"\"Steep.\"\"]\",\"[]\"\r\n";
         let p = prompter(false);
         let read = |split, eval_fraction| {
             let opts = ReadOptions {
-                format: None,
                 split,
                 eval_fraction,
+                ..ReadOptions::default()
             };
             p.read(std::slice::from_ref(&path), &opts).unwrap()
         };

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{LoaderError, Result};
 use crate::hash::{hash_parts, mix, Rng};
 use crate::index::{self, Example, FileIndex, IndexSettings};
+use crate::mixture::{Mixture, SourceCount};
 use crate::options::LoaderOptions;
 use crate::plan::{self, PackShape, Plan, PlanConfig};
 use crate::records::Rendered;
@@ -87,6 +88,19 @@ pub struct Stats {
     pub position: u64,
     pub files: Vec<String>,
     pub index_cached: Vec<bool>,
+    /// Per path (or glob) given: its files, weight, records and records drawn per epoch.
+    pub sources: Vec<SourceStats>,
+    /// Records drawn per epoch over all sources (`records` when every weight is 1).
+    pub epoch_records: u64,
+}
+
+/// What one source (a path or glob given) contributes to an epoch.
+#[derive(Clone, Debug, Serialize)]
+pub struct SourceStats {
+    pub path: String,
+    pub files: Vec<String>,
+    #[serde(flatten)]
+    pub count: SourceCount,
 }
 
 struct Ctx {
@@ -111,27 +125,20 @@ impl Ctx {
     fn text(&self, id: u32, handles: &mut [Option<File>]) -> Result<(String, String)> {
         let (f, i) = self.locate(id);
         let fi = &self.files[f];
-        if handles[f].is_none() {
-            handles[f] = Some(
-                File::open(&fi.data_path)
-                    .map_err(|e| LoaderError::io(fi.data_path.display(), "", &e))?,
-            );
-        }
-        let parsed = fi.read(handles[f].as_ref().expect("opened"), i)?;
+        let parsed = fi.read(&mut handles[f], i)?;
         self.renderer
             .render(&parsed)
-            .map_err(|s| LoaderError::data(fi.path.display(), fi.lines[i] as u64, s.detail))
+            .map_err(|s| fi.error(i, s.detail))
     }
 
     /// Tokenizes record `id`'s text.
     fn tokens(&self, id: u32, source: &str, target: &str) -> Result<(Vec<u32>, Vec<u32>)> {
         let (f, i) = self.locate(id);
         let fi = &self.files[f];
-        let line = fi.lines[i] as u64;
         let (s, t) = self
             .tok
             .encode(source, target)
-            .map_err(|e| LoaderError::data(fi.path.display(), line, e))?;
+            .map_err(|e| fi.error(i, e))?;
         // Packed rows are planned from the index's lengths: a record that tokenizes otherwise now was changed.
         if (s.len(), t.len())
             != (
@@ -139,9 +146,8 @@ impl Ctx {
                 self.tgt_len[id as usize] as usize,
             )
         {
-            return Err(LoaderError::data(
-                fi.path.display(),
-                line,
+            return Err(fi.error(
+                i,
                 "record changed since it was indexed (other token lengths)",
             ));
         }
@@ -160,11 +166,7 @@ impl Ctx {
         let (source_ids, target_ids) = self.tokens(id, &source, &target)?;
         let (f, i) = self.locate(id);
         Ok(Rendered {
-            id: format!(
-                "{}:{}",
-                self.files[f].path.display(),
-                self.files[f].lines[i]
-            ),
+            id: self.files[f].place(i),
             source,
             reference: Some(target),
             source_ids,
@@ -449,6 +451,11 @@ pub struct Loader {
     threads: usize,
     prefetch: usize,
     fingerprint: String,
+    /// The mixing weights, None when every record is drawn once.
+    mixture: Option<Mixture>,
+    /// Per source: the path (or glob) given and its files; where its records start (global ids), then the end.
+    sources: Vec<(String, Vec<String>)>,
+    source_starts: Vec<u32>,
     warnings: Vec<String>,
     yielded: u64,
     yielded_batches: u64,
@@ -478,7 +485,8 @@ impl Loader {
             o.source_template.as_deref(),
             o.target_template.as_deref(),
         )?;
-        let paths = index::expand_paths(&c.paths)?;
+        let sources = crate::paths::expand_sources(&c.paths)?;
+        let paths: Vec<PathBuf> = sources.iter().flatten().cloned().collect();
         let tok = Tok::load(&c.tokenizer, o.max_source_length, o.max_target_length)?;
         let settings = IndexSettings {
             cancel,
@@ -487,18 +495,24 @@ impl Loader {
             max_source: o.max_source_length,
             max_target: o.max_target_length,
             format: o.format()?,
+            names: o.column_names()?,
             cache_dir: o.cache_dir.clone(),
             strict: o.strict,
         };
         let mut files = Vec::new();
         let mut warnings = Vec::new();
-        for path in &paths {
-            files.push(index::index_file(path, &settings, &mut warnings)?);
+        let mut source_starts = vec![0u32];
+        for source in &sources {
+            for path in source {
+                files.push(index::index_file(path, &settings, &mut warnings)?);
+            }
+            let records: usize = files.iter().map(|f| f.len()).sum();
+            if records > u32::MAX as usize {
+                return Err(LoaderError::Config("more than 2^32 records".into()));
+            }
+            source_starts.push(records as u32);
         }
-        let total: usize = files.iter().map(|f| f.len()).sum();
-        if total > u32::MAX as usize {
-            return Err(LoaderError::Config("more than 2^32 records".into()));
-        }
+        let total = *source_starts.last().expect("the end") as usize;
         let mut starts = Vec::with_capacity(files.len());
         let (mut src_len, mut tgt_len, mut hashes) = (
             Vec::with_capacity(total),
@@ -511,21 +525,44 @@ impl Loader {
             tgt_len.append(&mut f.tgt_len);
             hashes.append(&mut f.hashes);
         }
-        // The packed shape comes from all records, whatever the split: train and eval get the same one.
-        let plan_cfg = o.plan_config(o.pack_shape(&src_len, &tgt_len)?);
+        let mixture = match &o.weights {
+            None => None,
+            Some(w) if w.len() != c.paths.len() => {
+                return Err(LoaderError::Config(format!(
+                    "weights: {} given for {} paths; give one per path (or glob)",
+                    w.len(),
+                    c.paths.len()
+                )))
+            }
+            Some(w) => Mixture::new(w, source_starts.clone()).map_err(LoaderError::Config)?,
+        };
+        // The packed shape comes from all records, whatever the split (train and eval get the same one), as the
+        // mixture draws them.
+        let shape = match &mixture {
+            None => o.pack_shape(&src_len, &tgt_len)?,
+            Some(m) => {
+                let drawn = m.draw(&(0..total as u32).collect::<Vec<_>>(), o.seed, 0);
+                let gather =
+                    |lens: &[u16]| drawn.iter().map(|&i| lens[i as usize]).collect::<Vec<_>>();
+                o.pack_shape(&gather(&src_len), &gather(&tgt_len))?
+            }
+        };
+        let plan_cfg = o.plan_config(shape);
         let (selected, duplicates) = plan::select(&hashes, &plan_cfg);
         if selected.is_empty() {
             return Err(no_usable_records(&paths, &files, total, plan_cfg.split));
         }
-        let fingerprint = format!(
-            "{:016x}",
-            hash_parts(&[
-                PLAN_VERSION,
-                &content_hash(&src_len, &tgt_len, &hashes).to_le_bytes(),
-                &tok.file_hash.to_le_bytes(),
-                format!("{plan_cfg:?}").as_bytes()
-            ])
-        );
+        let mut fingerprint_parts: Vec<&[u8]> = vec![PLAN_VERSION];
+        let content = content_hash(&src_len, &tgt_len, &hashes).to_le_bytes();
+        let tok_hash = tok.file_hash.to_le_bytes();
+        let plan_text = format!("{plan_cfg:?}");
+        fingerprint_parts.extend([&content[..], &tok_hash[..], plan_text.as_bytes()]);
+        // Only with weights: a state saved without them keeps its fingerprint.
+        let mixture_text = mixture.as_ref().map(Mixture::fingerprint);
+        if let Some(m) = &mixture_text {
+            fingerprint_parts.push(m.as_bytes());
+        }
+        let fingerprint = format!("{:016x}", hash_parts(&fingerprint_parts));
         drop(hashes);
         let pad_id = tok.pad_id as i64;
         let threads = o
@@ -553,6 +590,17 @@ impl Loader {
             threads,
             prefetch: o.prefetch,
             fingerprint,
+            mixture,
+            sources: c
+                .paths
+                .iter()
+                .zip(&sources)
+                .map(|(p, files)| {
+                    let names = files.iter().map(|f| f.display().to_string()).collect();
+                    (p.clone(), names)
+                })
+                .collect(),
+            source_starts,
             warnings,
             yielded: 0,
             yielded_batches: 0,
@@ -567,13 +615,21 @@ impl Loader {
         std::mem::take(&mut self.warnings)
     }
 
+    /// The records of the current epoch: the selected ones, or the mixture's draw from them.
+    fn drawn(&self) -> std::borrow::Cow<'_, [u32]> {
+        match &self.mixture {
+            None => std::borrow::Cow::Borrowed(&self.selected),
+            Some(m) => std::borrow::Cow::Owned(m.draw(&self.selected, self.cfg.seed, self.epoch)),
+        }
+    }
+
     /// The plan of the current epoch (computed once per epoch).
     pub fn plan(&mut self) -> Arc<Plan> {
         match &self.plan {
             Some((e, p)) if *e == self.epoch => p.clone(),
             _ => {
                 let p = Arc::new(plan::make_plan(
-                    &self.selected,
+                    &self.drawn(),
                     &self.ctx.src_len,
                     &self.ctx.tgt_len,
                     &self.cfg,
@@ -677,6 +733,7 @@ impl Loader {
 
     pub fn stats(&mut self) -> Stats {
         let plan = self.plan();
+        let sources = self.source_stats();
         let ctx = &self.ctx;
         let mut skipped = skip_counts(&ctx.files);
         let mut examples: Vec<String> = ctx
@@ -688,7 +745,7 @@ impl Loader {
             skipped.insert("duplicate".into(), self.duplicates.len() as u64);
             let at = |id: u32| {
                 let (f, i) = ctx.locate(id);
-                format!("{}:{}", ctx.files[f].path.display(), ctx.files[f].lines[i])
+                ctx.files[f].place(i)
             };
             for &(d, first) in self.duplicates.iter().take(index::MAX_EXAMPLES) {
                 examples.push(format!("{}: duplicate (same text as {})", at(d), at(first)));
@@ -724,7 +781,40 @@ impl Loader {
                 .map(|f| f.path.display().to_string())
                 .collect(),
             index_cached: ctx.files.iter().map(|f| f.cached).collect(),
+            epoch_records: sources.iter().map(|s| s.count.drawn).sum(),
+            sources,
         }
+    }
+
+    /// Per source: its files, weight, records and records drawn per epoch.
+    fn source_stats(&self) -> Vec<SourceStats> {
+        let counts = match &self.mixture {
+            Some(m) => m.counts(&self.selected),
+            None => (0..self.sources.len())
+                .map(|s| {
+                    let (a, b) = (self.source_starts[s], self.source_starts[s + 1]);
+                    let n = self
+                        .selected
+                        .iter()
+                        .filter(|&&id| id >= a && id < b)
+                        .count() as u64;
+                    SourceCount {
+                        weight: 1.0,
+                        records: n,
+                        drawn: n,
+                    }
+                })
+                .collect(),
+        };
+        self.sources
+            .iter()
+            .zip(counts)
+            .map(|((path, files), count)| SourceStats {
+                path: path.clone(),
+                files: files.clone(),
+                count,
+            })
+            .collect()
     }
 
     /// `n` of the selected records (all of them when there are fewer), drawn with `seed` whatever the rank,
@@ -747,15 +837,16 @@ impl Loader {
             .collect()
     }
 
-    /// Token lengths `(source, target)` of the selected records (for `data inspect`).
+    /// Token lengths `(source, target)` of the current epoch's records: the selected ones, or with weights the
+    /// records the mixture draws (a record drawn three times counts three times), for `data inspect`, the time
+    /// estimate of `trainer plan` and the memory plan.
     pub fn lengths(&self) -> (Vec<u16>, Vec<u16>) {
-        let s = self
-            .selected
+        let drawn = self.drawn();
+        let s = drawn
             .iter()
             .map(|&i| self.ctx.src_len[i as usize])
             .collect();
-        let t = self
-            .selected
+        let t = drawn
             .iter()
             .map(|&i| self.ctx.tgt_len[i as usize])
             .collect();

@@ -132,7 +132,7 @@ impl Tok {
         let file = tokenizer_file(path);
         let bad = |r: String| LoaderError::file(file.display(), r);
         let bytes = std::fs::read(&file)
-            .map_err(|e| crate::index::path_error(&file, "cannot read tokenizer", &e))?;
+            .map_err(|e| crate::paths::path_error(&file, "cannot read tokenizer", &e))?;
         let mut base = Tokenizer::from_bytes(&bytes)
             .map_err(|e| bad(format!("not a valid tokenizer.json: {e}")))?;
         let json: Value = serde_json::from_slice(&bytes)

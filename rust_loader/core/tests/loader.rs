@@ -458,27 +458,6 @@ fn csv_record_over_the_limit_is_skipped_without_holding_it() {
     );
 }
 
-#[test]
-fn sample_writer_and_loader_agree_on_compression_suffixes() {
-    use recipe_core::sample::{write_sample_file, SampleFormat};
-    let dir = tempfile::tempdir().unwrap();
-    let plain = dir.path().join("plain.jsonl");
-    write_sample_file(&plain, 30, 2, SampleFormat::Jsonl).unwrap();
-    let mut want = Loader::new(config(&[&plain], dir.path())).unwrap();
-    let want = all_rows(&mut want);
-    for (name, magic) in [
-        ("a.jsonl.zstd", &b"\x28\xb5\x2f\xfd"[..]),
-        ("B.JSONL.GZ", &b"\x1f\x8b"[..]),
-        ("c.jsonl.Zst", &b"\x28\xb5\x2f\xfd"[..]),
-    ] {
-        let p = dir.path().join(name);
-        write_sample_file(&p, 30, 2, SampleFormat::Jsonl).unwrap();
-        assert!(std::fs::read(&p).unwrap().starts_with(magic), "{name}");
-        let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
-        assert_eq!(all_rows(&mut l), want, "{name}");
-    }
-}
-
 /// Rewrites `p` with `text` (same length) and puts its modification time back, as `cp -p` or `rsync -t` do.
 fn rewrite_keeping_size_and_mtime(p: &Path, text: &str) {
     let before = std::fs::metadata(p).unwrap();

@@ -1,25 +1,33 @@
-//! Seeded generator of realistic recipes in the real dumps' formats.
+//! Seeded generator of realistic recipes in the real dumps' formats: test and benchmark data, outside the
+//! production loader (`trainer data sample`, the loader's tests and benchmarks use it).
 //!
-//! Three formats, written exactly as the public dumps are:
+//! Formats, written exactly as the public dumps are:
 //! - RecipeNLG `full_dataset.csv`: an unnamed index column, then `title,ingredients,directions,link,source,NER`;
 //!   the list columns hold JSON arrays as strings.
 //! - Food.com `RAW_recipes.csv`: `name,id,minutes,contributor_id,submitted,tags,nutrition,n_steps,steps,
 //!   description,ingredients,n_ingredients`; the list columns hold Python list literals (as `repr` writes them).
 //! - JSONL: one object per line with `title`, `ingredients`, `directions` and `NER`.
+//! - Parquet and Arrow IPC (file): RecipeNLG's columns as Hugging Face's `recipe_nlg` holds them: `title`,
+//!   `ingredients`, `directions`, `link`, `source`, `NER`, the list columns as lists of strings.
 //!
-//! The output depends only on `(n, seed, format)`: the PRNG is a hand-written xoshiro256** seeded through
-//! splitmix64, so no dependency upgrade can change it. Content is built from recipe-shaped templates over
-//! frequency-ordered word lists plus a Zipf-weighted tail of synthetic words, so a tokenizer trained on it sees a
-//! long-tailed vocabulary of a few thousand words.
+//! A file's name says its format, as the loader reads it ([`Format::from_path`]): `.csv`, `.jsonl`, `.parquet`,
+//! `.arrow`, each optionally `.gz`/`.zst`. The output depends only on `(n, seed, format)`: the PRNG is the
+//! loader's hand-written xoshiro256** ([`recipe_core::hash::Rng`]), so no dependency upgrade can change it.
+//! Content is built from recipe-shaped templates over frequency-ordered word lists plus a Zipf-weighted tail of
+//! synthetic words, so a tokenizer trained on it sees a long-tailed vocabulary of a few thousand words.
 
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::Path;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
-use crate::compress::Compression;
-use crate::hash::Rng;
+use arrow_array::builder::{ListBuilder, StringBuilder};
+use arrow_array::{ArrayRef, RecordBatch};
+use arrow_schema::{DataType, Field, Schema};
+use recipe_core::compress::Compression;
+use recipe_core::formats::{Format, EXTENSIONS};
+use recipe_core::hash::Rng;
 
 /// Output layout of [`write_sample`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,19 +38,62 @@ pub enum SampleFormat {
     FoodComCsv,
     /// One JSON object per line.
     Jsonl,
+    /// RecipeNLG's columns in a Parquet file (snappy, as pandas and pyarrow write it).
+    Parquet,
+    /// RecipeNLG's columns in an Arrow IPC file.
+    Arrow,
 }
+
+/// Recipes per record batch (Parquet row group: pyarrow writes larger ones; the reader does not care).
+const BATCH_ROWS: u64 = 8192;
 
 impl SampleFormat {
     /// The names the CLI uses.
-    pub const NAMES: [&'static str; 3] = ["recipenlg-csv", "foodcom-csv", "jsonl"];
+    pub const NAMES: [&'static str; 5] =
+        ["recipenlg-csv", "foodcom-csv", "jsonl", "parquet", "arrow"];
 
-    /// Parses `recipenlg-csv`, `foodcom-csv` or `jsonl`.
+    /// Parses one of [`SampleFormat::NAMES`].
     pub fn parse(name: &str) -> Result<Self, SampleError> {
         match name {
             "recipenlg-csv" => Ok(Self::RecipeNlgCsv),
             "foodcom-csv" => Ok(Self::FoodComCsv),
             "jsonl" => Ok(Self::Jsonl),
+            "parquet" => Ok(Self::Parquet),
+            "arrow" => Ok(Self::Arrow),
             other => Err(SampleError::BadFormat(other.to_string())),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::RecipeNlgCsv => "recipenlg-csv",
+            Self::FoodComCsv => "foodcom-csv",
+            Self::Jsonl => "jsonl",
+            Self::Parquet => "parquet",
+            Self::Arrow => "arrow",
+        }
+    }
+
+    /// The format `path`'s name says (`.csv`: RecipeNLG CSV, or Food.com CSV when `requested`); `requested`,
+    /// if given, must be that format. Errors name the file: an unknown suffix, a format that does not match it.
+    pub fn for_path(path: &Path, requested: Option<SampleFormat>) -> Result<Self, SampleError> {
+        let by_name = match Format::from_path(path).1 {
+            None => return Err(SampleError::UnknownSuffix(path.display().to_string())),
+            Some(Format::RecipeNlg | Format::FoodCom) => match requested {
+                Some(Self::FoodComCsv) => Self::FoodComCsv,
+                _ => Self::RecipeNlgCsv,
+            },
+            Some(Format::Jsonl) => Self::Jsonl,
+            Some(Format::Parquet) => Self::Parquet,
+            Some(Format::Arrow) => Self::Arrow,
+        };
+        match requested {
+            Some(r) if r != by_name => Err(SampleError::Mismatch {
+                path: path.display().to_string(),
+                requested: r,
+                by_name,
+            }),
+            _ => Ok(by_name),
         }
     }
 }
@@ -52,6 +103,14 @@ impl SampleFormat {
 pub enum SampleError {
     /// Unknown format name.
     BadFormat(String),
+    /// A file name whose suffix names no format.
+    UnknownSuffix(String),
+    /// A format asked for that the file's suffix contradicts.
+    Mismatch {
+        path: String,
+        requested: SampleFormat,
+        by_name: SampleFormat,
+    },
     /// Creating or writing the output failed.
     Io { path: String, source: io::Error },
 }
@@ -64,6 +123,20 @@ impl std::fmt::Display for SampleError {
                 "unknown sample format {name:?}; expected one of {}",
                 SampleFormat::NAMES.join(", ")
             ),
+            Self::UnknownSuffix(path) => write!(
+                f,
+                "{path}: the file name says no format; end it in {EXTENSIONS}"
+            ),
+            Self::Mismatch {
+                path,
+                requested,
+                by_name,
+            } => write!(
+                f,
+                "{path}: format {} does not match the file name, which says {}; rename the file or drop the format",
+                requested.name(),
+                by_name.name()
+            ),
             Self::Io { path, source } => write!(f, "{path}: {source}"),
         }
     }
@@ -72,20 +145,22 @@ impl std::fmt::Display for SampleError {
 impl std::error::Error for SampleError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::BadFormat(_) => None,
             Self::Io { source, .. } => Some(source),
+            _ => None,
         }
     }
 }
 
-/// Writes `n` recipes generated from `seed` to `path`, compressed as its name says ([`Compression::split`]:
-/// `.gz`, `.zst`, `.zstd`, any case), so the loader reads back what was written.
+/// Writes `n` recipes generated from `seed` to `path` in the format its name says ([`SampleFormat::for_path`],
+/// `requested` checked against it), compressed as its name says ([`Compression::split`]: `.gz`, `.zst`,
+/// `.zstd`, any case), so the loader reads back what was written. Returns the format written.
 pub fn write_sample_file(
     path: &Path,
     n: u64,
     seed: u64,
-    format: SampleFormat,
-) -> Result<(), SampleError> {
+    requested: Option<SampleFormat>,
+) -> Result<SampleFormat, SampleError> {
+    let format = SampleFormat::for_path(path, requested)?;
     let io_err = |source: io::Error| SampleError::Io {
         path: path.display().to_string(),
         source,
@@ -95,25 +170,26 @@ pub fn write_sample_file(
         Compression::None => {
             let mut w = file;
             write_sample(&mut w, n, seed, format).map_err(io_err)?;
-            w.flush().map_err(io_err)
+            w.flush().map_err(io_err)?;
         }
         Compression::Gzip => {
             // Level 1: the compressor, not the generator, sets the pace (about 2x faster than level 6,
             // for files about 1.7x larger).
             let mut w = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
             write_sample(&mut w, n, seed, format).map_err(io_err)?;
-            w.finish().map_err(io_err)?.flush().map_err(io_err)
+            w.finish().map_err(io_err)?.flush().map_err(io_err)?;
         }
         Compression::Zstd => {
             let mut w = zstd::stream::write::Encoder::new(file, 3).map_err(io_err)?;
             write_sample(&mut w, n, seed, format).map_err(io_err)?;
-            w.finish().map_err(io_err)?.flush().map_err(io_err)
+            w.finish().map_err(io_err)?.flush().map_err(io_err)?;
         }
     }
+    Ok(format)
 }
 
 /// Writes `n` recipes generated from `seed` to `out` in `format`.
-pub fn write_sample<W: Write>(
+pub fn write_sample<W: Write + Send>(
     out: &mut W,
     n: u64,
     seed: u64,
@@ -214,7 +290,94 @@ pub fn write_sample<W: Write>(
             w.flush()?;
             Ok(())
         }
+        SampleFormat::Parquet | SampleFormat::Arrow => write_columnar(out, n, &mut gen, format),
     }
+}
+
+/// The RecipeNLG columns of Parquet and Arrow samples.
+fn columnar_schema() -> Arc<Schema> {
+    let list = || DataType::List(Arc::new(Field::new("item", DataType::Utf8, true)));
+    Arc::new(Schema::new(vec![
+        Field::new("title", DataType::Utf8, false),
+        Field::new("ingredients", list(), false),
+        Field::new("directions", list(), false),
+        Field::new("link", DataType::Utf8, false),
+        Field::new("source", DataType::Utf8, false),
+        Field::new("NER", list(), false),
+    ]))
+}
+
+/// The next `rows` recipes as a record batch of [`columnar_schema`].
+fn columnar_batch(gen: &mut RecipeGen, rows: u64, schema: &Arc<Schema>) -> io::Result<RecordBatch> {
+    let mut title = StringBuilder::new();
+    let (mut ingredients, mut directions, mut ner) = (
+        ListBuilder::new(StringBuilder::new()),
+        ListBuilder::new(StringBuilder::new()),
+        ListBuilder::new(StringBuilder::new()),
+    );
+    let (mut link, mut source) = (StringBuilder::new(), StringBuilder::new());
+    let mut link_text = String::new();
+    for _ in 0..rows {
+        link_text.clear();
+        let (r, from) = gen.next_with_link(&mut link_text);
+        title.append_value(&r.title);
+        for (builder, items) in [
+            (&mut ingredients, &r.ingredients),
+            (&mut directions, &r.directions),
+            (&mut ner, &r.ner),
+        ] {
+            for item in items {
+                builder.values().append_value(item);
+            }
+            builder.append(true);
+        }
+        link.append_value(&link_text);
+        source.append_value(from);
+    }
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(title.finish()),
+        Arc::new(ingredients.finish()),
+        Arc::new(directions.finish()),
+        Arc::new(link.finish()),
+        Arc::new(source.finish()),
+        Arc::new(ner.finish()),
+    ];
+    // The builders' list items are nullable, as the schema says; the values are never null.
+    RecordBatch::try_new(schema.clone(), columns).map_err(io::Error::other)
+}
+
+fn write_columnar<W: Write + Send>(
+    out: &mut W,
+    n: u64,
+    gen: &mut RecipeGen,
+    format: SampleFormat,
+) -> io::Result<()> {
+    let schema = columnar_schema();
+    let batches = (0..n)
+        .step_by(BATCH_ROWS as usize)
+        .map(|start| BATCH_ROWS.min(n - start));
+    if format == SampleFormat::Parquet {
+        let props = parquet::file::properties::WriterProperties::builder()
+            .set_compression(parquet::basic::Compression::SNAPPY)
+            .set_max_row_group_row_count(Some(BATCH_ROWS as usize))
+            .build();
+        let mut w = parquet::arrow::ArrowWriter::try_new(out, schema.clone(), Some(props))
+            .map_err(io::Error::other)?;
+        for rows in batches {
+            w.write(&columnar_batch(gen, rows, &schema)?)
+                .map_err(io::Error::other)?;
+        }
+        w.close().map_err(io::Error::other)?;
+    } else {
+        let mut w =
+            arrow_ipc::writer::FileWriter::try_new(out, &schema).map_err(io::Error::other)?;
+        for rows in batches {
+            w.write(&columnar_batch(gen, rows, &schema)?)
+                .map_err(io::Error::other)?;
+        }
+        w.finish().map_err(io::Error::other)?;
+    }
+    Ok(())
 }
 
 fn csv_writer<W: Write>(out: &mut W) -> csv::Writer<&mut W> {
@@ -276,14 +439,35 @@ pub fn push_py_list<S: AsRef<str>>(out: &mut String, items: &[S]) {
 // ---------------------------------------------------------------------------------------------------------------
 // PRNG
 
-/// Generator-only draws on the crate's one PRNG.
-impl Rng {
+/// The generator's draws on the loader's PRNG.
+trait Draws {
+    /// Uniform in `lo..=hi`.
+    fn range(&mut self, lo: usize, hi: usize) -> usize;
+    fn chance(&mut self, p: f64) -> bool;
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T;
     /// A uniformly drawn word.
-    pub fn word(&mut self, items: &[&'static str]) -> &'static str {
+    fn word(&mut self, items: &[&'static str]) -> &'static str;
+    /// Index drawn with probability proportional to 1/(rank+1)^s, via a precomputed cumulative table.
+    fn zipf(&mut self, cdf: &[f64]) -> usize;
+}
+
+impl Draws for Rng {
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.below(hi - lo + 1)
+    }
+
+    fn chance(&mut self, p: f64) -> bool {
+        self.unit() < p
+    }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len())]
+    }
+
+    fn word(&mut self, items: &[&'static str]) -> &'static str {
         items[self.below(items.len())]
     }
 
-    /// Index drawn with probability proportional to 1/(rank+1)^s, via a precomputed cumulative table.
     fn zipf(&mut self, cdf: &[f64]) -> usize {
         let u = self.unit() * cdf[cdf.len() - 1];
         cdf.partition_point(|&c| c <= u).min(cdf.len() - 1)
@@ -2262,7 +2446,7 @@ fn filler_step(rng: &mut Rng, sweet: bool, method: Method, done: &[&str], s: &mu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::formats::parse_py_list;
+    use recipe_core::formats::parse_py_list;
     use std::io::Read;
 
     fn sample(n: u64, seed: u64, format: SampleFormat) -> Vec<u8> {
@@ -2441,7 +2625,7 @@ mod tests {
         let plain = sample(50, 5, SampleFormat::Jsonl);
         for name in ["s.jsonl.gz", "s.jsonl.zst", "s.jsonl"] {
             let path = dir.join(name);
-            write_sample_file(&path, 50, 5, SampleFormat::Jsonl).unwrap();
+            write_sample_file(&path, 50, 5, None).unwrap();
             let raw = std::fs::read(&path).unwrap();
             let mut text = Vec::new();
             match Compression::from_path(&path) {
@@ -2456,12 +2640,41 @@ mod tests {
             assert_eq!(text, plain, "{name}");
         }
         std::fs::remove_dir_all(&dir).unwrap();
-        let err =
-            write_sample_file(&dir.join("missing/x.csv"), 1, 0, SampleFormat::Jsonl).unwrap_err();
+        let err = write_sample_file(&dir.join("missing/x.csv"), 1, 0, None).unwrap_err();
         assert!(matches!(err, SampleError::Io { .. }) && err.to_string().contains("missing"));
         assert!(matches!(
-            SampleFormat::parse("parquet"),
+            SampleFormat::parse("xml"),
             Err(SampleError::BadFormat(_))
         ));
+    }
+
+    #[test]
+    fn the_file_name_says_the_format() {
+        let of = |name: &str, requested| SampleFormat::for_path(Path::new(name), requested);
+        for (name, want) in [
+            ("r.csv", SampleFormat::RecipeNlgCsv),
+            ("r.CSV.gz", SampleFormat::RecipeNlgCsv),
+            ("r.jsonl.zst", SampleFormat::Jsonl),
+            ("r.json", SampleFormat::Jsonl),
+            ("r.parquet", SampleFormat::Parquet),
+            ("r.parquet.zst", SampleFormat::Parquet),
+            ("r.arrow", SampleFormat::Arrow),
+        ] {
+            assert_eq!(of(name, None).unwrap(), want, "{name}");
+        }
+        let food = Some(SampleFormat::FoodComCsv);
+        assert_eq!(of("RAW.csv", food).unwrap(), SampleFormat::FoodComCsv);
+        let e = of("recipes.jsonl.zst", Some(SampleFormat::RecipeNlgCsv)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "recipes.jsonl.zst: format recipenlg-csv does not match the file name, which says jsonl; rename \
+             the file or drop the format"
+        );
+        let e = of("recipes.txt", None).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("recipes.txt: the file name says no format; end it in {EXTENSIONS}")
+        );
+        assert!(of("recipes.parquet", food).is_err());
     }
 }

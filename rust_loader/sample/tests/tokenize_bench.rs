@@ -1,7 +1,7 @@
 //! Measurement, not a test (run it with `--ignored`): per-word id cache against one tokenizer call per text, on
 //! generated recipes rendered like the loader renders them, with the ids of both compared.
 //!
-//! `cargo test -p recipe_core --release --test tokenize_bench -- --ignored --nocapture`
+//! `cargo test -p recipe_sample --release --test tokenize_bench -- --ignored --nocapture`
 //! (`TOKENIZER=/path/to/tokenizer.json` and `N=...` to change the defaults: the test tokenizer, 20000 recipes).
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -9,15 +9,17 @@ use std::time::Instant;
 use rayon::prelude::*;
 use recipe_core::formats::{Field, Parsed, Recipe};
 use recipe_core::render::Renderer;
-use recipe_core::sample::RecipeGen;
 use recipe_core::tokenize::Tok;
+use recipe_sample::RecipeGen;
 
 #[test]
 #[ignore]
 fn per_word_cache_vs_per_text() {
     let tokenizer = std::env::var_os("TOKENIZER")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer.json"));
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../core/tests/data/tokenizer.json")
+        });
     let n: usize = std::env::var("N").map_or(20_000, |v| v.parse().unwrap());
     let renderer = Renderer::new("ingredients-to-recipe", None, None).unwrap();
     let mut g = RecipeGen::new(0);
