@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from epoch_rows import rows
 from transformers import AutoTokenizer
 
 from trainer.data import RecipeDataError, RecipeFileError, RecipeStream
@@ -28,14 +29,6 @@ def render(rec: dict) -> tuple[str, str]:
     source = f"Write a recipe with these ingredients: {ingredients}"
     target = f"title: {rec['title'].strip()} | ingredients: {ingredients} | directions: {directions}"
     return source, target
-
-
-def rows(stream: RecipeStream) -> list[tuple[list[int], list[int]]]:
-    out = []
-    for b in stream:
-        for ids, mask, labels in zip(b["input_ids"], b["attention_mask"], b["labels"], strict=True):
-            out.append((ids[mask == 1].tolist(), labels[labels != -100].tolist()))
-    return out
 
 
 AWKWARD = [

@@ -80,7 +80,7 @@ def test_stub_signatures_match_the_binding():
             (p.name, None if p.default is p.empty else p.default, p.kind is p.KEYWORD_ONLY) for p in params
         ], qualname
         checked += 1
-    assert checked == 12
+    assert checked == 13
     # And every public name of the binding is in the stub, and the other way round.
     stub_names = {getattr(n, "name", None) for n in STUB.body} | {
         t.id for n in STUB.body if isinstance(n, ast.AnnAssign) for t in [n.target] if isinstance(t, ast.Name)
@@ -110,7 +110,8 @@ def test_config_fields_reach_the_loader():
     # What the config does not set is set per stream (split, rank, ...) or left to the loader's default. A new
     # loader option with a config field of another name fails here until it is mapped.
     not_from_config = {o["name"] for o in LOADER_OPTIONS} - set(opts)
-    assert not_from_config == {"epoch", "rank", "world_size", "split", "prefetch", "cache_dir"}
+    # weights come from train_files' entries (trainer.data.stream_for).
+    assert not_from_config == {"epoch", "rank", "world_size", "split", "prefetch", "cache_dir", "weights"}
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     assert set(opts) - fields == {"batch_size", "strict", "num_threads"}
 

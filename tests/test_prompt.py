@@ -88,6 +88,7 @@ def test_template_file_is_resolved_and_validated(tmp_path: Path) -> None:
         "max_target_length": 256,
         "data_format": None,
         "eval_fraction": 0.02,
+        "columns": None,
     }
     assert load_prompt_template(tmp_path / "nowhere") is None
     for text, reason in [

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from trainer.data import RecipeStream
 from trainer.sample import write_sample
 
 RECIPENLG_HEADER = ["", "title", "ingredients", "directions", "link", "source", "NER"]
@@ -210,5 +211,40 @@ def test_bad_format_and_unwritable_path_give_clear_errors(tmp_path: Path) -> Non
     with pytest.raises(OSError, match="file"):
         write_sample(blocker / "x.csv", 5)
     # A directory where the file should go.
+    (tmp_path / "dir.csv").mkdir()
     with pytest.raises(OSError):
-        write_sample(tmp_path, 5)
+        write_sample(tmp_path / "dir.csv", 5)
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [("recipes.jsonl.zst", "jsonl"), ("recipes.csv.gz", "recipenlg-csv"), ("recipes.parquet", "parquet")],
+)
+def test_the_file_name_says_the_format_and_the_loader_reads_every_record(
+    tmp_path: Path, tiny_model_dir: Path, name: str, fmt: str
+) -> None:
+    out = tmp_path / name
+    proc = run_cli("--out", str(out), "--n", "120", "--seed", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"wrote 120 recipes ({fmt}) to {out}"
+    stream = RecipeStream(out, tiny_model_dir, batch_size=16, cache_dir=tmp_path / "cache")
+    st = stream.stats()
+    assert (st["records"], st["skipped"]) == (120, {})
+    if fmt == "jsonl":  # what a user's own JSON reader sees
+        assert recipes_from(out, "jsonl")[0]["title"]
+
+
+def test_a_name_that_says_no_format_or_another_one_is_one_line(tmp_path: Path) -> None:
+    proc = run_cli("--out", str(tmp_path / "recipes.txt"), "--n", "5")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"trainer data sample: {tmp_path / 'recipes.txt'}: the file name says no format; end it in .csv, "
+        ".jsonl, .json, .ndjson, .parquet, .arrow or .feather, optionally .gz/.zst"
+    )
+    assert not (tmp_path / "recipes.txt").exists()
+    proc = run_cli("--out", str(tmp_path / "r.jsonl.zst"), "--format", "recipenlg-csv")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"trainer data sample: {tmp_path / 'r.jsonl.zst'}: format recipenlg-csv does not match the file "
+        "name, which says jsonl; rename the file or drop the format"
+    )

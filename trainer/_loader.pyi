@@ -61,6 +61,8 @@ class RecipeLoader:
         strict: bool = False,
         dedup: bool = False,
         data_format: str | None = None,
+        columns: dict[str, str] | None = None,
+        weights: list[float] | None = None,
         num_threads: int | None = None,
         prefetch: int = 8,
         cache_dir: str | PathLike[str] | None = None,
@@ -76,7 +78,8 @@ class RecipeLoader:
     def lengths(self) -> tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint16]]: ...
     def sample_records(self, n: int, seed: int) -> list[dict[str, Any]]: ...
 
-def write_sample(path: str | PathLike[str], n: int, seed: int = 0, fmt: str = "recipenlg-csv") -> None: ...
+def write_sample(path: str | PathLike[str], n: int, seed: int = 0, fmt: str | None = None) -> str: ...
+def cache_root(cache_dir: str | PathLike[str] | None = None) -> str: ...
 
 class RecipeRenderer:
     """The training loader's rendering (and, with a tokenizer, tokenization) of prompts and references."""
@@ -111,4 +114,5 @@ class RecipeRenderer:
         data_format: str | None = None,
         split: str = "all",
         eval_fraction: float = 0.0,
+        columns: dict[str, str] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, int], list[str]]: ...

@@ -9,7 +9,8 @@ import re
 import sys
 
 DESCRIPTION = """\
-Fine-tune FLAN-T5 on recipe files (RecipeNLG CSV, Food.com CSV, JSONL) on one GPU or several.
+Fine-tune FLAN-T5 on recipe files (RecipeNLG CSV, Food.com CSV, JSONL, Parquet, Arrow) or Hugging Face
+datasets on one GPU or several.
 
 Start with `trainer train --config configs/quickstart.yaml` (CPU, a few minutes) or check a real config
 first with `trainer train --config CONFIG --dry-run` and `trainer plan --config CONFIG`."""
@@ -81,12 +82,27 @@ def _build_parser() -> argparse.ArgumentParser:
         dest="data_command", required=True
     )
     sample = data.add_parser("sample", help="write realistic generated recipes in a real dump's format")
-    sample.add_argument("--out", required=True)
-    sample.add_argument("--n", type=int, default=1000)
-    sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--format", choices=DATA_FORMATS, default=DATA_FORMATS[0])
+    sample.add_argument(
+        "--out",
+        required=True,
+        help="file to write; its name says the format: .csv (RecipeNLG), .jsonl, .parquet, .arrow, each "
+        "optionally .gz/.zst",
+    )
+    sample.add_argument("--n", type=int, default=1000, help="number of recipes (default %(default)s)")
+    sample.add_argument("--seed", type=int, default=0, help="the same seed writes the same recipes")
+    sample.add_argument(
+        "--format",
+        choices=DATA_FORMATS,
+        help="must match --out's name; foodcom-csv writes Food.com's layout to a .csv (default: from the "
+        "name)",
+    )
     inspect = data.add_parser("inspect", help="count records, skips, token lengths and padding")
-    inspect.add_argument("paths", nargs="+", help="recipe files (CSV, JSONL; .gz/.zst allowed)")
+    inspect.add_argument(
+        "paths",
+        nargs="+",
+        help="recipe files (CSV, JSONL, Parquet, Arrow; .gz/.zst allowed), save_to_disk directories or "
+        "hf://datasets/OWNER/NAME",
+    )
     inspect.add_argument("--config", help="YAML config whose tokenizer, task and batching to use")
     _add_overrides(inspect)
 
@@ -194,8 +210,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.data_command == "sample":
         from trainer.sample import write_sample
 
-        write_sample(args.out, n=args.n, seed=args.seed, fmt=args.format)
-        print(f"wrote {args.n} recipes to {args.out}")
+        try:
+            written = write_sample(args.out, n=args.n, seed=args.seed, fmt=args.format)
+        except ValueError as e:  # a file name that says no format, or another format than --format
+            print(f"trainer data sample: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.n} recipes ({written}) to {args.out}")
         return 0
     from trainer.config import TrainConfig
     from trainer.data import inspect_report

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-DataFormat = Literal["recipenlg-csv", "foodcom-csv", "jsonl"]
+DataFormat = Literal["recipenlg-csv", "foodcom-csv", "jsonl", "parquet", "arrow"]
 DATA_FORMATS: tuple[str, ...] = typing.get_args(DataFormat)  # the recipe file formats the loader reads
 Task = Literal["ingredients-to-recipe", "title-to-recipe"]
 TASKS: tuple[str, ...] = typing.get_args(Task)  # the loader's prompt presets
@@ -41,6 +41,32 @@ GENERATION_METRICS: tuple[str, ...] = (
 )
 EVAL_METRICS: tuple[str, ...] = ("loss", *GENERATION_METRICS)
 LOWER_IS_BETTER = frozenset({"loss", "invented_ingredients", "repetition"})
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """An entry of train_files/eval_files given as a mapping: `path` (a file, glob, `datasets.save_to_disk`
+    directory or Hugging Face dataset `hf://datasets/OWNER/NAME[@REVISION]`), its mixing `weight` (an epoch
+    draws weight x its records; train_files only), and for a dataset its `split` (default train) and subset
+    `name`. A plain string is the same with the defaults."""
+
+    path: str
+    weight: float = 1.0
+    split: str | None = None
+    name: str | None = None
+
+    def __str__(self) -> str:
+        extras = [f"{k} {v:g}" if k == "weight" else f"{k} {v}" for k, v in self._given()]
+        return f"{self.path} ({', '.join(extras)})" if extras else self.path
+
+    def _given(self) -> list[tuple[str, Any]]:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [(k, getattr(self, k)) for k in ("weight", "split", "name") if getattr(self, k) != defaults[k]]
+
+
+def source_path(entry: str | DataSource) -> str:
+    """The path of a train_files/eval_files entry."""
+    return entry.path if isinstance(entry, DataSource) else entry
 
 
 class ConfigError(ValueError):
@@ -73,8 +99,13 @@ class TrainConfig:
     random_init: bool = False  # build the architecture from model_name_or_path's config.json (benchmarks)
 
     # --- data ---
-    train_files: list[str] = field(default_factory=list)  # paths or globs; csv, jsonl, optionally .gz/.zst
+    # Paths or globs (csv, jsonl, parquet, arrow; optionally .gz/.zst), datasets.save_to_disk directories or
+    # hf://datasets/OWNER/NAME; an entry may be a mapping {path, weight, split, name} (DataSource).
+    train_files: list[str | DataSource] = field(default_factory=list)
     data_format: DataFormat | None = None  # None: by file extension
+    # The column each field is in, for files with other names: {title: name, ingredients: ingr, ...}
+    # (fields: title, ingredients, directions, ner, source, target).
+    columns: dict[str, str] | None = None
     task: Task = "ingredients-to-recipe"
     source_template: str | None = None
     target_template: str | None = None
@@ -94,7 +125,7 @@ class TrainConfig:
     eval_fraction: float = 0.01  # held out by record hash, never trained on
     # A held-out set of its own (paths or globs): evaluated on instead; eval_fraction is then not used and
     # every record of train_files is trained on.
-    eval_files: list[str] = field(default_factory=list)
+    eval_files: list[str | DataSource] = field(default_factory=list)
     eval_max_batches: int = 50
     loader_threads: int | None = None
     make_demo_data: bool = False  # create sample recipes and the tiny model if missing (quickstart only)
@@ -239,8 +270,20 @@ class TrainConfig:
         self._check_best_model_keys()
         # `~` in a path means the home directory, as in a shell.
         self.output_dir = os.path.expanduser(self.output_dir)
-        self.train_files = [os.path.expanduser(f) for f in self.train_files]
-        self.eval_files = [os.path.expanduser(f) for f in self.eval_files]
+        self.train_files = [_expand_source(f) for f in self.train_files]
+        self.eval_files = [_expand_source(f) for f in self.eval_files]
+        for key, entries in (("train_files", self.train_files), ("eval_files", self.eval_files)):
+            for f in entries:
+                if isinstance(f, DataSource) and not (math.isfinite(f.weight) and f.weight >= 0):
+                    raise ConfigError(
+                        f"{key}: weight of {f.path} must be a number >= 0, got {f.weight}", key=key
+                    )
+                if key == "eval_files" and isinstance(f, DataSource) and f.weight != 1:
+                    raise ConfigError(
+                        f"eval_files: {f.path} has weight {f.weight:g}; held-out records are evaluated once "
+                        "each (weights are for train_files)",
+                        key=key,
+                    )
         if self.model_name_or_path.startswith("~"):
             self.model_name_or_path = os.path.expanduser(self.model_name_or_path)
         if self.resume not in ("auto", "never"):
@@ -350,6 +393,13 @@ class TrainConfig:
             raise ConfigError(f"{where}: {e}", key=e.keys) from None
 
 
+def _expand_source(entry: str | DataSource) -> str | DataSource:
+    """`~` in an entry's path means the home directory, as in a shell."""
+    if isinstance(entry, DataSource):
+        return dataclasses.replace(entry, path=os.path.expanduser(entry.path))
+    return os.path.expanduser(entry)
+
+
 _DURATION = re.compile(
     r"^(?:(?P<d>\d+(?:\.\d+)?)d)?(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m)?(?:(?P<s>\d+(?:\.\d+)?)s)?$"
 )
@@ -444,6 +494,9 @@ def _check_type(key: str, value: Any, hint: Any, source: str) -> Any:
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
+        mapped = [a for a in args if dataclasses.is_dataclass(a)]
+        if isinstance(value, dict) and mapped:  # a mapping is meant as the dataclass: its own errors say why
+            return _check_type(key, value, mapped[0], source)
         errors = []
         for arg in args:
             if arg is type(None):
@@ -458,9 +511,31 @@ def _check_type(key: str, value: Any, hint: Any, source: str) -> Any:
         if value not in allowed:
             raise ConfigError(f"{source}: {key} must be one of {list(allowed)}, got {value!r}")
         return value
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} entries must be a string or a mapping, got {value!r}")
+        hints = typing.get_type_hints(hint)
+        names = [f.name for f in dataclasses.fields(hint)]
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise ConfigError(
+                f"{source}: {key}: unknown key {unknown[0]!r} in {value!r} (keys: {', '.join(names)})"
+            )
+        required = [f.name for f in dataclasses.fields(hint) if f.default is dataclasses.MISSING]
+        if missing := [k for k in required if k not in value]:
+            raise ConfigError(f"{source}: {key}: {value!r} needs {missing[0]!r}")
+        return hint(**{k: _check_type(f"{key}.{k}", v, hints[k], source) for k, v in value.items()})
+    if origin is dict:
+        key_type, value_type = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} must be a mapping, got {value!r}")
+        return {
+            _check_type(key, k, key_type, source): _check_type(f"{key}.{k}", v, value_type, source)
+            for k, v in value.items()
+        }
     if origin is list:
         (item_type,) = typing.get_args(hint)
-        if isinstance(value, str):
+        if isinstance(value, (str, dict)):
             value = [value]
         if not isinstance(value, list):
             raise ConfigError(f"{source}: {key} must be a list, got {value!r}")

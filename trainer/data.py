@@ -1,8 +1,9 @@
 """Recipe data for training: a thin typed wrapper over the Rust loader (`trainer._loader`).
 
-The Rust side reads recipe dumps (RecipeNLG CSV, Food.com CSV, JSONL; optionally .gz/.zst), renders each
-recipe into a source and a target text, tokenizes both with the model's `tokenizer.json` (ids identical to
-`transformers.AutoTokenizer(text, truncation=True, max_length=N)`), and hands over padded int64 batches.
+The Rust side reads recipe dumps (RecipeNLG CSV, Food.com CSV, JSONL, Parquet, Arrow; optionally .gz/.zst),
+renders each recipe into a source and a target text, tokenizes both with the model's `tokenizer.json` (ids
+identical to `transformers.AutoTokenizer(text, truncation=True, max_length=N)`), and hands over padded int64
+batches. Hugging Face datasets (Hub ids, save_to_disk directories) come in as Parquet (trainer.hf_datasets).
 
 Rendering rules (T5's tokenizer turns newlines into spaces, so none are used):
 
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from trainer import hf_datasets
 from trainer._loader import (
     LOADER_OPTIONS,
     RecipeConfigError,
@@ -34,7 +36,9 @@ from trainer._loader import (
     RecipeInternalError,
     RecipeLoader,
     RecipeLoaderError,
+    cache_root,
 )
+from trainer.config import DataSource
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +56,9 @@ __all__ = [
     "RecipeStream",
     "loader_options",
     "inspect_report",
+    "mixture_summary",
     "records_in",
+    "resolve_sources",
     "resolve_tokenizer_file",
     "stream_for",
     "to_device",
@@ -206,30 +212,68 @@ def records_in(batch: Batch | dict[str, Any]) -> int:
     return int(segments.max(1).sum()) if len(segments) else 0
 
 
+def resolve_sources(entries: Sequence[str | DataSource]) -> tuple[list[str], list[float]]:
+    """The paths (or globs) the loader reads for train_files/eval_files entries, and their weights: a Hugging
+    Face dataset (hf://datasets/..., a save_to_disk directory) becomes its Parquet copy in the loader's cache
+    directory (trainer.hf_datasets), anything else is read as given."""
+    paths, weights = [], []
+    for entry in entries:
+        source = entry if isinstance(entry, DataSource) else DataSource(os.fspath(entry))
+        path = source.path
+        if hf_datasets.is_dataset(path):
+            path = os.fspath(hf_datasets.to_parquet(path, source.split, source.name, cache_root()))
+        elif source.split is not None or source.name is not None:
+            raise RecipeConfigError(f"{source}: split and name are for Hugging Face datasets, not files")
+        paths.append(path)
+        weights.append(source.weight)
+    return paths, weights
+
+
 def stream_for(
     cfg: TrainConfig,
     tokenizer_file: str | os.PathLike[str],
     split: str = "all",
     *,
-    paths: Sequence[str] | None = None,
+    paths: Sequence[str | DataSource] | None = None,
     batch_size: int | None = None,
     rank: int = 0,
     world_size: int = 1,
 ) -> RecipeStream:
-    """The RecipeStream a config describes: its files (or `paths`), task, lengths, batching and data options.
+    """The RecipeStream a config describes: its files (or `paths`) with their mixing weights, task, lengths,
+    batching and data options.
 
-    split "train" shuffles (when cfg.shuffle); "eval" is the held-out share; with cfg.eval_fraction 0 both
-    read everything. `batch_size` replaces cfg.per_device_train_batch_size (data inspect's default)."""
+    split "train" shuffles (when cfg.shuffle); "eval" is the held-out share, each record once (no weights);
+    with cfg.eval_fraction 0 both read everything. `batch_size` replaces cfg.per_device_train_batch_size (data
+    inspect's default)."""
+    files, weights = resolve_sources(paths if paths is not None else cfg.train_files)
     options = loader_options(cfg) | {
         "batch_size": batch_size or cfg.per_device_train_batch_size,
         "shuffle": cfg.shuffle and split in ("train", "all"),
         "split": split if cfg.eval_fraction > 0 else "all",
         "rank": rank,
         "world_size": world_size,
+        "weights": weights if split != "eval" and any(w != 1 for w in weights) else None,
     }
     if split == "eval":  # held-out batches are unpacked: a row is one record, to generate from and score
         options |= {"packing": False, "packed_source_length": None, "packed_target_length": None}
-    return RecipeStream(list(paths) if paths is not None else cfg.train_files, tokenizer_file, **options)
+    return RecipeStream(files, tokenizer_file, **options)
+
+
+def mixture_summary(stats: dict[str, Any], names: Sequence[str] | None = None) -> str | None:
+    """One line on what each source contributes to an epoch (records drawn, of how many, at which weight), or
+    None for a single source read once. `names`: the sources as the user named them (a dataset's id rather than
+    its Parquet copy), in order."""
+    sources = stats["sources"]
+    if len(sources) < 2 and all(s["weight"] == 1 for s in sources):
+        return None
+    total = max(stats["epoch_records"], 1)
+    names = names or [s["path"] for s in sources]
+    parts = [
+        f"{name} {s['drawn']:,} of {s['records']:,} records (weight {s['weight']:g}, "
+        f"{100 * s['drawn'] / total:.1f}%)"
+        for name, s in zip(names, sources, strict=True)
+    ]
+    return f"each epoch draws {stats['epoch_records']:,} records: " + "; ".join(parts)
 
 
 def resolve_tokenizer_file(name: str) -> Path:
@@ -310,6 +354,8 @@ def inspect_report(paths: list[str], cfg: TrainConfig) -> str:
     if st["examples"]:
         lines.append("examples:")
         lines.extend(f"  {e}" for e in st["examples"][:20])
+    if mixture := mixture_summary(st, paths):
+        lines.append(f"mixture: {mixture}")
     lines += [
         f"source tokens (max {cfg.max_source_length}): {_percentiles(src)}",
         f"target tokens (max {cfg.max_target_length}): {_percentiles(tgt)}",

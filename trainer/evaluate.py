@@ -189,7 +189,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
             )
         split = {"split": "eval", "eval_fraction": fraction}
     renderer = template.renderer(model_dir.tokenizer_file)
-    records = read_records(renderer, args.data, args.data_format, **split)
+    records = read_records(renderer, args.data, args.data_format, template.columns, **split)
     with_reference = [r for r in records if r["target_ids"] is not None]
     if len(with_reference) < len(records):
         log.warning(

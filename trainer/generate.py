@@ -428,11 +428,14 @@ def write_jsonl(rows: Sequence[dict[str, Any]], output: str | None) -> None:
     write_text_atomic(out, text)
 
 
-def read_records(renderer, paths: Sequence[str], data_format: str | None, **split) -> list[dict[str, Any]]:
-    """The usable records of `paths` through the loader's renderer, skips said in one warning."""
+def read_records(
+    renderer, paths: Sequence[str], data_format: str | None, columns: dict[str, str] | None = None, **split
+) -> list[dict[str, Any]]:
+    """The usable records of `paths` through the loader's renderer (fields in `columns`, as the training read
+    them), skips said in one warning."""
     from trainer.data import skipped_summary
 
-    records, skipped, examples = renderer.read(list(paths), data_format=data_format, **split)
+    records, skipped, examples = renderer.read(list(paths), data_format=data_format, columns=columns, **split)
     stats = {"skipped": skipped, "examples": examples}
     if line := skipped_summary(stats, len(records), training=False):
         log.warning("data: %s", line)
@@ -460,7 +463,7 @@ def run_generate(args: argparse.Namespace) -> int:
     model_dir = open_model_dir(args.model, args.task)
     renderer = model_dir.template.renderer(model_dir.tokenizer_file)
     if args.input:
-        records = read_records(renderer, args.input, args.data_format)
+        records = read_records(renderer, args.input, args.data_format, model_dir.template.columns)
     else:
         records = [cli_record(renderer, model_dir.template, args.title, args.ingredients)]
     model = load_model(model_dir, args.device)

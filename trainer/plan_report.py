@@ -177,7 +177,8 @@ def epoch_data(cfg, plan: RunPlan) -> EpochData:
     try:
         if not cfg.train_files:
             raise RecipeFileError("train_files is empty")
-        print(f"reading the token lengths of {', '.join(cfg.train_files)} ...", file=sys.stderr, flush=True)
+        named = ", ".join(map(str, cfg.train_files))
+        print(f"reading the token lengths of {named} ...", file=sys.stderr, flush=True)
         stream = stream_for(plan.applied_to(cfg), resolve_tokenizer_file(cfg.model_name_or_path), "train")
         sources, targets = stream.lengths()
     except (RecipeDataError, RecipeFileError) as e:
@@ -203,8 +204,9 @@ def epoch_data(cfg, plan: RunPlan) -> EpochData:
         int(targets.sum()),
         steps,
         total,
-        f"{records:,} training records, {int(sources.sum()):,} source + {int(targets.sum()):,} target tokens "
-        f"(the loader's token lengths of {', '.join(cfg.train_files)})",
+        f"{records:,} training records per epoch, {int(sources.sum()):,} source + "
+        f"{int(targets.sum()):,} target tokens (the loader's token lengths of "
+        f"{', '.join(map(str, cfg.train_files))})",
         stream.stats()["packed_shape"],
     )
 

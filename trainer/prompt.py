@@ -58,6 +58,7 @@ class PromptTemplate:
     max_target_length: int = 512
     data_format: str | None = None
     eval_fraction: float = 0.0
+    columns: dict[str, str] | None = None  # the column each field is in, as the training read the files
 
     @classmethod
     def preset(cls, task: str = DEFAULT_TASK, **lengths: int) -> PromptTemplate:
@@ -80,6 +81,7 @@ class PromptTemplate:
             max_target_length=cfg.max_target_length,
             data_format=cfg.data_format,
             eval_fraction=cfg.eval_fraction,
+            columns=cfg.columns,
         )
 
     def renderer(self, tokenizer: str | os.PathLike[str] | None = None) -> RecipeRenderer:

@@ -1,6 +1,7 @@
-"""Realistic generated recipes in the real dumps' formats (RecipeNLG CSV, Food.com CSV, JSONL).
+"""Realistic generated recipes in the real dumps' formats: RecipeNLG CSV, Food.com CSV, JSONL, Parquet, Arrow.
 
-The generator lives in Rust (`recipe_core::sample`) so benchmarks can write millions of recipes in minutes.
+The generator lives in Rust (the `recipe_sample` crate, beside the loader) so benchmarks can write millions of
+recipes in minutes.
 """
 
 from __future__ import annotations
@@ -10,25 +11,27 @@ import os
 from pathlib import Path
 
 from trainer import _loader
-from trainer.config import DATA_FORMATS
+from trainer.hf_datasets import is_hub_dataset
 
 log = logging.getLogger(__name__)
 
 
-def write_sample(out: str | Path, n: int, seed: int = 0, fmt: str = DATA_FORMATS[0]) -> None:
-    """Write `n` recipes generated from `seed` to `out` in `fmt`; a `.gz`/`.zst` suffix compresses.
+def write_sample(out: str | Path, n: int, seed: int = 0, fmt: str | None = None) -> str:
+    """Write `n` recipes generated from `seed` to `out` in the format its name says (`.csv`: RecipeNLG CSV,
+    `.jsonl`, `.parquet`, `.arrow`; a `.gz`/`.zst` suffix compresses); `fmt`, if given, must agree with the
+    name ("foodcom-csv" picks Food.com's layout for a `.csv`). Returns the format written.
 
-    The same `(n, seed, fmt)` always gives the same bytes, and a given seed gives the same recipes in every
-    format. Raises ValueError for an unknown format or a negative count, OSError when `out` cannot be written.
+    The same `(n, seed, format)` always gives the same bytes, and a given seed gives the same recipes in every
+    format. Raises ValueError for an unknown format or file name, or a negative count, and OSError when `out`
+    cannot be written.
     """
-    if fmt not in DATA_FORMATS:
-        raise ValueError(f"unknown sample format {fmt!r}; expected one of {', '.join(DATA_FORMATS)}")
     if n < 0 or seed < 0:
         raise ValueError(f"n and seed must be >= 0, got n={n} seed={seed}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _loader.write_sample(str(out), n, seed, fmt)
-    log.debug("wrote %d %s recipes (seed %d) to %s", n, fmt, seed, out)
+    written = _loader.write_sample(str(out), n, seed, fmt)
+    log.debug("wrote %d %s recipes (seed %d) to %s", n, written, seed, out)
+    return written
 
 
 # make_demo_data writes only here (relative to the working directory, as configs/quickstart.yaml names it):
@@ -49,7 +52,11 @@ def ensure_demo_data(
     """make_demo_data: write the quickstart's missing sample recipes and tiny model, only inside
     data/quickstart/ (other missing paths are left to fail as missing, with a warning saying why nothing was
     written there). A dry run writes nothing and logs what a run would write. Returns those paths."""
-    wanted = [Path(f) for f in train_files if not any(ch in f for ch in "*?[") and not Path(f).exists()]
+    wanted = [
+        Path(f)
+        for f in train_files
+        if not any(ch in f for ch in "*?[") and not is_hub_dataset(f) and not Path(f).exists()
+    ]
     if not (Path(model_dir) / "config.json").exists():
         wanted.append(Path(model_dir))
     written = []
@@ -73,5 +80,5 @@ def ensure_demo_data(
             build_tiny_model(path, seed=0)
         else:
             log.info("make_demo_data: writing %d sample recipes to %s", n, path)
-            write_sample(path, n, seed=0, fmt=fmt or "recipenlg-csv")
+            write_sample(path, n, seed=0, fmt=fmt)
     return written

@@ -31,8 +31,16 @@ from torch.profiler import record_function
 
 from trainer import checkpoint as ckpt
 from trainer import disk, distributed, memory
-from trainer.config import ConfigError, TrainConfig
-from trainer.data import RecipeDataError, RecipeFileError, records_in, skipped_summary, stream_for, to_device
+from trainer.config import ConfigError, TrainConfig, source_path
+from trainer.data import (
+    RecipeDataError,
+    RecipeFileError,
+    mixture_summary,
+    records_in,
+    skipped_summary,
+    stream_for,
+    to_device,
+)
 from trainer.evaluation import EvalResult, eval_batch_tokens, evaluate, load_generation_records, metrics_line
 from trainer.healthcheck import Heartbeat
 from trainer.jsonl import fsync_file
@@ -161,7 +169,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         check_paths(cfg)
         if cfg.make_demo_data:
             ensure_demo_data(
-                cfg.train_files,
+                [source_path(f) for f in cfg.train_files],
                 cfg.model_name_or_path,
                 n=cfg.demo_records,
                 fmt=cfg.data_format,
@@ -292,17 +300,19 @@ def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Da
             "data: %d records for training from %s (eval_files given: nothing of them is held out, "
             "eval_fraction is not used), %d for evaluation from %s",
             stats["records"],
-            ", ".join(cfg.train_files),
+            ", ".join(map(str, cfg.train_files)),
             held_out,
-            ", ".join(cfg.eval_files),
+            ", ".join(map(str, cfg.eval_files)),
         )
     else:
         log.info(
             "data: %d records for training, %d held out for evaluation, from %s",
             stats["records"],
             held_out,
-            ", ".join(cfg.train_files),
+            ", ".join(map(str, cfg.train_files)),
         )
+    if mixture := mixture_summary(stats, [source_path(f) for f in cfg.train_files]):
+        log.info("data: %s", mixture)
     skips = skipped_summary(stats, stats["records"] + (0 if cfg.eval_files else held_out))
     if skips:
         log.warning("data: %s", skips)
@@ -330,11 +340,12 @@ def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Da
     if world_size > 1:
         effective += f" x {world_size} processes ({cfg.distributed_strategy})"
     log.info(
-        "plan: %d optimizer steps of %s (%.2f epochs of %d loader batches); tokenizer %s",
+        "plan: %d optimizer steps of %s (%.2f epochs of %d loader batches, %d records each); tokenizer %s",
         total_steps,
         effective,
         total_steps * accum / max(batches_per_epoch, 1),
         batches_per_epoch,
+        stats["epoch_records"],
         tokenizer_file,
     )
     return Data(
@@ -466,7 +477,7 @@ def start_reporting(
     fresh = cfg.resume == "never"
     run_id = state.wandb_run_id or (None if fresh else read_wandb_run_id(output_dir))
     reporter = Reporter(cfg, is_main=is_main, run_id=run_id)
-    files = cfg.train_files + cfg.eval_files
+    files = [str(f) for f in cfg.train_files + cfg.eval_files]
     state.wandb_run_id = reporter.run_id
     attempt = 1
     if is_main:
@@ -1008,7 +1019,7 @@ def model_card_info(run: Run, state: RunState, final: Path, last_eval: EvalResul
         model_path=str(final),
         base_model=cfg.model_name_or_path,
         template=run.data.template,
-        train_files=cfg.train_files + cfg.eval_files,
+        train_files=[str(f) for f in cfg.train_files + cfg.eval_files],
         train_records=run.data.records - run.data.eval_records,
         eval_records=run.data.eval_records,
         skipped_records=run.data.skipped,
