@@ -71,6 +71,46 @@ def accumulate_gradients(
     return total, n_target
 
 
+def optimizer_step(
+    model, optimizer, scheduler, loss_sum, n_target: int, max_grad_norm: float, graph=None
+) -> tuple[float, float]:
+    """After `accumulate_gradients`: clip, then update unless the loss or the gradient norm is not finite
+    (that step is skipped); the schedule advances either way. Returns the step's loss (token mean over the
+    job) and gradient norm. `graph`: the MicroStepGraph that ran the micro-steps (it replays the update)."""
+    import math
+
+    import torch
+
+    from trainer.optim import Adafactor, clip_coefficient
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = distributed.grad_norm(params)
+    adafactor = optimizer if isinstance(optimizer, Adafactor) else None
+    if adafactor is not None:
+        # The host's part of the update (step counts, the step's scalars, the kernels' tables) while the GPU
+        # is still busy: after the wait below it would idle until the update is launched. Taken back if the
+        # step is skipped. Clipping is a factor the update applies as it reads the gradients.
+        layout = adafactor.advance(grad_scale=clip_coefficient(grad_norm, max_grad_norm))
+    elif max_grad_norm > 0:  # 0: the norm is only measured, as in Hugging Face
+        torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, grad_norm)
+    # One wait for the GPU per step, for both numbers the update depends on.
+    loss_sum, grad_norm = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()
+    loss = distributed.all_sum([loss_sum])[0] / max(n_target, 1)  # the same on every rank
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if adafactor is not None:
+            adafactor.retreat()
+    elif adafactor is None:
+        optimizer.step()
+    elif graph is not None:
+        graph.update(adafactor, layout)
+    else:
+        adafactor.apply()
+    # A CUDA graph adds into the gradients where they are: they stay, zeroed.
+    optimizer.zero_grad(set_to_none=graph is None)
+    scheduler.step()
+    return loss, grad_norm
+
+
 def accumulate_with_oom_backoff(
     model,
     group: list[dict],

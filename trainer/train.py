@@ -38,7 +38,6 @@ from trainer.healthcheck import Heartbeat
 from trainer.jsonl import fsync_file
 from trainer.memory_plan import RunPlan, plan_packed_rows, plan_run, planned_peak_bytes
 from trainer.model_files import ModelFiles, check_model_dir
-from trainer.optim import Adafactor, clip_coefficient
 from trainer.profiling import StepProfiler
 from trainer.prompt import PromptTemplate
 from trainer.report import Reporter
@@ -47,7 +46,12 @@ from trainer.run_state import RunState, count_start, read_wandb_run_id, write_wa
 from trainer.sample import ensure_demo_data
 
 # SUMMARY, TRAIN_LOG and token_loss_sum are re-exported: scripts import them from here.
-from trainer.step import accumulate_with_oom_backoff, probe_memory, token_loss_sum  # noqa: F401
+from trainer.step import (  # noqa: F401
+    accumulate_with_oom_backoff,
+    optimizer_step,
+    probe_memory,
+    token_loss_sum,
+)
 from trainer.step_meter import (  # noqa: F401
     SUMMARY,
     TRAIN_LOG,
@@ -638,7 +642,14 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
             with record_function("data"):
                 upcoming = next_step_batches(batches, run)
         with record_function("optimizer"), run.intact.changing():
-            loss, grad_norm = optimizer_step(run, *result)
+            loss, grad_norm = optimizer_step(
+                run.model,
+                run.optimizer,
+                run.scheduler,
+                *result,
+                max_grad_norm=cfg.max_grad_norm,
+                graph=run.graph,
+            )
         state.loader = current.loader_after
         state.step += 1
         run.profiler.after_step(state.step)
@@ -729,37 +740,6 @@ def step_counts(group: list[dict]) -> StepCounts:
         target_tokens=sum(int((b["labels"] != -100).sum()) for b in group),
         padded_tokens=sum(b["input_ids"].size + b["labels"].size for b in group),
     )
-
-
-def optimizer_step(run: Run, loss_sum, n_target: int) -> tuple[float, float]:
-    """Clip, then update unless the loss or the gradient norm is not finite (that step is skipped); the
-    schedule advances either way. Returns the step's loss (token mean over the job) and gradient norm."""
-    params = [p for p in run.model.parameters() if p.grad is not None]
-    grad_norm, max_norm = distributed.grad_norm(params), run.cfg.max_grad_norm
-    adafactor = run.optimizer if isinstance(run.optimizer, Adafactor) else None
-    if adafactor is not None:
-        # The host's part of the update (step counts, the step's scalars, the kernels' tables) while the GPU
-        # is still busy: after the wait below it would idle until the update is launched. Taken back if the
-        # step is skipped. Clipping is a factor the update applies as it reads the gradients.
-        layout = adafactor.advance(grad_scale=clip_coefficient(grad_norm, max_norm))
-    elif max_norm > 0:  # 0: the norm is only measured, as in Hugging Face
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
-    # One wait for the GPU per step, for both numbers the update depends on.
-    loss_sum, grad_norm = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()
-    loss = distributed.all_sum([loss_sum])[0] / max(n_target, 1)  # the same on every rank
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        if adafactor is not None:
-            adafactor.retreat()
-    elif adafactor is None:
-        run.optimizer.step()
-    elif run.graph is not None:
-        run.graph.update(adafactor, layout)
-    else:
-        adafactor.apply()
-    # A CUDA graph adds into the gradients where they are: they stay, zeroed.
-    run.optimizer.zero_grad(set_to_none=run.graph is None)
-    run.scheduler.step()
-    return loss, grad_norm
 
 
 def count_nan_step(run: Run, state: RunState, loss: float, grad_norm: float) -> None:
