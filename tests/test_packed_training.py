@@ -14,7 +14,14 @@ from transformers import T5ForConditionalGeneration
 
 from trainer import memory
 from trainer.config import TrainConfig
-from trainer.data import records_in, resolve_tokenizer_file, stream_for, to_device
+from trainer.data import (
+    packed_records,
+    padded_batch,
+    records_in,
+    resolve_tokenizer_file,
+    stream_for,
+    to_device,
+)
 from trainer.model import load_model
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.projections import accumulate_weight_grads_in_place
@@ -38,36 +45,9 @@ def _cfg(model_dir, sample_csv, out, **kw) -> TrainConfig:
     return TrainConfig.from_dict(tiny_run_values(model_dir, sample_csv, out, **values | kw))
 
 
-def records_of(batch: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The (source ids, target ids) records of a packed batch, in row and segment order."""
-    records = []
-    for r in range(len(batch["input_ids"])):
-        for seg in range(1, int(batch["encoder_segment_ids"][r].max()) + 1):
-            src = batch["input_ids"][r][batch["encoder_segment_ids"][r] == seg]
-            tgt = batch["labels"][r][batch["decoder_segment_ids"][r] == seg]
-            records.append((src, tgt))
-    return records
-
-
-def padded(records: list[tuple[np.ndarray, np.ndarray]], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """`records` as an unpacked batch: one record per row, right-padded."""
-    src_len = max(len(s) for s, _ in records)
-    tgt_len = max(len(t) for _, t in records)
-    out = {
-        "input_ids": torch.full((len(records), src_len), pad_id),
-        "attention_mask": torch.zeros(len(records), src_len, dtype=torch.long),
-        "labels": torch.full((len(records), tgt_len), -100),
-    }
-    for i, (s, t) in enumerate(records):
-        out["input_ids"][i, : len(s)] = torch.as_tensor(s)
-        out["attention_mask"][i, : len(s)] = 1
-        out["labels"][i, : len(t)] = torch.as_tensor(t)
-    return out
-
-
 def unpacked(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """The records of a packed batch as an unpacked batch."""
-    return padded(records_of(batch))
+    return to_device(padded_batch(packed_records(batch)), torch.device("cpu"))
 
 
 def test_a_packed_step_has_the_loss_of_its_records_unpacked(tiny_model_without_dropout, sample_csv, tmp_path):
@@ -133,10 +113,10 @@ def test_packed_and_padded_rows_of_the_same_records_make_the_same_update(
     packed_group = [
         to_device(b, torch.device("cpu")) for b, _ in zip(stream, range(ACCUMULATION), strict=False)
     ]
-    records = [r for b in packed_group for r in records_of(b)]
+    records = [r for b in packed_group for r in packed_records(b)]
     records.sort(key=lambda r: (len(r[1]), len(r[0])))  # as length bucketing would group them
     thirds = [records[i::3] for i in range(3)]  # three padded micro-batches of other records than the rows
-    padded_group = [padded(part) for part in thirds]
+    padded_group = [to_device(padded_batch(part), torch.device("cpu")) for part in thirds]
 
     def one_step(group: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         torch.manual_seed(0)

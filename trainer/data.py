@@ -206,6 +206,45 @@ def records_in(batch: Batch | dict[str, Any]) -> int:
     return int(segments.max(1).sum()) if len(segments) else 0
 
 
+def packed_records(batch: Batch | dict[str, Any]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (source ids, target ids) records of a packed batch, in row and segment order."""
+    records = []
+    for r in range(len(batch["input_ids"])):
+        src_segments, tgt_segments = (
+            np.asarray(batch["encoder_segment_ids"][r]),
+            np.asarray(batch["decoder_segment_ids"][r]),
+        )
+        for seg in range(1, int(src_segments.max()) + 1):
+            records.append(
+                (
+                    np.asarray(batch["input_ids"][r])[src_segments == seg],
+                    np.asarray(batch["labels"][r])[tgt_segments == seg],
+                )
+            )
+    return records
+
+
+def padded_batch(records: Sequence[tuple[np.ndarray, np.ndarray]], pad_to_multiple_of: int = 1) -> Batch:
+    """`records` as an unpacked batch, one record per row, right-padded (ids 0, labels -100) to the longest
+    source and target rounded up to `pad_to_multiple_of`, as the loader pads."""
+
+    def length(n: int) -> int:
+        return -(-n // pad_to_multiple_of) * pad_to_multiple_of
+
+    src_len = length(max(len(s) for s, _ in records))
+    tgt_len = length(max(len(t) for _, t in records))
+    batch = {
+        "input_ids": np.zeros((len(records), src_len), dtype=np.int64),
+        "attention_mask": np.zeros((len(records), src_len), dtype=np.int64),
+        "labels": np.full((len(records), tgt_len), -100, dtype=np.int64),
+    }
+    for i, (s, t) in enumerate(records):
+        batch["input_ids"][i, : len(s)] = s
+        batch["attention_mask"][i, : len(s)] = 1
+        batch["labels"][i, : len(t)] = t
+    return batch
+
+
 def stream_for(
     cfg: TrainConfig,
     tokenizer_file: str | os.PathLike[str],
