@@ -198,3 +198,24 @@ def test_sigterm_stops_the_server_cleanly_and_a_busy_port_is_one_line(model_dir)
         code = serve.stop()
     assert code == 128 + signal.SIGTERM, serve.log  # after a graceful shutdown, as trainer train's
     assert "Finished server process" in serve.log and "Traceback" not in serve.log
+
+
+def test_the_page_in_a_real_browser_writes_the_recipe_as_it_comes(server, tmp_path):
+    """Chromium, headless: ingredients typed into the page, the button clicked, the recipe read as it is
+    written (several pieces arrive before the end), the same text the API gives; a screenshot is kept."""
+    from browser import Browser
+
+    items = ["2 eggs", "1 cup flour", "1 cup milk", "1 lemon"]
+    expected = httpx.post(f"{server.url}/generate", json={"ingredients": items}, timeout=120).json()
+    with Browser() as browser:
+        tab = browser.open(server.url + "/")
+        tab.type_into("#ingredients", items)
+        assert tab.evaluate("document.querySelector('#ingredients').value") == "\n".join(items)
+        tab.click("#go")
+        tab.wait_for("document.querySelector('#status').textContent === 'done'")
+        assert tab.evaluate("document.querySelector('#error').hidden")
+        assert tab.evaluate("document.querySelector('#stream').textContent") == expected["generated"]
+        assert int(tab.evaluate("document.querySelector('#stream').dataset.tokens")) > 1
+        png = tab.screenshot()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    (tmp_path / "serve-page.png").write_bytes(png)

@@ -111,6 +111,7 @@ async function generate(event) {
   $("go").disabled = true;
   $("error").hidden = $("recipe").hidden = true;
   $("stream").textContent = "";
+  $("stream").dataset.tokens = 0;  // how many pieces arrived (tests read it)
   $("stream").hidden = $("stream-heading").hidden = false;
   $("status").textContent = "writing…";
   try {
@@ -130,7 +131,10 @@ async function generate(event) {
         buffer = buffer.slice(end + 2);
         const kind = (block.match(/^event: (.*)$/m) || [])[1];
         const data = JSON.parse((block.match(/^data: (.*)$/m) || [])[1] || "null");
-        if (kind === "token") $("stream").textContent += data.delta;
+        if (kind === "token") {
+          $("stream").textContent += data.delta;
+          $("stream").dataset.tokens = Number($("stream").dataset.tokens) + 1;
+        }
         if (kind === "done") { show(data); $("status").textContent = "done"; }
         if (kind === "error") throw new Error(data.error);
       }
