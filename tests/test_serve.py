@@ -36,7 +36,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path):
-    serve = ServeProcess(model_dir, "--batch-window-ms", "50")
+    # The CPU, where the expected texts are computed too (a GPU decodes in bf16).
+    serve = ServeProcess(model_dir, "--device", "cpu", "--batch-window-ms", "50")
     yield serve
     serve.stop()
 
@@ -184,11 +185,22 @@ def test_bad_command_lines_are_one_line(model_dir, tmp_path, capfd):
 
 
 def test_sigterm_stops_the_server_cleanly_and_a_busy_port_is_one_line(model_dir):
-    serve = ServeProcess(model_dir)
+    serve = ServeProcess(model_dir, "--device", "cpu")
     try:
         port = serve.url.rsplit(":", 1)[1]
         done = subprocess.run(
-            [sys.executable, "-m", "trainer", "serve", "--model", str(model_dir), "--port", port],
+            [
+                sys.executable,
+                "-m",
+                "trainer",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--port",
+                port,
+                "--device",
+                "cpu",
+            ],
             capture_output=True,
             text=True,
             timeout=300,

@@ -94,7 +94,8 @@ class Job:
 
     def send(self, kind: str, value: Any) -> None:
         """From the model thread: an event for the request's coroutine."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        with contextlib.suppress(RuntimeError):  # the server stopped, its event loop closed: nobody waits
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
 
 class RowStreamer:
