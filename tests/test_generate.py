@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from tokenizers import Tokenizer
 from transformers import AutoModelForSeq2SeqLM
 
@@ -258,9 +259,17 @@ def test_model_card_snippet_runs_with_the_exact_prompt(model_dir: Path, tmp_path
         wall_time_s=95.0,
         hardware="CPU",
         metrics={"eval/loss": 2.05, "eval/rougeL": 31.2},
+        last_eval_step=250,
     )
     card = write_model_card(model_dir, info).read_text()
     assert card.startswith("---\nbase_model: google/flan-t5-xl\n")
+    # The metadata, read back by huggingface_hub: the weights' evaluation as model-index.
+    metadata = ModelCard(card).data
+    assert metadata.pipeline_tag == "text2text-generation" and metadata.datasets is None  # a local file
+    assert {(r.metric_type, r.metric_value) for r in metadata.eval_results} == {
+        ("loss", 2.05),
+        ("rougeL", 31.2),
+    }
     assert (
         f"trainer generate --model {model_dir} --ingredients '2 eggs; 1 cup flour; 1 cup milk; 1 lemon'"
         in card

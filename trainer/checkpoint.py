@@ -333,6 +333,11 @@ _RESUME_FREE_KEYS = {
     "output_dir",
     "progress_bar",
     "run_name",
+    "push_to_hub",
+    "hub_model_id",
+    "hub_strategy",
+    "hub_private_repo",
+    "hub_upload_timeout",
 }
 
 

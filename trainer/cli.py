@@ -103,9 +103,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from trainer.evaluate import add_evaluate_parser
     from trainer.generate import add_generate_parser
+    from trainer.serve import add_serve_parser
 
     add_generate_parser(sub)
     add_evaluate_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if hasattr(args, "run"):  # subcommands that bring their own entry point (generate, evaluate)
+    if hasattr(args, "run"):  # subcommands that bring their own entry point (generate, evaluate, serve)
         return args.run(args)
     if args.command == "train":
         from trainer.config import TrainConfig

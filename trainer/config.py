@@ -22,6 +22,7 @@ import yaml
 DataFormat = Literal["recipenlg-csv", "foodcom-csv", "jsonl"]
 DATA_FORMATS: tuple[str, ...] = typing.get_args(DataFormat)  # the recipe file formats the loader reads
 Task = Literal["ingredients-to-recipe", "title-to-recipe"]
+HubStrategy = Literal["end", "every_save", "checkpoint", "all_checkpoints"]
 TASKS: tuple[str, ...] = typing.get_args(Task)  # the loader's prompt presets
 
 
@@ -167,6 +168,21 @@ class TrainConfig:
     run_name: str | None = None
     discord_progress_minutes: float = 30.0
 
+    # --- Hugging Face Hub (Seq2SeqTrainer's names; the token comes from HF_TOKEN, never from the config) ---
+    # Upload the model to the Hub as the run saves it, from a background thread that never holds training up.
+    push_to_hub: bool = False
+    # The repository: "name" (in the token's namespace) or "namespace/name"; None: output_dir's name.
+    hub_model_id: str | None = None
+    # What is uploaded when: end (final/, at the end), every_save (also each checkpoint's model files to the
+    # repository's root), checkpoint (also the whole newest checkpoint to last-checkpoint/, to resume from),
+    # all_checkpoints (also each checkpoint to its own checkpoint-<step>/).
+    hub_strategy: HubStrategy = "every_save"
+    # Create the repository private; None: the namespace's default. An existing repository keeps its own.
+    hub_private_repo: bool | None = None
+    # How long the end of the run waits for the last upload (seconds, or a duration such as 90m or 2h); what
+    # is not uploaded by then stays pending in output_dir, and the same command run again uploads it.
+    hub_upload_timeout: float | str = "1h"
+
     # --- distributed (torchrun) ---
     distributed_strategy: Literal["ddp", "fsdp"] = "ddp"
 
@@ -236,6 +252,7 @@ class TrainConfig:
             )
         if self.max_time is not None:
             parse_duration(self.max_time, "max_time")  # a clear error now, not when the loop reads it
+        parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
         self._check_best_model_keys()
         # `~` in a path means the home directory, as in a shell.
         self.output_dir = os.path.expanduser(self.output_dir)
@@ -245,6 +262,10 @@ class TrainConfig:
             self.model_name_or_path = os.path.expanduser(self.model_name_or_path)
         if self.resume not in ("auto", "never"):
             self.resume = os.path.expanduser(self.resume)
+
+    @property
+    def hub_upload_timeout_s(self) -> float:
+        return parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
 
     @property
     def max_time_s(self) -> float | None:
@@ -377,7 +398,8 @@ def parse_duration(value: float | str, key: str) -> float:
             key=key,
         )
     if seconds <= 0:
-        raise ConfigError(f"{key} must be more than 0 (null: no time budget), got {value!r}", key=key)
+        unset = " (null: no time budget)" if key == "max_time" else ""
+        raise ConfigError(f"{key} must be more than 0{unset}, got {value!r}", key=key)
     return seconds
 
 

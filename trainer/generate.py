@@ -45,6 +45,7 @@ DECODING_OPTIONS: dict[str, tuple[type, Any]] = {
     "do_sample": (bool, False),
     "temperature": (float, 1.0),
     "top_p": (float, 1.0),
+    "top_k": (int, 50),
     "no_repeat_ngram_size": (int, 0),
     "repetition_penalty": (float, 1.0),
 }
@@ -168,6 +169,7 @@ def generate_ids(
     pad_id: int = 0,
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
     on_batch: Callable[[int], None] | None = None,
+    streamer: Callable[[list[int]], Any] | None = None,
     **generate_kwargs,
 ) -> list[list[int]]:
     """Generated ids (without the decoder start token, through `</s>`) for each prompt's ids, in input order.
@@ -175,6 +177,8 @@ def generate_ids(
     Prompts are sorted by length and batched so that rows x beams x (prompt + max_new_tokens) stays under
     `max_batch_tokens`; each batch is padded to its longest prompt and decoded with the KV cache.
     `generate_kwargs` go to `model.generate` (Hugging Face names); `on_batch(rows)` follows each batch.
+    `streamer(batch)`: a transformers streamer for a batch whose rows are the prompts `batch` (indices, in
+    row order), given each decoding step's tokens as `model.generate` makes them (not with beam search).
     """
     import torch
 
@@ -196,6 +200,8 @@ def generate_ids(
             for row, i in enumerate(batch):
                 ids[row, : len(prompts[i])] = torch.as_tensor(prompts[i])
                 mask[row, : len(prompts[i])] = 1
+            if streamer is not None:
+                generate_kwargs["streamer"] = streamer(batch)
             seqs = model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True, **generate_kwargs
             )
@@ -319,18 +325,20 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Options `trainer generate` and `trainer evaluate` share: the model, decoding and batching."""
+def add_model_arguments(p: argparse.ArgumentParser, data_format: bool = True) -> None:
+    """Options `trainer generate`, `evaluate` and `serve` share: the model, decoding and batching (and the
+    input files' format, but for serve)."""
     p.add_argument("--model", required=True, help="model directory (final/ or a checkpoint of a run)")
     p.add_argument(
         "--task", choices=TASKS, help=f"for a model without {TEMPLATE_FILE} (default: {DEFAULT_TASK})"
     )
-    p.add_argument(
-        "--data-format",
-        "--data_format",
-        choices=DATA_FORMATS,
-        help="input format, if not by the file extension",
-    )
+    if data_format:
+        p.add_argument(
+            "--data-format",
+            "--data_format",
+            choices=DATA_FORMATS,
+            help="input format, if not by the file extension",
+        )
     p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda when there is one)")
     p.add_argument(
         "--max-batch-tokens",
@@ -351,19 +359,24 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
             g.add_argument(*spellings, dest=name, type=kind, metavar=kind.__name__.upper())
 
 
+def check_decoding(given: dict[str, Any], flag: str = "--") -> None:
+    """UsageError, naming the option as `{flag}{name}`, for a decoding value `model.generate` refuses."""
+    for name in ("num_beams", "max_new_tokens", "top_k"):
+        if given.get(name, 1) < 1:
+            raise UsageError(f"{flag}{name} must be >= 1, got {given[name]}")
+    for name in ("temperature", "repetition_penalty"):
+        if given.get(name, 1.0) <= 0:
+            raise UsageError(f"{flag}{name} must be > 0, got {given[name]}")
+    if not 0 < given.get("top_p", 1.0) <= 1:
+        raise UsageError(f"{flag}top_p must be in (0, 1], got {given['top_p']}")
+    if given.get("no_repeat_ngram_size", 0) < 0:
+        raise UsageError(f"{flag}no_repeat_ngram_size must be >= 0, got {given['no_repeat_ngram_size']}")
+
+
 def decoding_given(args: argparse.Namespace) -> dict[str, Any]:
     """The decoding options given on the command line, checked."""
     given = {name: getattr(args, name) for name in DECODING_OPTIONS if getattr(args, name) is not None}
-    for name in ("num_beams", "max_new_tokens"):
-        if given.get(name, 1) < 1:
-            raise UsageError(f"--{name} must be >= 1, got {given[name]}")
-    for name in ("temperature", "repetition_penalty"):
-        if given.get(name, 1.0) <= 0:
-            raise UsageError(f"--{name} must be > 0, got {given[name]}")
-    if not 0 < given.get("top_p", 1.0) <= 1:
-        raise UsageError(f"--top_p must be in (0, 1], got {given['top_p']}")
-    if given.get("no_repeat_ngram_size", 0) < 0:
-        raise UsageError(f"--no_repeat_ngram_size must be >= 0, got {given['no_repeat_ngram_size']}")
+    check_decoding(given)
     if args.max_batch_tokens < 1:
         raise UsageError(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
     return given
@@ -400,18 +413,24 @@ def split_ingredients(text: str) -> list[str]:
     return [i.strip() for i in text.split(";") if i.strip()]
 
 
+def prompt_fields(template: PromptTemplate) -> set[str]:
+    """The record fields the model's prompt is rendered from ({"ingredients"}, {"title"}, ...)."""
+    return {name for kind, name in template_parts(template.source_template) if kind == "field"}
+
+
 def cli_record(
-    renderer, template: PromptTemplate, title: str | None, ingredients: str | None
+    renderer, template: PromptTemplate, title: str | None, ingredients: str | None, flag: str = "--"
 ) -> dict[str, Any]:
-    """The prompt typed with --ingredients / --title, rendered and tokenized as training did."""
+    """The prompt typed with --ingredients / --title (`serve`'s request: `flag` ""), rendered and tokenized
+    as training did."""
     items = split_ingredients(ingredients or "")
-    needs = {name for kind, name in template_parts(template.source_template) if kind == "field"}
+    needs = prompt_fields(template)
     for name, value in (("ingredients", items), ("title", title)):
         if name in needs and not value:
-            raise UsageError(f"the model's prompt {template.source_template!r} needs --{name}")
+            raise UsageError(f"the model's prompt {template.source_template!r} needs {flag}{name}")
     if not needs <= {"ingredients", "title"}:
         raise UsageError(
-            f"the model's prompt {template.source_template!r} needs fields only --input can give"
+            f"the model's prompt {template.source_template!r} needs fields only recipe files can give"
         )
     return renderer.render(id="cli:1", title=title or "", ingredients=items)
 

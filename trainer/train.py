@@ -35,6 +35,7 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.data import RecipeDataError, RecipeFileError, records_in, skipped_summary, stream_for, to_device
 from trainer.evaluation import EvalResult, eval_batch_tokens, evaluate, load_generation_records, metrics_line
 from trainer.healthcheck import Heartbeat
+from trainer.hub import HubUploader, check_hub_config, upload_pending
 from trainer.jsonl import fsync_file
 from trainer.memory_plan import RunPlan, plan_packed_rows, plan_run, planned_peak_bytes
 from trainer.model_files import ModelFiles, check_model_dir
@@ -125,6 +126,7 @@ class Run:
     meter: StepMeter
     intact: ModelIntact
     graph: Any  # trainer.cuda_graphs.MicroStepGraph running the micro-steps (cuda_graphs), or None
+    hub: HubUploader | None  # push_to_hub's uploads (rank 0), or None
 
 
 def train(cfg: TrainConfig, dry_run: bool = False) -> int:
@@ -163,6 +165,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         # Until the loop starts, SIGTERM or Ctrl-C stop the setup at once (StopBeforeTraining).
         stop = exits.enter_context(StopRequested())
         check_paths(cfg)
+        check_hub_config(cfg)
         if cfg.make_demo_data:
             ensure_demo_data(
                 cfg.train_files,
@@ -197,6 +200,8 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
             ckpt.warn_config_changes(saved.get("config", {}), ckpt.saved_config(plan.applied_to(cfg)))
             state = RunState.from_trainer_state(saved)
             if already_finished(cfg, data, state, resume_from):
+                if rank == 0:  # what an earlier run of it did not get onto the Hub
+                    upload_pending(cfg, output_dir)
                 return 0
         if rank == 0:
             start_train_log(cfg, output_dir, resume_from, state)
@@ -205,6 +210,10 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
 
         reporter = exits.enter_context(start_reporting(cfg, data, state, output_dir, is_main=rank == 0))
         heartbeat = exits.enter_context(Heartbeat(output_dir, state.step, enabled=rank == 0))
+        hub = None
+        if cfg.push_to_hub and rank == 0:  # closed before the reporter: its last message can still go out
+            hub = HubUploader(cfg, output_dir, reporter)
+            exits.callback(hub.close)
         model, train_module, optimizer, scheduler = build_model(cfg, plan, data, device, state, resume_from)
         run = Run(
             cfg=cfg,
@@ -235,6 +244,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
             ),
             intact=ModelIntact(),
             graph=micro_step_graph(cfg, device, model, train_module),
+            hub=hub,
         )
         # 2. The loop. From here a signal asks for a checkpoint at the next micro-batch boundary.
         stop.training_started()
@@ -841,6 +851,8 @@ def save(run: Run, state: RunState) -> Path:
             prompt_config=run.plan.applied_to(cfg),
         )
     state.saved_step = state.step
+    if run.hub is not None:  # staged before the rotation below may remove the checkpoint
+        run.hub.checkpoint_saved(path, state.step)
     if run.is_main:
         best = Path(state.best["path"]) if state.best else None
         removed = ckpt.rotate_checkpoints(run.output_dir, cfg.save_total_limit, best)
@@ -885,15 +897,18 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         if state.saved_step != state.step:
             save(run, state)
         state.count_progress(run.meter.run.tokens, run.meter.train_seconds)
+        card = model_card_info(run, state, final, last_eval, final_step)
         ckpt.save_final_model(
             run.model,
             cfg.model_name_or_path,
             run.data.tokenizer_file,
             final,
             prompt_config=run.plan.applied_to(cfg),
-            card=model_card_info(run, state, final, last_eval, final_step),
+            card=card,
             weights_from=best_weights,
         )
+        if run.hub is not None:
+            run.hub.final_saved(final, final_step, card)
         final_is_best = state.best is not None and state.best["step"] == final_step
         run.reporter.model_saved(step=final_step, path=str(final), best=state.best if final_is_best else None)
     from trainer.model import LAST_LOAD
@@ -949,6 +964,8 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         steps=f"{state.step:,} of {run.data.total_steps:,}",
         best=state.best,
     )
+    if run.hub is not None:  # the last upload, for at most hub_upload_timeout; what is left waits on disk
+        run.hub.wait(cfg.hub_upload_timeout_s)
     return 0
 
 
