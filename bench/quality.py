@@ -64,6 +64,7 @@ BASELINE = "padded"
 PASS_MARGIN = 0.01  # a lever passes when its mean eval loss is at most 1% above the baseline's
 SENTINELS = 100  # the tokenizer's <extra_id_N>
 NOISE_DENSITY, MEAN_SPAN = 0.15, 3.0  # T5's span corruption
+CORRUPTIONS = 2  # pretraining pairs per recipe, each with other spans
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,7 @@ class Sizes:
 
 
 GPU = Sizes(
-    "small", 180_000, 30_000, 2_400, 30_000, 60_000_000, 65_536, 16, 512, 512, 400, 50, 256, 400, "bfloat16"
+    "small", 300_000, 30_000, 2_400, 30_000, 200_000_000, 65_536, 16, 512, 512, 300, 100, 128, 320, "bfloat16"
 )
 TINY = Sizes("tiny", 2_000, 800, 60, 2_000, 24_000, 4_096, 8, 64, 96, 6, 3, 4, 32, "float32")
 SMALL_SHAPE = dict(d_model=512, d_kv=64, d_ff=1024, num_layers=8, num_decoder_layers=8, num_heads=6)
@@ -234,9 +235,10 @@ def prepare(work: Path, sizes: Sizes) -> dict:
     rng = np.random.default_rng(0)
     pairs = work / "pretrain.jsonl"
     with pairs.open("w", encoding="utf-8") as f:
-        for text in recipes:
-            source, target = span_corruption(text.split(), rng)
-            f.write(json.dumps({"source": source, "target": target}) + "\n")
+        for _ in range(CORRUPTIONS):
+            for text in recipes:
+                source, target = span_corruption(text.split(), rng)
+                f.write(json.dumps({"source": source, "target": target}) + "\n")
     counts = {name: sum(1 for _ in paths[name].open(encoding="utf-8")) for name in ("finetune", "heldout")}
     print(
         f"data: {len(recipes):,} pretraining recipes, {counts['finetune']:,} to fine-tune on, "
@@ -311,8 +313,9 @@ def common_values(sizes: Sizes) -> dict:
     )
 
 
-def pretrain(prep: dict, sizes: Sizes, work: Path, gpus: int) -> Path:
-    """The pretrained model (work/pretrained): span corruption on every GPU; dropout then set to 0.1."""
+def pretrain(prep: dict, sizes: Sizes, work: Path, gpus: int) -> tuple[Path, dict]:
+    """The pretrained model (work/pretraining/final): span corruption on every GPU; dropout then set to 0.1.
+    Also what the pretraining did (steps, tokens, losses, seconds)."""
     import yaml
 
     init = initial_model(prep, sizes, work / "init")
@@ -351,12 +354,20 @@ def pretrain(prep: dict, sizes: Sizes, work: Path, gpus: int) -> Path:
     for name in ("recipe_template.json", "README.md"):  # the fine-tuning runs bring their own prompt
         (out / name).unlink(missing_ok=True)
     _edit_config(out, dropout_rate=0.1)
+    info = dict(
+        steps=steps,
+        processes=max(gpus, 1),
+        tokens=sum(r["source_tokens"] + r["target_tokens"] for r in rows),
+        first_loss=rows[0]["loss"],
+        last_loss=rows[-1]["loss"],
+        seconds=time.perf_counter() - t0,
+    )
     print(
-        f"pretrained {steps} steps on {gpus or 1} process(es) in {time.perf_counter() - t0:.0f} s: loss "
-        f"{rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}",
+        f"pretrained {steps} steps ({info['tokens'] / 1e6:.0f}M tokens) on {info['processes']} process(es) "
+        f"in {info['seconds']:.0f} s: loss {info['first_loss']:.3f} -> {info['last_loss']:.3f}",
         flush=True,
     )
-    return out
+    return out, info
 
 
 # ------------------------------------------------------------------------------------ matching the batches
@@ -460,11 +471,12 @@ def run_logged(cmd: list[str], log: Path, env) -> int:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=log.parent).returncode
 
 
-def run_pool(jobs: list[Job], gpus: int, deadline: float, on_done) -> None:
-    """Each job's commands in turn, one job per GPU (CUDA_VISIBLE_DEVICES) at a time (one at a time on the
-    CPU); no job starts after `deadline` (time.monotonic()). `on_done(job)` after each job."""
+def run_pool(jobs: list[Job], gpus: int, per_gpu: int, deadline: float, on_done) -> None:
+    """Each job's commands in turn, `per_gpu` jobs on each GPU (CUDA_VISIBLE_DEVICES) at a time (one at a
+    time on the CPU); no job starts after `deadline` (time.monotonic()). `on_done(job)` after each job."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")[:gpus]
-    slots = max(gpus, 1)
+    visible = visible * per_gpu
+    slots = max(len(visible), 1)
     waiting, running = list(jobs), {}  # slot -> (job, Popen, command index, log file)
     while waiting or running:
         for slot in range(slots):
@@ -825,6 +837,13 @@ def main() -> int:
         "--extra", action="append", default=[], help="NAME:key=value,... a variant of the baseline"
     )
     parser.add_argument("--seeds", type=int, default=3, help="runs per variant (data order and dropout)")
+    parser.add_argument("--hf-seeds", type=int, help="runs per Hugging Face reference (default: --seeds)")
+    parser.add_argument(
+        "--runs-per-gpu",
+        type=int,
+        default=2,
+        help="runs sharing a GPU at a time (the small model leaves room)",
+    )
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default: 400; --tiny 12)")
     parser.add_argument("--eval-every", type=int, help="steps between evaluations (default: 50; --tiny 4)")
     parser.add_argument("--adamw-lr", type=float, default=3e-4, help="AdamW's learning rate, ours and HF's")
@@ -850,7 +869,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
 
     prep = prepare(work, sizes)
-    pretrained = pretrain(prep, sizes, work, gpus)
+    prepared_s = time.monotonic() - started
+    pretrained, pretraining = pretrain(prep, sizes, work, gpus)
     tokenizer_file = str(pretrained / "tokenizer.json")
     base = (
         common_values(sizes)
@@ -906,12 +926,12 @@ def main() -> int:
     )
 
     jobs = []
-    for seed in range(
-        args.seeds
-    ):  # seed by seed, so that a cut-off benchmark has every variant's first seeds
+    hf_seeds = args.seeds if args.hf_seeds is None else args.hf_seeds
+    for seed in range(max(args.seeds, hf_seeds)):  # seed by seed: a benchmark cut short has every variant
         for name in sorted(names, key=lambda n: not known[n].hf):  # the slower HF runs first in each round
             v = known[name]
-            jobs.append(hf_job(v, seed, setup, work) if v.hf else ours_job(v, seed, base, setup, work))
+            if seed < (hf_seeds if v.hf else args.seeds):
+                jobs.append(hf_job(v, seed, setup, work) if v.hf else ours_job(v, seed, base, setup, work))
     results = {
         "args": vars(args),
         "sizes": dataclasses.asdict(sizes),
@@ -922,6 +942,8 @@ def main() -> int:
             packed_real=packed_real,
         ),
         "variants": {n: dataclasses.asdict(known[n]) for n in names},
+        "prepared_s": prepared_s,
+        "pretraining": pretraining,
         "runs": {},
     }
     if not args.no_exactness:
@@ -962,7 +984,7 @@ def main() -> int:
         (out / "quality.json").write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
 
     deadline = started + (args.budget_s or (math.inf if args.tiny else 530))
-    run_pool(jobs, gpus, deadline, done)
+    run_pool(jobs, gpus, args.runs_per_gpu, deadline, done)
     results["total_s"] = time.monotonic() - started
     results["summary"] = summarize(results)
     (out / "quality.json").write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
