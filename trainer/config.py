@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import re
@@ -19,11 +20,17 @@ from typing import Any, Literal
 
 import yaml
 
+log = logging.getLogger(__name__)
+
 DataFormat = Literal["recipenlg-csv", "foodcom-csv", "jsonl"]
 DATA_FORMATS: tuple[str, ...] = typing.get_args(DataFormat)  # the recipe file formats the loader reads
 Task = Literal["ingredients-to-recipe", "title-to-recipe"]
 HubStrategy = Literal["end", "every_save", "checkpoint", "all_checkpoints"]
 TASKS: tuple[str, ...] = typing.get_args(Task)  # the loader's prompt presets
+# T5's projections a LoRA adapter can sit on (PEFT's module names; trainer.lora), and the default. Not the
+# embeddings or the LM head: the loss reads the head's weight directly (trainer.loss).
+LORA_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "wi_0", "wi_1", "wi", "wo")
+LORA_DEFAULT_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "wi_0", "wi_1", "wo")
 
 
 # What an evaluation reports (HF names: eval_<name>): the loss, and the scores of generated recipes
@@ -100,6 +107,16 @@ class TrainConfig:
     loader_threads: int | None = None
     make_demo_data: bool = False  # create sample recipes and the tiny model if missing (quickstart only)
     demo_records: int = 2000
+
+    # --- adapters (docs/lora.md): axolotl's and PEFT's names ---
+    # lora: train LoRA adapters (PEFT) over the frozen base, merged into final/ at the end; null: full
+    # fine-tuning.
+    adapter: Literal["lora"] | None = None
+    lora_r: int = 16  # the adapters' rank
+    lora_alpha: float = 32.0  # their scaling is lora_alpha / lora_r
+    lora_dropout: float = 0.0  # dropout on each adapter's input
+    # T5's projections that get adapters: q, k, v, o (attention), wi_0, wi_1 (or wi) and wo (feed-forward).
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
 
     # --- optimization ---
     optimizer: Literal["adamw", "adafactor"] = "adamw"
@@ -231,6 +248,7 @@ class TrainConfig:
             raise ConfigError(
                 "cuda_graphs and torch_compile: use one of them", key=("cuda_graphs", "torch_compile")
             )
+        self._check_adapter_keys()
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(
                 f"eval_fraction must be in [0, 1), got {self.eval_fraction}", key="eval_fraction"
@@ -271,6 +289,32 @@ class TrainConfig:
     def max_time_s(self) -> float | None:
         """max_time in seconds, or None for no time budget."""
         return None if self.max_time is None else parse_duration(self.max_time, "max_time")
+
+    def _check_adapter_keys(self) -> None:
+        if self.adapter is None:
+            return
+        if self.lora_r < 1:
+            raise ConfigError(f"lora_r must be >= 1, got {self.lora_r}", key="lora_r")
+        if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ConfigError(
+                f"lora_alpha must be a positive number, got {self.lora_alpha}", key="lora_alpha"
+            )
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}", key="lora_dropout")
+        unknown = [name for name in self.lora_target_modules if name not in LORA_TARGETS]
+        if unknown or not self.lora_target_modules:
+            what = f"{', '.join(map(repr, unknown))} cannot take an adapter" if unknown else "is empty"
+            raise ConfigError(
+                f"lora_target_modules {what}: choose from T5's projections {', '.join(LORA_TARGETS)} (the "
+                "embeddings and the LM head are not supported)",
+                key="lora_target_modules",
+            )
+        if self.distributed_strategy == "fsdp":
+            raise ConfigError(
+                "adapter: lora trains with one process or distributed_strategy: ddp, not fsdp (the adapters "
+                "and their optimizer states are small: nothing for FSDP to shard but the frozen base)",
+                key=("adapter", "distributed_strategy"),
+            )
 
     def _check_best_model_keys(self) -> None:
         name = self.metric_for_best_model.removeprefix("eval_")
@@ -362,6 +406,14 @@ class TrainConfig:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
             checked[key] = _check_type(key, value, hints[key], where)
+        unused = [k for k in checked if k.startswith("lora_")] if checked.get("adapter") is None else []
+        if unused:
+            log.warning(
+                "%s: %s set, but adapter is null (full fine-tuning): they are not used; adapter: lora trains "
+                "LoRA adapters",
+                ", ".join((sources or {}).get(k, source) for k in unused),
+                ", ".join(unused),
+            )
         try:
             return cls(**checked)
         except ConfigError as e:  # a value check: say where the value was set (file:line, --set k=v)

@@ -167,9 +167,10 @@ def estimate_checkpoint_bytes(n_params: int, dtype: str, optimizer: str, bf16_up
 
 
 def state_bytes(model, optimizer) -> int:
-    """What a checkpoint of `model` and `optimizer` holds now: the weights twice (model.safetensors and
-    dcp/) and every optimizer state tensor. (Local sizes: under FSDP, this rank's shards.)"""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    """What a checkpoint of `model` and `optimizer` holds now: the trained weights twice (model.safetensors,
+    or a LoRA run's adapter, and dcp/) and every optimizer state tensor. (Local sizes: under FSDP, this rank's
+    shards.)"""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     states = sum(
         t.numel() * t.element_size()
         for state in optimizer.state.values()

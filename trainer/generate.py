@@ -73,7 +73,9 @@ def open_model_dir(model_dir: str | os.PathLike[str], task: str | None = None) -
     path = Path(model_dir).expanduser()
     if not path.is_dir():
         raise ModelDirError(f"{path}: no such model directory")
-    for name in ("config.json", "tokenizer.json"):
+    # A LoRA run's checkpoint holds a PEFT adapter (adapter_config.json, naming its base) instead of a model.
+    model_file = "adapter_config.json" if (path / "adapter_config.json").is_file() else "config.json"
+    for name in (model_file, "tokenizer.json"):
         if not (path / name).is_file():
             raise ModelDirError(f"{path}: not a model directory saved with save_pretrained (no {name})")
     template = load_prompt_template(path)
@@ -96,8 +98,8 @@ def open_model_dir(model_dir: str | os.PathLike[str], task: str | None = None) -
 
 def load_model(model_dir: ModelDir, device: str | None = None):
     """The model of `model_dir` for generation: bf16 on a GPU (fp32 on the CPU, or on a GPU without bf16),
-    eval mode, KV cache on, T5's norms and GELU fused as in training. Raises ModelDirError when the weights
-    cannot be loaded."""
+    eval mode, KV cache on, T5's norms and GELU fused as in training. A LoRA checkpoint's adapter is merged
+    into the base it names. Raises ModelDirError when the weights cannot be loaded."""
     import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForSeq2SeqLM
@@ -110,7 +112,12 @@ def load_model(model_dir: ModelDir, device: str | None = None):
     if dev.type != "cpu":
         kwargs["device_map"] = {"": dev}  # straight to the GPU, no CPU copy
     try:
-        model = AutoModelForSeq2SeqLM.from_pretrained(model_dir.path, **kwargs)
+        if not (model_dir.path / "config.json").is_file():  # open_model_dir: then an adapter
+            from trainer.lora import load_merged
+
+            model = load_merged(model_dir.path, **kwargs)
+        else:
+            model = AutoModelForSeq2SeqLM.from_pretrained(model_dir.path, **kwargs)
     except (OSError, ValueError, SafetensorError) as e:  # unreadable or truncated weights, a bad config
         raise ModelDirError(f"{model_dir.path}: cannot load the model ({str(e).splitlines()[0]})") from None
     log.info("model: %s on %s in %s", model_dir.path, dev, str(dtype).removeprefix("torch."))

@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.model_shape import LoraShape, ModelShape
+
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -63,13 +65,15 @@ def gpu_spec(name: str) -> GpuSpec:
     raise ValueError(f"unknown GPU {name!r}; known: {known}")
 
 
-def flops_per_token(config: Any) -> tuple[float, float]:
+def flops_per_token(config: Any, lora: LoraShape | None = None) -> tuple[float, float]:
     """Training FLOPs (6 x parameters touched) per real source token and per real target token of a T5
     `config` (d_model, d_ff, d_kv, num_heads, num_layers, num_decoder_layers, vocab_size; gated feed-forward).
 
     A source token passes the encoder and, as keys and values, every decoder block's cross-attention; a target
     token the rest of the decoder (self-attention, cross-attention's query and output, feed-forward) and the
-    LM head. Attention's score and value products and the embeddings are left out, as in MFU's usual count."""
+    LM head. Attention's score and value products and the embeddings are left out, as in MFU's usual count.
+    With `lora` (trainer.lora) the frozen base costs 4 x its parameters (forward and input gradients: no
+    weight gradients) and the adapters 6 x theirs."""
     d, f, inner = config.d_model, config.d_ff, config.num_heads * config.d_kv
     encoder_block = 4 * d * inner + 3 * d * f  # q, k, v, o + gated feed-forward (wi_0, wi_1, wo)
     cross_kv = 2 * d * inner
@@ -77,12 +81,26 @@ def flops_per_token(config: Any) -> tuple[float, float]:
     decoder_layers = config.num_decoder_layers or config.num_layers
     per_source = config.num_layers * encoder_block + decoder_layers * cross_kv
     per_target = decoder_layers * decoder_block_rest + config.vocab_size * d
-    return 6.0 * per_source, 6.0 * per_target
+    if lora is None:
+        return 6.0 * per_source, 6.0 * per_target
+    shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
+    projections = shape.projections()
+
+    def adapters(names: tuple[str, ...]) -> int:
+        return sum(lora.r * sum(projections[n][:2]) for n in names if n in lora.targets)
+
+    feed_forward = ("wi_0", "wi_1", "wi", "wo")
+    adapters_source = config.num_layers * adapters(("q", "k", "v", "o", *feed_forward))
+    adapters_source += decoder_layers * adapters(("k", "v"))
+    adapters_target = decoder_layers * (adapters(("q", "k", "v", "o")) + adapters(("q", "o", *feed_forward)))
+    return 4.0 * per_source + 6.0 * adapters_source, 4.0 * per_target + 6.0 * adapters_target
 
 
-def flops_per_real_token(config: Any, mean_source_tokens: float, mean_target_tokens: float) -> float:
+def flops_per_real_token(
+    config: Any, mean_source_tokens: float, mean_target_tokens: float, lora: LoraShape | None = None
+) -> float:
     """Training FLOPs per real token for records of these mean lengths (source and target, </s> included)."""
-    per_source, per_target = flops_per_token(config)
+    per_source, per_target = flops_per_token(config, lora)
     total = mean_source_tokens + mean_target_tokens
     return (per_source * mean_source_tokens + per_target * mean_target_tokens) / total
 
@@ -97,12 +115,17 @@ def predicted_tokens_per_s(gpu: str | GpuSpec, mfu: float, flops_per_real_token:
 
 
 def predicted_epoch_seconds(
-    gpu: str | GpuSpec, mfu: float, config: Any, source_tokens: int, target_tokens: int
+    gpu: str | GpuSpec,
+    mfu: float,
+    config: Any,
+    source_tokens: int,
+    target_tokens: int,
+    lora: LoraShape | None = None,
 ) -> float:
     """Seconds for one pass over data with these real token totals (all records' sources and targets) on
     `gpu` at `mfu`."""
     spec = gpu if isinstance(gpu, GpuSpec) else gpu_spec(gpu)
-    per_source, per_target = flops_per_token(config)
+    per_source, per_target = flops_per_token(config, lora)
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be a fraction in (0, 1], got {mfu}")
     return (per_source * source_tokens + per_target * target_tokens) / (mfu * spec.bf16_flops)

@@ -15,6 +15,12 @@ them: gradients persist across accumulated micro-batches and optimizer states ac
 - the optimizer step: optimizer temporaries (optimi's foreach step reuses the gradients as scratch: none).
 Allocator slack (blocks the caching allocator holds but cannot reuse) is one fraction of the rest.
 
+With LoRA (`adapter: lora`, trainer.lora; `lora`, a LoraShape): the weights are the frozen base in its dtype
+plus the fp32 adapters; gradients and optimizer states are the adapters' alone; the blocks keep each adapted
+group's small down-projection (tokens x rank, and with lora_dropout its input's mask); no gradient of the
+LM head, the embeddings or the position biases is made (no head-gradient accumulator in the loss, no bias
+gradients in the attention's backward).
+
 `plan_run` turns a config into the run's RunPlan: the token budget and the number of decoder blocks left
 un-checkpointed, where the config leaves them to the plan. `trainer plan` prints a plan (trainer.plan_report).
 """
@@ -29,7 +35,7 @@ from trainer.loss import CHUNK_TOKENS as CE_CHUNK_TOKENS
 from trainer.memory import GIB
 
 # KNOWN_CONFIGS is re-exported: scripts import the model catalogue from here.
-from trainer.model_shape import KNOWN_CONFIGS, ModelShape, load_shape  # noqa: F401
+from trainer.model_shape import KNOWN_CONFIGS, LoraShape, ModelShape, load_shape  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -88,18 +94,34 @@ class MemoryPlan:
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def adafactor_scratch_bytes(shape: ModelShape) -> int:
+def trained_weight_shapes(shape: ModelShape, lora: LoraShape | None = None) -> dict[tuple[int, ...], int]:
+    """How many trained weights of each shape the optimizer updates: the model's, or LoRA's adapters'."""
+    return shape.weight_shapes() if lora is None else shape.lora_weight_shapes(lora)
+
+
+def adafactor_scratch_bytes(shape: ModelShape, lora: LoraShape | None = None) -> int:
     """The largest scratch of trainer.optim.Adafactor's step on a GPU: the fp32 partial sums of the group of
-    same-shape weights with the most (trainer.adafactor_kernels)."""
+    same-shape trained weights with the most (trainer.adafactor_kernels)."""
     from trainer.adafactor_kernels import scratch_bytes
 
-    return max(scratch_bytes(count, dims) for dims, count in shape.weight_shapes().items())
+    return max(scratch_bytes(count, dims) for dims, count in trained_weight_shapes(shape, lora).items())
 
 
 def optimizer_state_bytes(
-    shape: ModelShape, optimizer: str, bf16_update: str, dtype: str = "bfloat16"
+    shape: ModelShape,
+    optimizer: str,
+    bf16_update: str,
+    dtype: str = "bfloat16",
+    lora: LoraShape | None = None,
 ) -> int:
-    """Bytes of optimizer state for the whole model."""
+    """Bytes of optimizer state for the whole model, or with `lora` for its fp32 adapters (AdamW's two
+    moments; Adafactor's row and column second moments per matrix; no Kahan buffer for fp32 weights)."""
+    if lora is not None:
+        if optimizer == "adamw":
+            return 2 * 4 * shape.lora_num_params(lora)
+        if optimizer == "adafactor":
+            return 4 * sum((rows + cols) * n for (rows, cols), n in shape.lora_weight_shapes(lora).items())
+        raise ValueError(f"unknown optimizer {optimizer!r}")
     p, e = shape.num_params(), _DTYPE_BYTES[dtype]
     kahan = p * e if (bf16_update == "kahan" and e == 2) else 0  # one compensation buffer, param dtype
     if optimizer == "adamw":
@@ -141,10 +163,40 @@ def _sublayer_norm_saved(n: int, d: int, e: int, fused: bool = True) -> int:
     return 0 if fused else _layer_norm_saved(n, d, e, fused=False)
 
 
+def _lora_groups(groups, lora: LoraShape | None, e: int) -> tuple[int, int]:
+    """(saved bytes, extra bytes at the backward's widest moment) of a sublayer's adapted projection groups
+    (trainer.projections.low_rank_forward), given as (tokens, input width, projection names): each keeps its
+    down-projection u (tokens x the adapted members' summed rank), with lora dropout its input's mask (bool);
+    its backward adds v (u's shape) and, with dropout, the input dropped again and v's product through the
+    mask (two tokens x width tensors); the widest group's counts."""
+    saved = widest = 0
+    for tokens, width, names in groups if lora is not None else ():
+        rank = lora.r * sum(name in lora.targets for name in names)
+        if rank:
+            dropout = tokens * width if lora.dropout > 0 else 0
+            saved += tokens * rank * e + dropout
+            widest = max(widest, tokens * rank * e + 2 * dropout * e)
+    return saved, widest
+
+
 def _attention_sublayer(
-    b, q_len, kv_len, shape, e, mask, *, attention="eager", bias_rows=None, fused=True, has_bias=True
+    b,
+    q_len,
+    kv_len,
+    shape,
+    e,
+    mask,
+    *,
+    attention="eager",
+    bias_rows=None,
+    fused=True,
+    has_bias=True,
+    cross=False,
+    lora=None,
 ):
-    """(saved bytes, bytes alive at its backward's widest moment) of a T5 attention sublayer.
+    """(saved bytes, bytes alive at its backward's widest moment) of a T5 attention sublayer; `cross`: the
+    decoder's cross-attention (q of the decoder's tokens, k and v of the encoder's); `lora`: its adapters
+    (`_lora_groups`), with a frozen position bias (no gradient for it).
 
     Eager (transformers' eager_attention_forward) saves: the layer norm; bmm-ready copies of q (b x q_len) and
     of k, v (b x kv_len; for cross-attention computed from the encoder output); the softmax output, dropout
@@ -168,6 +220,12 @@ def _attention_sublayer(
     n, m = b * q_len, b * kv_len
     scores = b * h * q_len * kv_len
     drop = mask if p > 0 else 0
+    if cross:
+        projections = [(n, d, ("q",)), (m, d, ("k", "v")), (n, inner, ("o",))]
+    else:
+        projections = [(n, d, ("q", "k", "v")), (n, inner, ("o",))]
+    adapters, adapters_widest = _lora_groups(projections, lora, e)
+    bias_grad = has_bias and lora is None
     ln = _sublayer_norm_saved(n, d, e, fused)
     qkv = n * inner * e + 2 * m * inner * e
     # o's input (with Triton the kernels' (B, T, H, D) output, saved by them too: o reads it as a view, so it
@@ -180,26 +238,28 @@ def _attention_sublayer(
         lse = b * h * q_len * 4
         # The kernels' copy of the bias, rows padded to whole key blocks; its gradient is summed in fp32.
         bias = h * q_len * key_stride(kv_len) * e if has_bias else 0
-        saved = ln + qkv + n * inner * e + lse + bias + tail
-        groups = bias_grad_groups(b, h, kv_len)[0] if has_bias else 0
-        scratch = groups * bias // e * 4 + (h * q_len * kv_len * 4 if has_bias else 0)
+        saved = ln + qkv + n * inner * e + lse + bias + tail + adapters
+        groups = bias_grad_groups(b, h, kv_len)[0] if bias_grad else 0
+        scratch = groups * bias // e * 4 + (h * q_len * kv_len * 4 if bias_grad else 0)
         # + the norm's output, made again for the projections' backward
-        return saved, saved + qkv + lse + scratch + n * d * e
+        return saved, saved + qkv + lse + scratch + n * d * e + adapters_widest
     if attention == "sdpa":
         bias = (b if bias_rows is None else bias_rows) * h * q_len * kv_len * e
         lse = b * h * (-(-q_len // 32) * 32) * 4
-        saved = ln + qkv + bias + n * inner * e + lse + tail
+        saved = ln + qkv + bias + n * inner * e + lse + tail + adapters
         # grad of the bias and the where's gradient for the position bias, both B x H x q x k; q/k/v grads.
-        widest = ln + qkv + bias + n * inner * e + lse + 2 * scores * e + qkv
+        bias_grads = 2 * scores * e if lora is None else 0
+        widest = saved - tail + bias_grads + qkv + adapters_widest
         return saved, widest
     probs = scores * (e + drop + (e if p > 0 else 0))  # softmax out, dropout mask, dropout out
-    saved = ln + qkv + probs + tail
+    saved = ln + qkv + probs + tail + adapters
     widest = ln + n * inner * e + m * inner * e + scores * (3 * e + drop) + m * inner * e
-    return saved, widest
+    return saved, widest + adapters + adapters_widest
 
 
-def _ff_sublayer(n, shape, e, mask, fused=True):
-    """(saved bytes, widest backward moment) of the T5 feed-forward sublayer on n tokens.
+def _ff_sublayer(n, shape, e, mask, fused=True, lora=None):
+    """(saved bytes, widest backward moment) of the T5 feed-forward sublayer on n tokens; `lora`: its
+    adapters (`_lora_groups`).
 
     Saved: the layer norm; wi_0's output (saved by the fused GELU(tanh)), the gelu output and wi_1's output
     (saved by their product), the product's dropout mask and output (saved by wo); wo's output dropout mask
@@ -209,20 +269,22 @@ def _ff_sublayer(n, shape, e, mask, fused=True):
     d, f, p = shape.d_model, shape.d_ff, shape.dropout_rate
     nf = n * f
     drop = mask if p > 0 else 0
+    projections = [(n, d, ("wi_0", "wi_1") if shape.gated else ("wi",)), (n, f, ("wo",))]
+    adapters, adapters_widest = _lora_groups(projections, lora, e)
     # On CUDA the output dropout and the residual sum are one kernel (trainer.fused_ops): no mask kept.
     residual = n * d * e + (0 if fused else n * d * drop)
     if fused and shape.gated:
         # trainer.fused_ops on CUDA (gated_gelu_linear): wi_0's and wi_1's outputs kept, the product not (the
         # backward's kernel makes it again for wo's weight gradient; dropout drawn again, no mask). Widest:
         # that kernel, with a, b, the product's gradient (becoming a's), b's gradient and the product.
-        saved = _sublayer_norm_saved(n, d, e, fused) + 2 * nf * e + residual
-        return saved, 5 * nf * e
+        saved = _sublayer_norm_saved(n, d, e, fused) + 2 * nf * e + residual + adapters
+        return saved, 5 * nf * e + adapters + adapters_widest
     ln = _layer_norm_saved(n, d, e, fused)
     acts = (1 + (2 if shape.gated else 0)) * nf * e  # wi_0 .. wi_1 outputs
     dropped = nf * (drop + e) if p > 0 else (nf * e if shape.gated else 0)  # wo's input (or its dropout)
-    saved = ln + acts + dropped + residual
-    widest = ln + acts + (3 if shape.gated else 2) * nf * e
-    return saved, max(widest, saved + nf * e)
+    saved = ln + acts + dropped + residual + adapters
+    widest = ln + acts + (3 if shape.gated else 2) * nf * e + adapters
+    return saved, max(widest, saved + nf * e) + adapters_widest
 
 
 def _block_saved(
@@ -235,6 +297,7 @@ def _block_saved(
     attention: str = "eager",
     fused: bool = True,
     packed: bool = False,
+    lora: LoraShape | None = None,
 ) -> tuple[int, int]:
     """(saved bytes, backward peak bytes) of one recomputed T5 block on b rows of `length` tokens.
 
@@ -242,7 +305,7 @@ def _block_saved(
     each one's saved tensors, so the peak is the largest (saved by earlier sublayers + this sublayer's widest
     moment). Excludes the block input (a checkpoint) and tensors shared across blocks (position bias, masks,
     encoder output). cross_len: source length for a decoder block (adds cross-attention), None for encoder.
-    packed: packed rows (see plan_memory).
+    packed: packed rows (see plan_memory). lora: the adapters (see plan_memory).
     """
     n = b * length
     # SDPA's decoder self-attention has no padding mask (causal only): its bias mask is 1 x H x T x T; packed
@@ -260,15 +323,26 @@ def _block_saved(
             bias_rows=self_rows,
             fused=fused,
             has_bias=not (packed and attention == "triton"),
+            lora=lora,
         )
     ]
     if cross_len is not None:  # T5's cross-attention has no position bias (the Triton kernels skip its zeros)
         subs.append(
             _attention_sublayer(
-                b, length, cross_len, shape, e, mask, attention=attention, fused=fused, has_bias=False
+                b,
+                length,
+                cross_len,
+                shape,
+                e,
+                mask,
+                attention=attention,
+                fused=fused,
+                has_bias=False,
+                cross=True,
+                lora=lora,
             )
         )
-    subs.append(_ff_sublayer(n, shape, e, mask, fused))
+    subs.append(_ff_sublayer(n, shape, e, mask, fused, lora))
     total = sum(saved for saved, _ in subs)
     peak, before = 0, 0
     for saved, widest in subs:
@@ -277,15 +351,17 @@ def _block_saved(
     return total, peak
 
 
-def _loss_bytes(n_rows: int, d: int, v: int, e: int, fused: bool) -> int:
+def _loss_bytes(n_rows: int, d: int, v: int, e: int, fused: bool, head_grad: bool = True) -> int:
     """Peak bytes of the chunked cross-entropy (trainer.loss) on N = `n_rows` target rows, chunks of C rows:
     the gathered rows (N x d) and their int64 indices, the hidden-state gradient (N x d, kept for backward)
     and the head's fp32 gradient accumulator (V x d); per chunk the logits (C x V), which the GPU's kernel
     overwrites with their gradient, and the head-gradient product in bf16 and fp32 (V x d). Torch's ops
-    (`fused` false: on CPU) first make an fp32 copy of the logits beside them."""
+    (`fused` false: on CPU) first make an fp32 copy of the logits beside them. A frozen head (`head_grad`
+    false: LoRA) has no accumulator and no product."""
     chunk = min(n_rows, CE_CHUNK_TOKENS)
-    kept = n_rows * 8 + n_rows * d * e * 2 + v * d * _acc_bytes(e)
-    per_chunk = chunk * v * e + v * d * (e + _acc_bytes(e))
+    head = v * d if head_grad else 0
+    kept = n_rows * 8 + n_rows * d * e * 2 + head * _acc_bytes(e)
+    per_chunk = chunk * v * e + head * (e + _acc_bytes(e))
     return kept + (per_chunk if fused else max(chunk * v * (4 + e), per_chunk))
 
 
@@ -304,6 +380,7 @@ def plan_memory(
     decoder_blocks_without_checkpointing: int = 0,
     encoder_blocks_without_checkpointing: int = 0,
     packed: bool = False,
+    lora: LoraShape | None = None,
 ) -> MemoryPlan:
     """Predicted peak of the trainer's training step (trainer.loss.Seq2SeqLMLoss over the model with
     trainer.model.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens.
@@ -323,6 +400,7 @@ def plan_memory(
     (trainer.packed_attention), so the bias copies, the shared biases and their gradients are gone.
     With `cuda_graphs` the same: the captured update reuses the captured micro-step's memory pool
     (trainer.cuda_graphs).
+    lora: LoRA adapters over the frozen base (trainer.lora; the module docstring says what changes).
     """
     e = _DTYPE_BYTES[dtype]
     b, s, t = rows, src_len, tgt_len
@@ -332,7 +410,10 @@ def plan_memory(
     params = shape.num_params()
     weights = params * e
     gradients = params * e  # .grad in the param dtype, kept between accumulated micro-batches
-    states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype)
+    if lora is not None:  # fp32 adapters (PEFT's autocast_adapter_dtype) and their gradients only
+        weights += 4 * shape.lora_num_params(lora)
+        gradients = 4 * shape.lora_num_params(lora)
+    states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype, lora)
 
     mask_bytes = (1 if device == "cuda" else e) if p_drop > 0 else 0
     if attn_implementation not in ("eager", "sdpa", "triton"):
@@ -340,8 +421,8 @@ def plan_memory(
     # The Triton kernels run on CUDA only; elsewhere the trainer keeps eager attention.
     attention = "eager" if (attn_implementation == "triton" and device != "cuda") else attn_implementation
     fused = device == "cuda"
-    enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, attention, fused, packed)
-    dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, attention, fused, packed)
+    enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, attention, fused, packed, lora)
+    dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, attention, fused, packed, lora)
     # Relative position biases shared by a stack's blocks (1 x H x q x k), and their gradients: none with the
     # packed kernels.
     shared_bias = 0 if (packed and attention == "triton") else e
@@ -385,13 +466,14 @@ def plan_memory(
         dec_keep = ld * (b * t * d * e + dec_block)
         enc_bwd, dec_bwd = enc_bwd - enc_block, dec_bwd - dec_block  # only the backward scratch is new
 
-    logits_peak = _loss_bytes(b * t, d, v, e, fused and e == 2)
+    logits_peak = _loss_bytes(b * t, d, v, e, fused and e == 2, head_grad=lora is None)
 
     # Gradients flowing between blocks: the hidden-state gradient (two alive at a block boundary) and, during
     # the decoder's backward, the accumulated gradients of the encoder output and of the shared position
-    # biases.
-    flow_dec = 2 * b * t * d * e + b * s * d * e + (h * t * t + h * t * s) * shared_bias
-    flow_enc = 2 * b * s * d * e + h * s * s * shared_bias
+    # biases (none for LoRA's frozen ones).
+    bias_grad = shared_bias if lora is None else 0
+    flow_dec = 2 * b * t * d * e + b * s * d * e + (h * t * t + h * t * s) * bias_grad
+    flow_enc = 2 * b * s * d * e + h * s * s * bias_grad
 
     moments = {
         "loss": (enc_keep + enc_shared + dec_keep + dec_shared + b * t * d * e, logits_peak),
@@ -403,7 +485,7 @@ def plan_memory(
     }
     # trainer.optim.Adafactor's kernels keep fp32 partial sums per group of same-shape weights (~0.3 GB for
     # FLAN-T5-XL); optimi's foreach step uses the gradients as its scratch buffer.
-    opt_temp = adafactor_scratch_bytes(shape) if optimizer == "adafactor" else 0
+    opt_temp = adafactor_scratch_bytes(shape, lora) if optimizer == "adafactor" else 0
     moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
     if opt_temp > acts + logits:
         moment, acts, logits = "optimizer step", 0, 0
@@ -518,6 +600,7 @@ def _plan_kwargs(cfg, blocks: tuple[int, int] | None = None) -> dict:
         decoder_blocks_without_checkpointing=blocks[0],
         encoder_blocks_without_checkpointing=blocks[1],
         packed=cfg.packing,
+        lora=LoraShape.of(cfg),
     )
 
 

@@ -4,8 +4,9 @@
 training loop at the end of a run. The metadata header is `huggingface_hub.ModelCardData`'s (base_model,
 datasets, tags, library_name, pipeline_tag, and the weights' evaluation as model-index); the text has the
 `trainer generate` command and a transformers snippet with the exact prompt (rendered by the training
-loader's renderer), the prompt template, the data, the run (steps, tokens, wall time, hardware) and the final
-metrics. A card for the Hub (`repo_id`) shows how to download the model from there.
+loader's renderer), the prompt template, the data, the run (steps, tokens, wall time, hardware; a LoRA run's
+settings, with PEFT's way to load its adapter alone) and the final metrics. A card for the Hub (`repo_id`)
+shows how to download the model from there.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from trainer.disk import write_text_atomic
 from trainer.prompt import PromptTemplate, template_parts
 from trainer.redact import redact
 
-__all__ = ["ModelCardInfo", "card_metadata", "model_card", "write_model_card"]
+__all__ = ["LoraSettings", "ModelCardInfo", "card_metadata", "model_card", "write_model_card"]
 
 CARD_FILE = "README.md"
 EXAMPLE = {"title": "Lemon Pancakes", "ingredients": ["2 eggs", "1 cup flour", "1 cup milk", "1 lemon"]}
@@ -55,6 +56,18 @@ class ModelCardInfo:
     metric_for_best_model: str | None = None
     weights_step: int | None = None
     repo_id: str | None = None
+    lora: LoraSettings | None = None  # a LoRA run's (trainer.lora); None: full fine-tuning
+
+
+@dataclass
+class LoraSettings:
+    """A LoRA run's adapter, as the card states it: the config's settings and the parameters trained."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]
+    trained_parameters: int
 
 
 def _duration(seconds: float) -> str:
@@ -126,7 +139,7 @@ def card_metadata(info: ModelCardInfo) -> ModelCardData:
         datasets=datasets or None,
         library_name="transformers",
         pipeline_tag="text2text-generation",
-        tags=["recipe-generation", "recipe-t5-trainer"],
+        tags=["recipe-generation", "recipe-t5-trainer"] + (["lora"] if info.lora else []),
         model_name=name if results else None,
         eval_results=results or None,
     )
@@ -161,7 +174,8 @@ def model_card(info: ModelCardInfo) -> str:
         f"{info.train_records:,} trained on, {info.eval_records:,} held out, "
         f"{info.skipped_records:,} of {read:,} skipped"
     )
-    body = f"""# Recipe model fine-tuned from {info.base_model}
+    method, adapter_use = _method(info, load_from)
+    body = f"""# Recipe model fine-tuned from {info.base_model}{" with LoRA" if info.lora else ""}
 
 Task `{t.task}`: the prompt is `{t.source_template}`; the model writes
 `{t.target_template}` (ingredients joined with "; ", directions numbered "1. ... 2. ...").
@@ -184,7 +198,7 @@ inputs = tokenizer(prompt, return_tensors="pt", truncation=True, max_length={t.m
 out = model.generate(**inputs, max_new_tokens={t.max_target_length})
 print(tokenizer.decode(out[0], skip_special_tokens=True))
 ```
-
+{adapter_use}
 ## Prompt template (`recipe_template.json`)
 
 | | |
@@ -199,6 +213,7 @@ print(tokenizer.decode(out[0], skip_special_tokens=True))
 | | |
 |---|---|
 | base model | `{info.base_model}` |
+| method | {method} |
 | data | {files} |
 | records | {records} |
 | steps | {info.steps:,} |
@@ -211,6 +226,32 @@ print(tokenizer.decode(out[0], skip_special_tokens=True))
 {metrics_table}
 """
     return ModelCard(f"---\n{card_metadata(info).to_yaml()}\n---\n\n{body}").content
+
+
+def _method(info: ModelCardInfo, load_from: str) -> tuple[str, str]:
+    """The Training table's method, and for a LoRA run the lines loading its adapter alone with PEFT."""
+    lora = info.lora
+    if lora is None:
+        return "full fine-tuning", ""
+    targets = ", ".join(f"`{name}`" for name in lora.target_modules)
+    method = (
+        f"LoRA: r {lora.r}, alpha {lora.alpha:g}, dropout {lora.dropout:g} on {targets} "
+        f"({lora.trained_parameters / 1e6:.1f}M trained parameters), merged into these weights; the adapter "
+        "alone is in `adapter/` (PEFT)"
+    )
+    where = f"{load_from!r}, subfolder='adapter'" if info.repo_id else repr(f"{load_from}/adapter")
+    return (
+        method,
+        f"""
+The LoRA adapter alone, on its base, with PEFT:
+
+```python
+from peft import PeftModel
+
+model = PeftModel.from_pretrained(AutoModelForSeq2SeqLM.from_pretrained({info.base_model!r}), {where})
+```
+""",
+    )
 
 
 def _value(metrics: dict[str, float], name: str) -> str:

@@ -50,6 +50,36 @@ class ModelShape:
             counts[shape] = counts.get(shape, 0) + n
         return counts
 
+    def projections(self) -> dict[str, tuple[int, int, int]]:
+        """T5's projections by PEFT's module name: (in features, out features, how many the model has)."""
+        d, f, inner = self.d_model, self.d_ff, self.inner
+        blocks = self.num_layers + self.num_decoder_layers
+        attentions = self.num_layers + 2 * self.num_decoder_layers
+        feed_forward = (f, blocks) if self.gated else (f, 0)
+        return {
+            "q": (d, inner, attentions),
+            "k": (d, inner, attentions),
+            "v": (d, inner, attentions),
+            "o": (inner, d, attentions),
+            "wi_0": (d, feed_forward[0], feed_forward[1]),
+            "wi_1": (d, feed_forward[0], feed_forward[1]),
+            "wi": (d, f, 0 if self.gated else blocks),
+            "wo": (f, d, blocks),
+        }
+
+    def lora_weight_shapes(self, lora: LoraShape) -> dict[tuple[int, ...], int]:
+        """How many adapter matrices of each shape LoRA adds: lora_A (r, in) and lora_B (out, r) per adapted
+        projection (trainer.lora)."""
+        counts: dict[tuple[int, ...], int] = {}
+        for name in lora.targets:
+            n_in, n_out, n = self.projections()[name]
+            for dims in ((lora.r, n_in), (n_out, lora.r)):
+                counts[dims] = counts.get(dims, 0) + n
+        return {dims: n for dims, n in counts.items() if n}
+
+    def lora_num_params(self, lora: LoraShape) -> int:
+        return sum(math.prod(dims) * n for dims, n in self.lora_weight_shapes(lora).items())
+
     @classmethod
     def from_config(cls, config) -> ModelShape:
         """From a `transformers.T5Config` (or anything with its attribute names)."""
@@ -67,6 +97,23 @@ class ModelShape:
             dropout_rate=float(getattr(config, "dropout_rate", 0.1)),
             relative_attention_num_buckets=getattr(config, "relative_attention_num_buckets", 32),
         )
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """The numbers of `adapter: lora` that decide memory and FLOPs (trainer.lora): the rank, the adapted
+    projections (PEFT's module names) and the adapters' dropout."""
+
+    r: int
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+
+    @classmethod
+    def of(cls, cfg) -> LoraShape | None:
+        """The config's adapters; None for full fine-tuning."""
+        if cfg.adapter != "lora":
+            return None
+        return cls(cfg.lora_r, tuple(cfg.lora_target_modules), cfg.lora_dropout)
 
 
 def _t5(d: int, f: int, h: int, n: int) -> dict:

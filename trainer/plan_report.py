@@ -34,7 +34,7 @@ from trainer.memory_plan import (
     plan_run,
     row_lengths,
 )
-from trainer.model_shape import ModelShape, load_shape
+from trainer.model_shape import LoraShape, ModelShape, load_shape
 from trainer.step_meter import format_duration
 
 
@@ -123,8 +123,16 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
             shapes = f"packed: {rows} rows x ({src_cap} + {tgt_cap}), the data not read"
         batch = f"token budget {plan.max_tokens} ({source}; {shapes})"
     print(f"model: {cfg.model_name_or_path} ({shape.num_params() / 1e9:.2f}B parameters)")
+    lora = kw_all["lora"]
+    if lora is not None:
+        print(
+            f"adapter: LoRA r {lora.r}, alpha {cfg.lora_alpha:g}, dropout {lora.dropout:g} on "
+            f"{', '.join(lora.targets)}: {shape.lora_num_params(lora) / 1e6:.1f}M fp32 parameters trained "
+            f"(their gradients and optimizer states alone), the base frozen in {cfg.dtype}"
+        )
+    update = "fp32 adapters" if lora is not None else f"{cfg.bf16_update} bf16 update"
     print(
-        f"optimizer: {cfg.optimizer} ({cfg.bf16_update} bf16 update), "
+        f"optimizer: {cfg.optimizer} ({update}), "
         f"checkpointing: {cfg.gradient_checkpointing}, attention: {kw_all['attn_implementation']}"
     )
     if cfg.gradient_checkpointing:
@@ -216,7 +224,8 @@ def time_report(
     at MEASURED_MFU; a card with less memory than the micro-batch's predicted peak says so instead."""
     records = max(epoch.records, 1)
     mean_src, mean_tgt = epoch.source_tokens / records, epoch.target_tokens / records
-    per_token = flops_per_real_token(shape, mean_src, mean_tgt)
+    lora = LoraShape.of(cfg)
+    per_token = flops_per_real_token(shape, mean_src, mean_tgt, lora)
     mfu = MEASURED_MFU.mfu
     run_epochs = epoch.total_steps / max(epoch.steps, 1e-9)
     lines = [
@@ -228,6 +237,11 @@ def time_report(
         f"{per_token / 1e9:.3g} GFLOP per real token",
         f"  this run: {epoch.total_steps:,} optimizer steps ({run_epochs:.2f} epochs)",
     ]
+    if lora is not None:
+        lines.append(
+            "  LoRA: no weight gradients for the frozen base, 4 FLOPs per parameter and token instead of 6 "
+            "(the MFU is full fine-tuning's)"
+        )
     for spec in GPUS.values():
         rate = f"{spec.bf16_tflops:g} TFLOP/s dense bf16"
         if spec.spec_sheet_tflops != spec.bf16_tflops:  # GeForce: training's fp32 accumulation runs at half
@@ -241,7 +255,7 @@ def time_report(
             )
             continue
         tokens_per_s = predicted_tokens_per_s(spec, mfu, per_token)
-        epoch_s = predicted_epoch_seconds(spec, mfu, shape, epoch.source_tokens, epoch.target_tokens)
+        epoch_s = predicted_epoch_seconds(spec, mfu, shape, epoch.source_tokens, epoch.target_tokens, lora)
         line = (
             f"  {spec.name} ({rate}): {tokens_per_s:,.0f} real tokens/s; "
             f"one epoch {format_duration(epoch_s)}; this run {format_duration(epoch_s * run_epochs)}"

@@ -114,7 +114,7 @@ class Run:
     device: torch.device
     output_dir: Path
     is_main: bool
-    model: Any  # the HF model (checkpoints, generation)
+    model: Any  # the HF model (checkpoints, generation); with LoRA PEFT's model around it (trainer.lora)
     train_module: Any  # what the loss is computed through: the model, or DDP/FSDP2 around it
     optimizer: Any
     scheduler: Any
@@ -409,15 +409,18 @@ def warn_if_the_disk_is_small(
     checkpoint's size, else an estimate from the parameter count."""
     one = disk.checkpoint_bytes(output_dir)
     if one is None:
-        n_params = model_files.n_params if model_files is not None else None
-        if n_params is None:  # pytorch_model.bin weights, random_init, or a Hub model not downloaded yet
-            from trainer.model_shape import load_shape
+        from trainer.model_shape import LoraShape, load_shape
 
-            try:
+        n_params = model_files.n_params if model_files is not None else None
+        dtype, lora = cfg.dtype, LoraShape.of(cfg)
+        try:
+            if lora is not None:  # the checkpoints hold the fp32 adapters and their states
+                n_params, dtype = load_shape(cfg.model_name_or_path).lora_num_params(lora), "float32"
+            elif n_params is None:  # pytorch_model.bin weights, random_init, a Hub model not downloaded yet
                 n_params = load_shape(cfg.model_name_or_path).num_params()
-            except (ValueError, OSError):
-                return
-        one = disk.estimate_checkpoint_bytes(n_params, cfg.dtype, cfg.optimizer, cfg.bf16_update)
+        except (ValueError, OSError):
+            return
+        one = disk.estimate_checkpoint_bytes(n_params, dtype, cfg.optimizer, cfg.bf16_update)
     planned_saves = math.ceil(total_steps / cfg.save_steps)
     warning = disk.free_space_warning(output_dir, one, cfg.save_total_limit, planned_saves)
     if warning:
@@ -514,13 +517,19 @@ def build_model(
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
+    # A LoRA checkpoint holds the adapters: the base is loaded again, and the adapters from the checkpoint.
+    from_checkpoint = resume_from if cfg.adapter is None else None
     model = load_model(
         cfg,
         device,
-        path=resume_from,
-        random_init=False if resume_from else None,
+        path=from_checkpoint,
+        random_init=False if from_checkpoint else None,
         blocks_without_checkpointing=plan.blocks_without_checkpointing,
     )
+    if cfg.adapter is not None:
+        from trainer.lora import add_adapters
+
+        model = add_adapters(model, cfg)
     model.train()
     train_module = distributed.wrap(model, cfg.distributed_strategy, device)
     if not distributed.is_distributed():  # DDP and FSDP act on autograd's own gradient accumulation
@@ -927,6 +936,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         "best_global_step": state.best["step"] if state.best else None,
         "best_model_checkpoint": state.best["path"] if state.best else None,
         "final_model_step": final_step if cfg.save_final else None,
+        "adapter": cfg.adapter,
     }
     if run.device.type == "cuda":
         summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(run.device) / memory.GIB
@@ -986,7 +996,7 @@ def best_checkpoint_for_final(cfg: TrainConfig, state: RunState) -> Path | None:
 
 def model_card_info(run: Run, state: RunState, final: Path, last_eval: EvalResult | None, final_step: int):
     """What final/'s model card says about this run (trainer.model_card)."""
-    from trainer.model_card import ModelCardInfo
+    from trainer.model_card import LoraSettings, ModelCardInfo
 
     cfg = run.cfg
     if run.device.type == "cuda":
@@ -1001,6 +1011,12 @@ def model_card_info(run: Run, state: RunState, final: Path, last_eval: EvalResul
     if state.last_loss is not None:
         last["train/loss"] = state.last_loss
     best = state.best
+    lora = None
+    if cfg.adapter is not None:
+        trained = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
+        lora = LoraSettings(
+            cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, list(cfg.lora_target_modules), trained
+        )
     return ModelCardInfo(
         model_path=str(final),
         base_model=cfg.model_name_or_path,
@@ -1019,4 +1035,5 @@ def model_card_info(run: Run, state: RunState, final: Path, last_eval: EvalResul
         best_step=best["step"] if best else None,
         metric_for_best_model=cfg.best_metric_key,
         weights_step=final_step,
+        lora=lora,
     )
