@@ -149,18 +149,20 @@ def _acc_bytes(e: int) -> int:
     return max(4, e)
 
 
-def _layer_norm_saved(n: int, d: int, e: int, fused: bool = True) -> int:
+def _layer_norm_saved(n: int, d: int, e: int, fused: bool = True, weight_grad: bool = True) -> int:
     """`nn.RMSNorm` (the trainer's T5 layer norm) on n tokens, beyond its input (the residual stream, counted
     where it is made): the rsqrt (fp32, per token) and the output (saved by the following linear layers).
-    fused: CUDA's fused kernel; without it (CPU) the composite saves two fp32 n x d tensors as well."""
-    return n * 4 + n * d * e + (0 if fused else 2 * n * d * 4)
+    fused: CUDA's fused kernel; without it (CPU) the composite saves two fp32 n x d tensors as well, one of
+    them (the normalised input the weight multiplies) only for the weight's gradient (`weight_grad`: not
+    for LoRA's frozen norms)."""
+    return n * 4 + n * d * e + (0 if fused else (2 if weight_grad else 1) * n * d * 4)
 
 
-def _sublayer_norm_saved(n: int, d: int, e: int, fused: bool = True) -> int:
+def _sublayer_norm_saved(n: int, d: int, e: int, fused: bool = True, weight_grad: bool = True) -> int:
     """A sublayer's layer norm on n tokens, beyond its input. On CUDA (trainer.fused_ops.norm_and_residual)
     it keeps only its input, and the projections of its output keep that input too and make the output again
     in their backward (trainer.projections): nothing more. Elsewhere: `_layer_norm_saved`."""
-    return 0 if fused else _layer_norm_saved(n, d, e, fused=False)
+    return 0 if fused else _layer_norm_saved(n, d, e, fused=False, weight_grad=weight_grad)
 
 
 def _lora_groups(groups, lora: LoraShape | None, e: int) -> tuple[int, int]:
@@ -226,7 +228,7 @@ def _attention_sublayer(
         projections = [(n, d, ("q", "k", "v")), (n, inner, ("o",))]
     adapters, adapters_widest = _lora_groups(projections, lora, e)
     bias_grad = has_bias and lora is None
-    ln = _sublayer_norm_saved(n, d, e, fused)
+    ln = _sublayer_norm_saved(n, d, e, fused, weight_grad=lora is None)
     qkv = n * inner * e + 2 * m * inner * e
     # o's input (with Triton the kernels' (B, T, H, D) output, saved by them too: o reads it as a view, so it
     # is counted once, below), the output dropout's mask (none with Triton: trainer.fused_ops fuses it with
@@ -277,9 +279,9 @@ def _ff_sublayer(n, shape, e, mask, fused=True, lora=None):
         # trainer.fused_ops on CUDA (gated_gelu_linear): wi_0's and wi_1's outputs kept, the product not (the
         # backward's kernel makes it again for wo's weight gradient; dropout drawn again, no mask). Widest:
         # that kernel, with a, b, the product's gradient (becoming a's), b's gradient and the product.
-        saved = _sublayer_norm_saved(n, d, e, fused) + 2 * nf * e + residual + adapters
+        saved = _sublayer_norm_saved(n, d, e, fused, lora is None) + 2 * nf * e + residual + adapters
         return saved, 5 * nf * e + adapters + adapters_widest
-    ln = _layer_norm_saved(n, d, e, fused)
+    ln = _layer_norm_saved(n, d, e, fused, weight_grad=lora is None)
     acts = (1 + (2 if shape.gated else 0)) * nf * e  # wi_0 .. wi_1 outputs
     dropped = nf * (drop + e) if p > 0 else (nf * e if shape.gated else 0)  # wo's input (or its dropout)
     saved = ln + acts + dropped + residual + adapters
@@ -436,7 +438,7 @@ def plan_memory(
     # passed to every block), the padding mask (B x 1 x S x S), the final layer norm's saved tensors (its
     # output goes to dropout, which saves only its mask), the final dropout's mask and output (the encoder
     # output every cross-attention reads).
-    final_norm_s = _layer_norm_saved(b * s, d, e, fused) - b * s * d * e
+    final_norm_s = _layer_norm_saved(b * s, d, e, fused, weight_grad=lora is None) - b * s * d * e
     enc_shared = b * s * d * mask_bytes + h * s * s * shared_bias + b * s * s * mask_e + final_norm_s
     enc_shared += b * s * d * (mask_bytes + e)
     # decoder: embedding dropout mask, relative position bias (1 x H x T x T), the cross-attention's zero bias
@@ -446,7 +448,8 @@ def plan_memory(
     causal_mask = b * t * t * e if attention == "eager" else 0
     dec_shared = b * t * d * mask_bytes + (h * t * t + h * t * s) * shared_bias + causal_mask
     dec_shared += b * t * s * mask_e
-    dec_shared += _layer_norm_saved(b * t, d, e, fused) - b * t * d * e + b * t * d * mask_bytes
+    dec_norm = _layer_norm_saved(b * t, d, e, fused, weight_grad=lora is None)
+    dec_shared += dec_norm - b * t * d * e + b * t * d * mask_bytes
 
     if gradient_checkpointing:
         enc_keep = le * b * s * d * e  # each encoder block's input hidden states
