@@ -184,3 +184,37 @@ def test_fsdp_with_the_presets_adafactor_trains_like_one_process(model_dir, samp
     assert two[STEPS] < two[1] - 0.5  # it learns
     for s in two:
         assert two[s] == pytest.approx(single[s], rel=2e-2), (s, two[s], single[s])
+
+
+def test_ddp_with_lora_adapters_trains_like_one_process_and_resumes_in_one(model_dir, sample_csv, tmp_path):
+    """LoRA (trainer.lora) under DDP: the adapters alone are reduced (the frozen base has no gradient), rank 0
+    writes the adapter checkpoints and the merged final/, and 2 ranks' checkpoint resumes in 1 process."""
+    lora = dict(adapter="lora", lora_r=4, optimizer="adamw", learning_rate=1e-2)
+    one_out = tmp_path / "one-lora"
+    assert (
+        train(
+            TrainConfig.from_dict(
+                _values(model_dir, sample_csv, one_out, gradient_accumulation_steps=2, **lora)
+            )
+        )
+        == 0
+    )
+    one = _losses(one_out)
+
+    out = tmp_path / "ddp-lora"
+    run = _torchrun(_values(model_dir, sample_csv, out, distributed_strategy="ddp", **lora), tmp_path)
+    assert "process group: 2 ranks, backend gloo" in run.stderr and "LoRA: r 4" in run.stderr
+    two = _losses(out)
+    assert sorted(two) == list(range(1, STEPS + 1)) and two[STEPS] < two[1]
+    for s in two:
+        assert two[s] == pytest.approx(one[s], rel=1e-5), (s, two[s], one[s])
+    from transformers import AutoModelForSeq2SeqLM
+
+    AutoModelForSeq2SeqLM.from_pretrained(out / "final")  # merged by rank 0
+    checkpoint = out / f"checkpoint-{SAVE_AT}"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "rng-1.pt").is_file()
+
+    resumed = _resume_in_one_process(model_dir, sample_csv, checkpoint, tmp_path / "resumed", **lora)
+    assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
+    for s in resumed:
+        assert resumed[s] == pytest.approx(one[s], rel=1e-5), (s, resumed[s], one[s])
