@@ -12,7 +12,7 @@ from trainer.config import ConfigError, TrainConfig
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-@pytest.mark.parametrize("name", ["quickstart.yaml", "flan-t5-xl-rtx5090.yaml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_presets_load(name):
     cfg = TrainConfig.load(CONFIGS / name)
     assert cfg.train_files and cfg.output_dir

@@ -327,6 +327,24 @@ def test_decoder_blocks_without_checkpointing_keep_their_activations():
     assert skip_checkpointing(build_bf16(config), blocks + 1, 1) == (blocks, 1)
 
 
+@pytest.mark.parametrize(
+    "name,card_gib",
+    [
+        ("flan-t5-xl-rtx5090.yaml", 32),
+        ("flan-t5-xl-rtx4090.yaml", 24),
+        ("flan-t5-xl-lora-rtx4080.yaml", 16),
+        ("flan-t5-xxl-lora-rtx5090.yaml", 32),
+    ],
+)
+def test_each_preset_fits_the_card_it_is_for(name, card_gib):
+    from trainer.memory_plan import planned_peak_bytes
+
+    cfg = TrainConfig.load(Path(__file__).parents[1] / "configs" / name)
+    plan = plan_run(cfg, card_gib * GIB)  # the loader's longest rows, as before any data is read
+    assert planned_peak_bytes(cfg, plan) <= SAFETY_MARGIN * card_gib * GIB
+    assert (cfg.adapter == "lora") == ("lora" in name)
+
+
 def test_the_trainer_skips_checkpointing_only_where_the_plan_has_room():
     from trainer.memory_plan import choose_blocks_without_checkpointing as choose
 

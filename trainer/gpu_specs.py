@@ -14,6 +14,10 @@ data-centre cards run both at the same rate. Sources:
   419 TFLOP/s dense with FP16 accumulate (838 sparse), 209.5 with FP32 accumulate; 32 GB GDDR7, 1792 GB/s.
 - RTX 4090: NVIDIA Ada GPU Architecture whitepaper (2022), GeForce RTX 4090: 330.3 TFLOP/s dense with FP16
   accumulate, 165.2 with FP32 accumulate (FP16 and BF16 alike); 24 GB GDDR6X, 1008 GB/s.
+- RTX 4080: the same whitepaper, GeForce RTX 4080: 194.9 TFLOP/s dense with FP16 accumulate, 97.5 with FP32
+  accumulate; 16 GB GDDR6X, 716.8 GB/s.
+- RTX 3090: NVIDIA Ampere GA102 GPU Architecture whitepaper (2020), GeForce RTX 3090: 142 TFLOP/s dense with
+  FP16 accumulate, 71 with FP32 accumulate (BF16 alike); 24 GB GDDR6X, 936 GB/s.
 - A100 80GB SXM: NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOP/s dense; 80 GB HBM2e, 2039 GB/s.
 - H100 SXM: NVIDIA H100 Tensor Core GPU datasheet: BF16 989 TFLOP/s dense (1979 sparse); 80 GB HBM3,
   3.35 TB/s.
@@ -47,6 +51,8 @@ class GpuSpec:
 GPUS: dict[str, GpuSpec] = {
     "rtx5090": GpuSpec("RTX 5090", ("rtx5090", "5090"), 209.5, 419.0, 32, 1792),
     "rtx4090": GpuSpec("RTX 4090", ("rtx4090", "4090"), 165.2, 330.3, 24, 1008),
+    "rtx4080": GpuSpec("RTX 4080", ("rtx4080", "4080"), 97.5, 194.9, 16, 716.8),
+    "rtx3090": GpuSpec("RTX 3090", ("rtx3090", "3090"), 71.0, 142.0, 24, 936),
     "a100": GpuSpec("A100 80GB SXM", ("a100", "a10080gb", "a100sxm480gb"), 312.0, 312.0, 80, 2039),
     "h100": GpuSpec("H100 SXM", ("h100", "h100sxm", "h10080gbhbm3", "h100sxm580gb"), 989.0, 989.0, 80, 3350),
     "h200": GpuSpec("H200 SXM", ("h200", "h200sxm", "h200141gb"), 989.0, 989.0, 141, 4800),
