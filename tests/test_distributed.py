@@ -72,6 +72,15 @@ def single(model_dir, sample_csv, tmp_path_factory) -> dict[int, float]:
     return _losses(out)
 
 
+def _one_process(model_dir, sample_csv, out: Path, **kw) -> dict[int, float]:
+    """The losses of the run in this process with accumulation 2: what 2 ranks with accumulation 1 train."""
+    assert (
+        train(TrainConfig.from_dict(_values(model_dir, sample_csv, out, gradient_accumulation_steps=2, **kw)))
+        == 0
+    )
+    return _losses(out)
+
+
 def _resume_in_one_process(model_dir, sample_csv, checkpoint: Path, out: Path, **kw) -> dict[int, float]:
     values = _values(model_dir, sample_csv, out, gradient_accumulation_steps=2, resume=str(checkpoint), **kw)
     assert train(TrainConfig.from_dict(values)) == 0
@@ -168,18 +177,10 @@ def test_fsdp_with_the_presets_adafactor_trains_like_one_process(model_dir, samp
     """Adafactor with Kahan-compensated bf16 weights (the rtx5090 preset's optimizer) on FSDP2's sharded
     weights, which it cannot stack by shape and updates one at a time."""
     values = dict(optimizer="adafactor", dtype="bfloat16")
-    one = tmp_path / "one"
-    assert (
-        train(
-            TrainConfig.from_dict(
-                _values(model_dir, sample_csv, one, gradient_accumulation_steps=2, **values)
-            )
-        )
-        == 0
-    )
+    single = _one_process(model_dir, sample_csv, tmp_path / "one", **values)
     out = tmp_path / "fsdp"
     _torchrun(_values(model_dir, sample_csv, out, distributed_strategy="fsdp", **values), tmp_path)
-    single, two = _losses(one), _losses(out)
+    two = _losses(out)
     assert sorted(two) == list(range(1, STEPS + 1))
     assert two[STEPS] < two[1] - 0.5  # it learns
     for s in two:
@@ -190,16 +191,7 @@ def test_ddp_with_lora_adapters_trains_like_one_process_and_resumes_in_one(model
     """LoRA (trainer.lora) under DDP: the adapters alone are reduced (the frozen base has no gradient), rank 0
     writes the adapter checkpoints and the merged final/, and 2 ranks' checkpoint resumes in 1 process."""
     lora = dict(adapter="lora", lora_r=4, optimizer="adamw", learning_rate=1e-2)
-    one_out = tmp_path / "one-lora"
-    assert (
-        train(
-            TrainConfig.from_dict(
-                _values(model_dir, sample_csv, one_out, gradient_accumulation_steps=2, **lora)
-            )
-        )
-        == 0
-    )
-    one = _losses(one_out)
+    one = _one_process(model_dir, sample_csv, tmp_path / "one-lora", **lora)
 
     out = tmp_path / "ddp-lora"
     run = _torchrun(_values(model_dir, sample_csv, out, distributed_strategy="ddp", **lora), tmp_path)

@@ -79,6 +79,13 @@ def _peft_and_fused(model_dir, device="cpu", dtype=torch.float32, checkpointing=
     return peft, fused
 
 
+def _step_loss(model, device="cpu") -> float:
+    """The loss of `_batch`, its gradients left in `model`."""
+    loss = token_loss_sum(model, _batch(device))
+    loss.backward()
+    return float(loss.detach())
+
+
 def _adapter_grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
@@ -94,12 +101,7 @@ def test_the_fused_path_gives_the_loss_and_adapter_gradients_of_peft_modules(
     tiny_model_without_dropout, checkpointing
 ):
     peft, fused = _peft_and_fused(tiny_model_without_dropout, checkpointing=checkpointing)
-    losses = []
-    for model in (peft, fused):
-        loss = token_loss_sum(model, _batch())
-        loss.backward()
-        losses.append(float(loss.detach()))
-    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert _step_loss(fused) == pytest.approx(_step_loss(peft), rel=1e-6)
     got = _adapter_grads(fused)
     # A and B on each of an encoder block's 7 projections and a decoder block's 11
     assert len(got) == 2 * (7 * len(fused.encoder.block) + 11 * len(fused.decoder.block))
@@ -110,12 +112,7 @@ def test_the_fused_path_gives_the_loss_and_adapter_gradients_of_peft_modules(
 
 def test_adapters_on_some_projections_of_a_group_leave_the_others_plain(tiny_model_without_dropout):
     peft, fused = _peft_and_fused(tiny_model_without_dropout, targets=["q", "v", "wo"])  # LoRA paper's q, v
-    losses = []
-    for model in (peft, fused):
-        loss = token_loss_sum(model, _batch())
-        loss.backward()
-        losses.append(float(loss.detach()))
-    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert _step_loss(fused) == pytest.approx(_step_loss(peft), rel=1e-6)
     got = _adapter_grads(fused)
     # q and v in every attention (one per encoder block, two per decoder block), wo in every block
     encoder, decoder = len(fused.encoder.block), len(fused.decoder.block)
@@ -333,12 +330,7 @@ def test_cuda_fused_path_with_triton_attention_gives_peft_modules_loss_and_gradi
 
     peft, fused = _peft_and_fused(tiny_model_without_dropout, "cuda", torch.bfloat16, checkpointing=True)
     use_triton_attention(fused.get_base_model())
-    losses = []
-    for model in (peft, fused):
-        loss = token_loss_sum(model, _batch("cuda"))
-        loss.backward()
-        losses.append(float(loss.detach()))
-    assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+    assert _step_loss(fused, "cuda") == pytest.approx(_step_loss(peft, "cuda"), rel=2e-2)
     want, got = _adapter_grads(peft), _adapter_grads(fused)
     for name, grad in want.items():
         err = float((got[name].double() - grad.double()).norm() / grad.double().norm().clamp_min(1e-30))

@@ -137,11 +137,15 @@ def measured_activation_peak(
     assert skip_checkpointing(model, unchecked) == (unchecked, 0)
     use_fused_t5_ops(model)
     opt = optimi.AdamW(model.parameters(), lr=1e-4, kahan_sum=True)
-    if inputs is None:
-        inputs = batch(config, rows, src, tgt)
+    return micro_step_peak(model, opt, inputs if inputs is not None else batch(config, rows, src, tgt))
+
+
+def micro_step_peak(model, opt, inputs: dict) -> int:
+    """Peak live tensor bytes of `model`'s second micro-step on `inputs` above its weights, gradients and
+    `opt`'s states (made by a first micro-step and an update)."""
     token_loss_sum(model, inputs).backward()
     opt.step()  # states now exist; the gradients stay, as between accumulated micro-batches
-    fixed = list(model.parameters()) + [p.grad for p in model.parameters()]
+    fixed = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
     fixed += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     with LiveTensorBytes(fixed) as tracker:
         base = tracker.live()
@@ -213,14 +217,7 @@ def measured_lora_activation_peak(config: T5Config, inputs: dict, lora: LoraShap
     """`measured_activation_peak` for the LoRA model (`build_lora`), AdamW over its adapters."""
     model = build_lora(config, lora)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    token_loss_sum(model, inputs).backward()
-    opt.step()
-    fixed = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
-    fixed += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    with LiveTensorBytes(fixed) as tracker:
-        base = tracker.live()
-        token_loss_sum(model, inputs).backward()
-    return tracker.peak - base
+    return micro_step_peak(model, opt, inputs)
 
 
 @pytest.mark.parametrize(
