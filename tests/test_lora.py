@@ -295,7 +295,7 @@ def test_lora_config_errors_name_their_keys(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     cfg = TrainConfig.load(None, ["lora_r=8"])  # without adapter: lora, a full fine-tuning run, said so
     assert cfg.adapter is None
-    assert "--set lora_r=8: lora_r set, but adapter is null" in caplog.text
+    assert "lora_r (--set lora_r=8) set, but adapter is null" in caplog.text
 
 
 def test_trainer_plan_counts_the_frozen_base_and_the_adapters(tmp_path, capsys):

@@ -409,10 +409,8 @@ class TrainConfig:
         unused = [k for k in checked if k.startswith("lora_")] if checked.get("adapter") is None else []
         if unused:
             log.warning(
-                "%s: %s set, but adapter is null (full fine-tuning): they are not used; adapter: lora trains "
-                "LoRA adapters",
-                ", ".join((sources or {}).get(k, source) for k in unused),
-                ", ".join(unused),
+                "%s set, but adapter is null (full fine-tuning): not used; adapter: lora trains LoRA adapters",
+                ", ".join(f"{k} ({(sources or {}).get(k, source)})" for k in unused),
             )
         try:
             return cls(**checked)
