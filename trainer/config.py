@@ -409,7 +409,7 @@ class TrainConfig:
         unused = [k for k in checked if k.startswith("lora_")] if checked.get("adapter") is None else []
         if unused:
             log.warning(
-                "%s set, but adapter is null (full fine-tuning): not used; adapter: lora trains LoRA adapters",
+                "%s set, but adapter is null (full fine-tuning): not used (adapter: lora trains adapters)",
                 ", ".join(f"{k} ({(sources or {}).get(k, source)})" for k in unused),
             )
         try:
