@@ -250,10 +250,35 @@ def test_a_lora_run_checkpoints_its_adapters_resumes_exactly_and_ends_with_one_m
     card = (final / "README.md").read_text()
     assert "LoRA: r 4, alpha 32, dropout 0 on `q`, `k`, `v`, `o`, `wi_0`, `wi_1`, `wo`" in card
 
+    # A config that would not fit the checkpoint's tensors is one line naming the keys, before any loading.
+    with pytest.raises(
+        ConfigError, match=r"checkpoint-6 was written with lora_r 4, .* changes to 8: its tensors"
+    ):
+        _run(tiny_model_dir, sample_csv, out, 8, lora_r=8)
+
     # Both generate: final/ as any model, a checkpoint through its adapter merged into the base it names.
     for model_dir in (final, out / "checkpoint-6"):
         assert cli_main(["generate", "--model", str(model_dir), "--ingredients", "2 eggs; 1 cup flour"]) == 0
     assert capsys.readouterr().out.count("title") >= 2
+
+
+def test_load_best_model_at_end_merges_the_best_checkpoints_adapter(tiny_model_dir, sample_csv, tmp_path):
+    from safetensors.torch import load_file
+
+    from trainer.train import SUMMARY
+
+    out = tmp_path / "best"
+    # The highest eval loss is the best: the first evaluation's (the loss falls), not the last step's.
+    best = dict(eval_steps=2, save_steps=2, load_best_model_at_end=True, greater_is_better=True)
+    _run(tiny_model_dir, sample_csv, out, 4, learning_rate=1e-2, eval_generation_records=2, **best)
+    summary = json.loads((out / SUMMARY).read_text())
+    assert summary["final_model_step"] == summary["best_global_step"] == 2
+    final, kept = (
+        load_file(d / "adapter_model.safetensors") for d in (out / "final/adapter", out / "checkpoint-2")
+    )
+    last = load_file(out / "checkpoint-4" / "adapter_model.safetensors")
+    assert final.keys() == kept.keys() and all(torch.equal(final[k], kept[k]) for k in final)
+    assert not all(torch.equal(final[k], last[k]) for k in final)
 
 
 def test_a_lora_checkpoint_is_tens_of_times_smaller_than_a_full_one(tiny_model_dir, sample_csv, tmp_path):

@@ -372,6 +372,29 @@ _RESUME_FREE_KEYS = {
 }
 
 
+# Keys the checkpoint's tensors are shaped by: full weights or LoRA adapters, and the adapters' shapes.
+_RESUME_FIXED_KEYS = ("adapter", "lora_r", "lora_target_modules")
+
+
+def check_resume_config(checkpoint: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """ConfigError naming the keys when the config `now` changes what `checkpoint` (written with the config
+    `saved`) holds: a LoRA run's adapters or a full run's weights, the adapters' rank or projections."""
+    adapter_keys = _RESUME_FIXED_KEYS[1:] if now.get("adapter") or saved.get("adapter") else ()
+
+    def value(config: dict[str, Any], key: str):
+        v = config.get(key)
+        return sorted(v) if isinstance(v, list) else v  # the projections in any order: the same adapters
+
+    changed = [k for k in ("adapter", *adapter_keys) if k in saved and value(saved, k) != value(now, k)]
+    if changed:
+        raise ConfigError(
+            f"resume: {checkpoint} was written with {', '.join(f'{k} {saved[k]!r}' for k in changed)}, which "
+            f"this config changes to {', '.join(repr(now.get(k)) for k in changed)}: its tensors cannot be "
+            "loaded. Set them back, or start over with resume: never or another output_dir",
+            key=tuple(changed),
+        )
+
+
 def warn_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
     """Warn, naming the keys, where the config `now` (secrets masked, as checkpoints store it) differs from
     the one the checkpoint was written with. The optimizer and scheduler states come from the checkpoint, so

@@ -25,6 +25,7 @@ and their optimizer states (trainer.checkpoint); at the end `final/` holds the m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -75,11 +76,7 @@ def add_adapters(model, cfg) -> PeftModel:
     config = lora_config(cfg)
     # PEFT's extension point for module types it does not know (its "dynamic dispatch" of custom modules).
     config._register_custom_module({GroupedLinear: GroupedLoraLinear})
-    with warnings.catch_warnings():
-        # PEFT warns of any registered custom module type ("proceed at your own risk"), and asks transformers
-        # a question it has renamed: nothing for the user to do.
-        warnings.filterwarnings("ignore", "Unsupported layer type", UserWarning)
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+    with _peft_warnings_ignored():
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     # The base the adapter files name: the config's (PEFT takes the model's name, empty for random_init).
     config.base_model_name_or_path = cfg.model_name_or_path
@@ -103,6 +100,16 @@ def add_adapters(model, cfg) -> PeftModel:
         fused,
     )
     return peft_model
+
+
+@contextlib.contextmanager
+def _peft_warnings_ignored():
+    """PEFT warns of any registered custom module type ("proceed at your own risk"), and asks transformers a
+    question it has renamed: nothing for the user to do."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Unsupported layer type", UserWarning)
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        yield
 
 
 def low_rank_of(layer: LoraLayer) -> LowRank | None:
@@ -214,6 +221,7 @@ def load_merged(adapter_dir: str | Path, **from_pretrained_kwargs):
 
     base = base_model_of(adapter_dir)
     model = AutoModelForSeq2SeqLM.from_pretrained(base, **from_pretrained_kwargs)
-    merged = merge(PeftModel.from_pretrained(model, str(adapter_dir)))
+    with _peft_warnings_ignored():
+        merged = merge(PeftModel.from_pretrained(model, str(adapter_dir)))
     log.info("model: %s with the LoRA adapter of %s merged into it", base, adapter_dir)
     return merged

@@ -197,7 +197,9 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         state = RunState(world_size=world_size)
         if resume_from:
             saved = ckpt.load_trainer_state(resume_from)
-            ckpt.warn_config_changes(saved.get("config", {}), ckpt.saved_config(plan.applied_to(cfg)))
+            now = ckpt.saved_config(plan.applied_to(cfg))
+            ckpt.check_resume_config(resume_from, saved.get("config", {}), now)
+            ckpt.warn_config_changes(saved.get("config", {}), now)
             state = RunState.from_trainer_state(saved)
             if already_finished(cfg, data, state, resume_from):
                 if rank == 0:  # what an earlier run of it did not get onto the Hub
