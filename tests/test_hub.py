@@ -123,6 +123,31 @@ def test_checkpoint_strategy_uploads_final_and_the_newest_checkpoint(
     _no_token_anywhere(hub_server.token, out, console, discord_server, hub_server)
 
 
+def test_a_lora_run_uploads_its_adapter_while_training_and_the_merged_model_at_the_end(
+    tmp_path,
+    tiny_model_dir,
+    sample_csv,
+    hub_server,  # noqa: F811
+    discord_server,  # noqa: F811
+):
+    lora = dict(adapter="lora", lora_r=4)
+    config, out = _config(tmp_path, tiny_model_dir, sample_csv, "lora", hub_strategy="every_save", **lora)
+    code, console = _train(config, _env(tmp_path, hub_server.endpoint, hub_server.token, discord_server.url))
+    assert code == 0, console
+    commits = hub_server.commits(REPO_ID)
+    # While training, the root is the newest checkpoint's adapter in PEFT's format.
+    during = commits[0].files
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= during.keys(), sorted(during)
+    # At the end it is final/: the merged model, the adapter in adapter/, no adapter left at the root.
+    files = hub_server.files(REPO_ID)
+    assert {p: d for p, d in files.items() if p != "README.md"} == {
+        p: d for p, d in _files(out / "final").items() if p != "README.md"
+    }
+    assert "adapter/adapter_config.json" in files and "adapter_config.json" not in files
+    card = ModelCard(files["README.md"].decode())
+    assert "lora" in card.data.tags and f"{REPO_ID!r}, subfolder='adapter'" in card.text
+
+
 def test_a_dead_hub_costs_nothing_and_a_restart_uploads_what_was_left(
     tmp_path,
     tiny_model_dir,

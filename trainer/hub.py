@@ -55,7 +55,11 @@ MODEL_FILES = (
     "special_tokens_map.json",
     "spiece.model",
     TEMPLATE_FILE,
+    "adapter_config.json",  # a LoRA run's checkpoints hold its adapter (trainer.lora), PEFT's format
 )
+# What a LoRA run's checkpoints leave at the root, which its final/ (the merged model, the adapter in
+# adapter/) replaces: from_pretrained would otherwise take the root for an adapter.
+ADAPTER_ROOT_FILES = ["adapter_config.json", "adapter_model.safetensors"]
 TRIES = 3
 RETRY_WAIT_S = (5.0, 30.0)  # before the 2nd and the 3rd try
 
@@ -193,7 +197,8 @@ class HubUploader:
         """Stage final/ for the root of the repository, its model card (`card`, a ModelCardInfo) written
         for the Hub: how to download the model from there."""
         parts = [(final, "", False)]
-        staged = self._stage("final", step, "End of training", parts, [], final=True, card=card)
+        delete = ADAPTER_ROOT_FILES if (final / "adapter").is_dir() else []
+        staged = self._stage("final", step, "End of training", parts, delete, final=True, card=card)
         if staged is not None:
             log.info("push_to_hub: final/ (step %d) is queued for %s", step, self._url())
 
