@@ -1,5 +1,6 @@
 """The model shapes the memory plan works from: a T5 config's sizes, read from a local model directory, a
-built-in table of the public FLAN-T5 / T5 v1.1 checkpoints (no download needed), or the Hugging Face cache."""
+built-in table of the public FLAN-T5 / T5 v1.1 checkpoints (no download needed), or the Hugging Face cache;
+and LoRA's adapters over them (`LoraShape`, `ModelShape.lora_weight_shapes`)."""
 
 from __future__ import annotations
 
