@@ -117,6 +117,8 @@ def preset_optimization() -> dict:
 def variants(args, packed_rows: int) -> dict[str, Variant]:
     """Every variant this benchmark knows; `packed_rows`: the packed variants' rows per optimizer step (the
     baseline's budget is matched to their real tokens), a multiple of 8."""
+    import yaml
+
     preset = preset_optimization()
     warmup = max(1, round(0.05 * args.steps))
     schedule = f"lr {preset['learning_rate']:g} {preset['lr_scheduler_type']}" + (
@@ -179,7 +181,7 @@ def variants(args, packed_rows: int) -> dict[str, Variant]:
     found = {v.name: v for v in known}
     for extra in args.extra:  # NAME:key=value,key=value on top of the baseline
         name, _, sets = extra.partition(":")
-        values = dict(s.split("=", 1) for s in sets.split(",") if s)
+        values = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in sets.split(",") if s)}
         found[name] = Variant(
             name, f"ours, padded, {', '.join(f'{k}={v}' for k, v in values.items())}", values
         )
