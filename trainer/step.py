@@ -99,12 +99,10 @@ def optimizer_step(
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         if adafactor is not None:
             adafactor.retreat()
-    elif adafactor is None:
-        optimizer.step()
-    elif graph is not None:
+    elif graph is not None and adafactor is not None:
         graph.update(adafactor, layout)
     else:
-        adafactor.apply()
+        optimizer.step()  # Adafactor's applies the step its `advance` prepared above
     # A CUDA graph adds into the gradients where they are: they stay, zeroed.
     optimizer.zero_grad(set_to_none=graph is None)
     scheduler.step()
