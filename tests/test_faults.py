@@ -580,7 +580,7 @@ def test_a_hub_id_is_checked_as_far_as_it_is_cached(tmp_path, tiny_model_dir):
         text=True,
     )
     assert done.returncode == 0, done.stderr
-    assert f"acme/recipes -> model: {snapshot}/model.safetensors is truncated" in done.stdout, done.stdout
+    assert f"acme/recipes -> {snapshot}/model.safetensors is truncated" in done.stdout, done.stdout
     assert "acme/not-downloaded -> None" in done.stdout  # training downloads it
 
 
@@ -590,11 +590,46 @@ def test_a_truncated_model_fails_the_dry_run_in_one_line(tmp_path, tiny_model_di
     done = _trainer("train", "--config", str(config), "--dry-run")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
-    assert (
-        done.stderr.strip()
-        .splitlines()[-1]
-        .startswith(f"trainer: config error: model: {model}/model.safetensors")
+    assert done.stderr.strip().splitlines()[-1].startswith(f"trainer: model error: {model}/model.safetensors")
+
+
+def test_a_relative_model_path_that_does_not_exist_names_the_working_directory(tmp_path, sample_csv):
+    config, _ = _config(tmp_path, "relative", Path("models/tiny/final"), sample_csv)
+    done = _trainer("train", "--config", str(config), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"trainer: model error: model_name_or_path models/tiny/final (resolved against {tmp_path}): no such "
+        "directory"
     )
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "hub-unreachable"])
+def test_a_hub_model_not_in_the_cache_is_a_model_error_saying_how_to_get_it(tmp_path, sample_csv, offline):
+    # An empty Hugging Face cache; the Hub either off on purpose, or not reachable (nothing listens there).
+    env = _env(HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}")
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    config, _ = _config(tmp_path, "hub", "google/flan-t5-xl", sample_csv)
+    done = _trainer("train", "--config", str(config), "--dry-run", env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"trainer: model error: google/flan-t5-xl: its tokenizer.json is not in the Hugging Face cache "
+        f"({tmp_path / 'hub'})"
+    ), last
+    assert last.endswith(
+        "download the model once where the Hub is reachable (`hf download google/flan-t5-xl`), or mount a "
+        "Hugging Face cache that holds it (HF_HOME)"
+    ), last
+    assert ("HF_HUB_OFFLINE is set" in last) == offline
+    # One try at the Hub, not half a minute of retries, and no advice to check a connection that is off.
+    assert "Retrying" not in done.stderr and "check your connection" not in done.stderr, done.stderr
 
 
 # -- 6. a cut last line in train_log.jsonl ----------------------------------------------------------------

@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import ConfigError
     from trainer.disk import out_of_space_message
     from trainer.generate import UsageError
+    from trainer.model_files import ModelFilesError
     from trainer.prompt import ModelDirError
     from trainer.redact import install_log_redaction, redact
     from trainer.run_lock import OutputDirLocked
@@ -272,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (UsageError, ModelDirError) as e:  # generate/evaluate: a value or model directory it cannot use
         print(f"trainer {args.command}: {redact(str(e))}", file=sys.stderr)
+        return 2
+    except ModelFilesError as e:  # model_name_or_path's files: the message says which and how to get them
+        print(f"trainer: model error: {redact(str(e))}", file=sys.stderr)
         return 2
     except ConfigError as e:
         print(f"trainer: config error: {redact(str(e))}", file=sys.stderr)
@@ -298,7 +302,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+# Commands that load transformers or huggingface_hub, whose output then goes through the trainer's logging
+# (`trainer train` does that itself, as train() does it for scripts).
+_LIBRARY_COMMANDS = {"plan", "tiny-model", "generate", "evaluate", "serve", "inspect"}
+
+
 def _run(args: argparse.Namespace) -> int:
+    if {args.command, getattr(args, "data_command", None)} & _LIBRARY_COMMANDS:
+        from trainer.library_logs import route_library_output
+
+        route_library_output()
     if hasattr(args, "run"):  # subcommands that bring their own entry point (generate, evaluate, serve)
         return args.run(args)
     if args.command == "config":

@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import random
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,8 +37,9 @@ from trainer.evaluation import EvalResult, eval_batch_tokens, evaluate, load_gen
 from trainer.healthcheck import Heartbeat
 from trainer.hub import HubUploader, check_hub_config, upload_pending
 from trainer.jsonl import fsync_file
+from trainer.library_logs import route_library_output
 from trainer.memory_plan import RunPlan, plan_packed_rows, plan_run, planned_peak_bytes
-from trainer.model_files import ModelFiles, check_model_dir
+from trainer.model_files import ModelFiles, check_model_dir, resolve_tokenizer_file
 from trainer.optim import check_scheduler, set_horizon, warmup_steps
 from trainer.profiling import StepProfiler
 from trainer.prompt import PromptTemplate
@@ -160,7 +160,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             "cuda_graphs works in one process: set it to false under torchrun", key="cuda_graphs"
         )
     distributed.quiet_other_ranks()
-    quiet_library_output()
+    route_library_output()
     # One way out: leaving this block (finished, stopped by a signal, or by an error) closes, in this order,
     # the console progress, the profiler, the heartbeat, the reporter (which reports an error or a stop),
     # the signal handlers and, last, the output_dir lock.
@@ -297,8 +297,6 @@ def open_stream(
 def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Data:
     """The tokenizer and the train and held-out streams (data indexed, skipped records counted and reported),
     and the number of optimizer steps."""
-    from trainer.data import resolve_tokenizer_file
-
     tokenizer_file = str(resolve_tokenizer_file(cfg.model_name_or_path))
     train_stream = open_stream(cfg, plan, tokenizer_file, "train", rank, world_size)
     eval_stream = None
@@ -479,17 +477,6 @@ def resumed_schedule_horizon(cfg: TrainConfig, total_steps: int, state: RunState
         return None if state.schedule_horizon is None else min(state.schedule_horizon, total_steps)
     end = time_budget_end(state.step, budget - state.train_seconds, state.seconds_per_step)
     return min(total_steps, max(end, state.step + 1))
-
-
-def quiet_library_output() -> None:
-    """Library output through the trainer's own logging; no library progress bars outside a terminal."""
-    from transformers.utils import logging as hf_logging
-
-    # transformers' own stderr handler would bypass the root handler's secret masking (a token in a path).
-    hf_logging.disable_default_handler()
-    hf_logging.enable_propagation()
-    if not sys.stderr.isatty():  # `docker compose logs` would show each bar as one endless line
-        hf_logging.disable_progress_bar()
 
 
 def setup_device(cfg: TrainConfig, local_rank: int) -> torch.device:
