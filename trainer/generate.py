@@ -106,9 +106,8 @@ def load_model(model_dir: ModelDir, device: str | None = None):
     into the base it names. Raises ModelDirError when the weights cannot be loaded."""
     import torch
     from safetensors import SafetensorError
-    from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.model import _dtype_kwarg
+    from trainer.model import _dtype_kwarg, from_pretrained
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
@@ -121,7 +120,7 @@ def load_model(model_dir: ModelDir, device: str | None = None):
 
             model = load_merged(model_dir.path, **kwargs)
         else:
-            model = AutoModelForSeq2SeqLM.from_pretrained(model_dir.path, **kwargs)
+            model = from_pretrained(model_dir.path, **kwargs)
     except (OSError, ValueError, SafetensorError) as e:  # unreadable or truncated weights, a bad config
         raise ModelDirError(f"{model_dir.path}: cannot load the model ({str(e).splitlines()[0]})") from None
     log.info("model: %s on %s in %s", model_dir.path, dev, str(dtype).removeprefix("torch."))
