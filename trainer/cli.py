@@ -109,6 +109,18 @@ def _hf_names() -> list[tuple[str, str]]:
     ]
 
 
+def _wrap(text: str, width: int, first: str, then: str) -> list[str]:
+    # Whole words only: `feed-forward` and paths stay in one piece.
+    return textwrap.wrap(
+        text,
+        width,
+        initial_indent=first,
+        subsequent_indent=then,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
+
+
 def config_keys_text() -> str:
     """Every config key by section, `key: type = default` and its help below, then Hugging Face's names: what
     `trainer train --help` ends with and `trainer config` prints."""
@@ -118,10 +130,10 @@ def config_keys_text() -> str:
         lines += ["", f"{title}:"]
         for name, kind, default, text in keys:
             lines.append(f"  {name}: {kind} = {default}")
-            lines += textwrap.wrap(text, width, initial_indent="      ", subsequent_indent="      ")
+            lines += _wrap(text, width, "      ", "      ")
     lines += ["", "Hugging Face names (Seq2SeqTrainingArguments) this trainer spells otherwise:"]
     for name, what in _hf_names():
-        lines += textwrap.wrap(f"{name}: {what}", width, initial_indent="  ", subsequent_indent="      ")
+        lines += _wrap(f"{name}: {what}", width, "  ", "      ")
     return "\n".join(lines)
 
 
