@@ -63,7 +63,8 @@ def config(model_dir: Path, data: Path, tiny: bool, rows: int):
 
 def step_batches(cfg, steps: int, seed: int = 0) -> dict[str, list[list[dict]]]:
     """For each way, `steps` groups of micro-batches (numpy) holding the same records per step."""
-    from trainer.data import packed_records, padded_batch, resolve_tokenizer_file, stream_for
+    from trainer.data import packed_records, padded_batch, stream_for
+    from trainer.model_files import resolve_tokenizer_file
 
     stream = stream_for(cfg, resolve_tokenizer_file(cfg.model_name_or_path), "train")
     stream.set_epoch(0)

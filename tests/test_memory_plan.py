@@ -516,7 +516,8 @@ def _data_config(tmp_path, tiny_model_dir, sample_csv) -> str:
 def test_trainer_plan_predicts_the_time_on_named_gpus_and_what_hours_cover(
     tmp_path, capsys, tiny_model_dir, sample_csv
 ):
-    from trainer.data import resolve_tokenizer_file, stream_for
+    from trainer.data import stream_for
+    from trainer.model_files import resolve_tokenizer_file
 
     config = _data_config(tmp_path, tiny_model_dir, sample_csv)
     assert cli_main(["plan", "--config", config, "--hours", "10"]) == 0
@@ -604,7 +605,8 @@ def test_the_loaders_packed_rows_decide_how_many_blocks_keep_their_activations(c
 
 
 def test_trainer_plan_plans_the_packed_rows_the_loader_chooses(tmp_path, capsys, tiny_model_dir, sample_csv):
-    from trainer.data import resolve_tokenizer_file, stream_for
+    from trainer.data import stream_for
+    from trainer.model_files import resolve_tokenizer_file
 
     config = _data_config(tmp_path, tiny_model_dir, sample_csv)
     assert cli_main(["plan", "--config", config, "--set", "packing=true"]) == 0
@@ -614,3 +616,47 @@ def test_trainer_plan_plans_the_packed_rows_the_loader_chooses(tmp_path, capsys,
     assert shape["target_len"] != 96  # chosen from the data, not the maximum length
     rows = f"{shape['rows']} rows x ({shape['source_len']} + {shape['target_len']}) tokens (packed rows"
     assert f"micro-batch: {rows}" in out, out
+
+
+def test_trainer_plan_without_the_hub_or_the_data_says_what_it_assumed_in_one_line(tmp_path, sample_csv):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a port nothing listens on: the Hub cannot be reached
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT=endpoint)
+    preset = Path(__file__).resolve().parent.parent / "configs" / "flan-t5-xl-rtx5090.yaml"
+
+    def plan(train_files: str) -> tuple[str, str]:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "trainer",
+                "plan",
+                "--config",
+                str(preset),
+                "--set",
+                f"train_files=[{train_files}]",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        # The assumption and its reason in one line; nothing else said (no Hub retries, no warning twice).
+        assert done.stderr.strip() == "", done.stderr
+        (data,) = [line for line in done.stdout.splitlines() if line.startswith("  data: ")]
+        assert "assuming 1,000,000 records of 96 + 256 tokens (typical recipes)" in data, data
+        return data, done.stdout
+
+    missing = tmp_path / "data" / "*.csv"
+    data, _ = plan(str(missing))
+    assert f"({missing} matches no file ({tmp_path / 'data'} does not exist))" in data, data
+    data, _ = plan(str(sample_csv))  # the data is there, but the model's tokenizer is not
+    assert "google/flan-t5-xl: its tokenizer.json is not in the Hugging Face cache" in data, data

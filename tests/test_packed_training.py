@@ -18,11 +18,11 @@ from trainer.data import (
     packed_records,
     padded_batch,
     records_in,
-    resolve_tokenizer_file,
     stream_for,
     to_device,
 )
 from trainer.model import load_model
+from trainer.model_files import resolve_tokenizer_file
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.projections import accumulate_weight_grads_in_place
 from trainer.step import accumulate_gradients, optimizer_step, token_loss_sum

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer import disk, distributed
 from trainer.config import ConfigError
+from trainer.model import write_config
 from trainer.prompt import save_prompt_template
 from trainer.redact import redact_obj
 
@@ -154,8 +155,9 @@ def _states(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
 
 
 def save_pretrained(model, path: str | Path) -> None:
-    """`model.save_pretrained(path)` of the whole model (a PEFT model's adapter), written by rank 0. Under
-    FSDP the shards are gathered first (collective: every rank calls this)."""
+    """`model.save_pretrained(path)` of the whole model (a PEFT model's adapter), written by rank 0, its
+    config.json saying how its LM head is (trainer.model.write_config). Under FSDP the shards are gathered
+    first (collective: every rank calls this)."""
     if is_adapter_model(model):  # LoRA (one process or DDP: every rank holds the same adapters)
         if distributed.rank() == 0:
             from trainer.lora import save_adapter
@@ -164,10 +166,12 @@ def save_pretrained(model, path: str | Path) -> None:
         return
     if not distributed.is_distributed():
         model.save_pretrained(path, safe_serialization=True)
+        write_config(model, path)
         return
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if distributed.rank() == 0:  # cpu_offload + full_state_dict: only rank 0 receives the tensors
         model.save_pretrained(path, state_dict=full, safe_serialization=True)
+        write_config(model, path)
 
 
 @contextlib.contextmanager

@@ -82,7 +82,7 @@ class MicroStepGraph:
                 # graph's pool: its scratch would come on top of that pool, given back first (the micro-step
                 # is captured again).
                 self.reset()
-            optimizer.apply()
+            optimizer.step()  # `step`, not `apply`: torch's scheduler checks that the optimizer stepped first
             self.stepped = True
             return
         if self.update_graph is None or layout != self.update_key:

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,6 +34,7 @@ from trainer._loader import (
     RecipeLoader,
     RecipeLoaderError,
 )
+from trainer.model_files import resolve_tokenizer_file
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,6 @@ __all__ = [
     "loader_options",
     "inspect_report",
     "records_in",
-    "resolve_tokenizer_file",
     "stream_for",
     "to_device",
 ]
@@ -269,29 +268,6 @@ def stream_for(
     if split == "eval":  # held-out batches are unpacked: a row is one record, to generate from and score
         options |= {"packing": False, "packed_source_length": None, "packed_target_length": None}
     return RecipeStream(list(paths) if paths is not None else cfg.train_files, tokenizer_file, **options)
-
-
-def resolve_tokenizer_file(name: str) -> Path:
-    """tokenizer.json of `name`: a file, a local directory holding one, or a Hub model id found in the HF
-    cache (downloaded when online). Raises RecipeFileError when none is found."""
-    p = Path(name).expanduser()
-    if p.is_file():
-        return p
-    if p.is_dir():
-        if (p / "tokenizer.json").is_file():
-            return p / "tokenizer.json"
-        raise RecipeFileError(f"{p}: directory has no tokenizer.json")
-    if name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a local path, not a Hub id (org/name)
-        raise RecipeFileError(f"{name}: no such file or directory")
-    try:
-        from huggingface_hub import hf_hub_download, try_to_load_from_cache
-
-        cached = try_to_load_from_cache(name, "tokenizer.json")
-        if isinstance(cached, str):
-            return Path(cached)
-        return Path(hf_hub_download(name, "tokenizer.json"))
-    except Exception as e:  # offline, unknown repo, no tokenizer.json: one clear error
-        raise RecipeFileError(f"{name}: no tokenizer.json locally or in the Hugging Face cache ({e})") from e
 
 
 def skipped_summary(

@@ -38,16 +38,20 @@ from trainer.prompt import (
 
 log = logging.getLogger(__name__)
 
-# Hugging Face GenerationConfig names -> (type, Hugging Face's default); `--num-beams` spellings work too.
-DECODING_OPTIONS: dict[str, tuple[type, Any]] = {
-    "num_beams": (int, 1),
-    "max_new_tokens": (int, None),
-    "do_sample": (bool, False),
-    "temperature": (float, 1.0),
-    "top_p": (float, 1.0),
-    "top_k": (int, 50),
-    "no_repeat_ngram_size": (int, 0),
-    "repetition_penalty": (float, 1.0),
+# Hugging Face GenerationConfig names -> (type, Hugging Face's default, help); `--num-beams` works too.
+DECODING_OPTIONS: dict[str, tuple[type, Any, str]] = {
+    "num_beams": (int, 1, "beams per prompt (1: greedy or sampling)"),
+    "max_new_tokens": (
+        int,
+        None,
+        "new tokens per recipe (without a generation_config value: max_target_length)",
+    ),
+    "do_sample": (bool, False, "sample instead of the most likely token"),
+    "temperature": (float, 1.0, "sampling temperature (with --do_sample)"),
+    "top_p": (float, 1.0, "nucleus sampling: keep the likeliest tokens up to this probability"),
+    "top_k": (int, 50, "sampling: keep the k likeliest tokens"),
+    "no_repeat_ngram_size": (int, 0, "never repeat an n-gram of this size (0: off)"),
+    "repetition_penalty": (float, 1.0, "penalise tokens already generated (1.0: off)"),
 }
 # rows x beams x (prompt + new tokens) per batch. FLAN-T5-XL keeps ~192 KiB of KV cache per token (24 decoder
 # layers x self and cross attention x keys and values x 2048 x bf16): 32k tokens are ~6 GiB.
@@ -102,9 +106,8 @@ def load_model(model_dir: ModelDir, device: str | None = None):
     into the base it names. Raises ModelDirError when the weights cannot be loaded."""
     import torch
     from safetensors import SafetensorError
-    from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.model import _dtype_kwarg
+    from trainer.model import _dtype_kwarg, from_pretrained
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
@@ -117,7 +120,7 @@ def load_model(model_dir: ModelDir, device: str | None = None):
 
             model = load_merged(model_dir.path, **kwargs)
         else:
-            model = AutoModelForSeq2SeqLM.from_pretrained(model_dir.path, **kwargs)
+            model = from_pretrained(model_dir.path, **kwargs)
     except (OSError, ValueError, SafetensorError) as e:  # unreadable or truncated weights, a bad config
         raise ModelDirError(f"{model_dir.path}: cannot load the model ({str(e).splitlines()[0]})") from None
     log.info("model: %s on %s in %s", model_dir.path, dev, str(dtype).removeprefix("torch."))
@@ -143,7 +146,7 @@ def decoding_settings(model, template: PromptTemplate, given: dict[str, Any]) ->
         # HF's fallback is max_length=20 tokens: a recipe needs the length it was trained to write.
         kwargs["max_new_tokens"] = template.max_target_length
     said = []
-    for name, (_, hf_default) in DECODING_OPTIONS.items():
+    for name, (_, hf_default, _) in DECODING_OPTIONS.items():
         if name in given:
             value, source = given[name], "given"
         elif name in kwargs:
@@ -358,12 +361,14 @@ def add_model_arguments(p: argparse.ArgumentParser, data_format: bool = True) ->
         "--seed", type=int, default=0, help="random seed of sampling (and of evaluate's --max-records draw)"
     )
     g = p.add_argument_group("decoding (Hugging Face names; default: the model's generation_config)")
-    for name, (kind, _) in DECODING_OPTIONS.items():
+    for name, (kind, _, text) in DECODING_OPTIONS.items():
         spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         if kind is bool:  # `--do_sample` alone, or `--do_sample false`, as HfArgumentParser reads it
-            g.add_argument(*spellings, dest=name, type=_bool, nargs="?", const=True, metavar="BOOL")
+            g.add_argument(
+                *spellings, dest=name, type=_bool, nargs="?", const=True, metavar="BOOL", help=text
+            )
         else:
-            g.add_argument(*spellings, dest=name, type=kind, metavar=kind.__name__.upper())
+            g.add_argument(*spellings, dest=name, type=kind, metavar=kind.__name__.upper(), help=text)
 
 
 def check_decoding(given: dict[str, Any], flag: str = "--") -> None:

@@ -37,6 +37,7 @@ from peft import LoraConfig, PeftModel, TaskType, get_peft_model, set_peft_model
 from peft.tuners.lora import LoraLayer
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 
+from trainer.model import from_pretrained, write_config
 from trainer.projections import GroupedLinear, LowRank
 
 log = logging.getLogger(__name__)
@@ -205,6 +206,7 @@ def save_merged(peft_model: PeftModel, out: Path, adapter_from: Path | None = No
     save_adapter(peft_model, out / ADAPTER_DIR)
     merged = merge(peft_model)
     merged.save_pretrained(out, safe_serialization=True)
+    write_config(merged, out)
     log.info("LoRA: the adapter merged into the base's weights, and saved alone in %s/", ADAPTER_DIR)
 
 
@@ -217,10 +219,8 @@ def base_model_of(adapter_dir: str | Path) -> str:
 def load_merged(adapter_dir: str | Path, **from_pretrained_kwargs):
     """The model of an adapter directory: its base (`base_model_of`) loaded with `from_pretrained_kwargs`,
     the adapter merged into it (for generation and evaluation)."""
-    from transformers import AutoModelForSeq2SeqLM
-
     base = base_model_of(adapter_dir)
-    model = AutoModelForSeq2SeqLM.from_pretrained(base, **from_pretrained_kwargs)
+    model = from_pretrained(base, **from_pretrained_kwargs)
     with _peft_warnings_ignored():
         merged = merge(PeftModel.from_pretrained(model, str(adapter_dir)))
     log.info("model: %s with the LoRA adapter of %s merged into it", base, adapter_dir)

@@ -8,6 +8,9 @@ error into the next step (Kahan summation), so the effective weight is accurate 
   same compensation. torch-optimi has no Adafactor.
 `bf16_update: naive` uses torch's AdamW (fused on CUDA) / Adafactor without compensation, for comparison.
 fp32 weights need no compensation and use torch's AdamW.
+
+The learning-rate schedules are transformers.get_scheduler's, over a horizon of optimizer steps that the loop
+may move (set_horizon: a run with a time budget ends its schedule where the budget ends).
 """
 
 from __future__ import annotations
@@ -66,11 +69,15 @@ class Adafactor(torch.optim.Optimizer):
         # tensors stay put.
         self._weight_groups: dict[tuple, WeightGroup] = {}
         self._work: list[tuple[list[torch.Tensor], torch.Tensor, dict, WeightGroup | None]] = []
+        self._advanced = False  # `advance` prepared a step that `apply` has not run yet
 
     @torch.no_grad()
     def step(self, closure=None):
+        """The update: the step `advance` prepared (advanced here when it was not), applied. The loop calls
+        this rather than `apply`, so that torch's schedulers see the optimizer step before theirs."""
         loss = closure() if closure is not None else None
-        self.advance()
+        if not self._advanced:
+            self.advance()
         self.apply()
         return loss
 
@@ -81,7 +88,7 @@ class Adafactor(torch.optim.Optimizer):
         make equal `apply` calls (the same tensors at the same addresses), which a captured `apply` needs.
         `grad_scale`: a one-element device tensor the update multiplies every gradient by as it reads it
         (gradient clipping's coefficient, `clip_coefficient`), so the gradients are not written over first."""
-        self._work = []
+        self._work, self._advanced = [], True
         for gi, group in enumerate(self.param_groups):
             # Same-shape weights at the same step count, updated together.
             batches: dict[tuple, list[torch.Tensor]] = {}
@@ -112,11 +119,12 @@ class Adafactor(torch.optim.Optimizer):
         for params, *_ in self._work:
             for p in params:
                 self.state[p]["step"] -= 1
-        self._work = []
+        self._work, self._advanced = [], False
 
     @torch.no_grad()
     def apply(self) -> None:
         """The device's part of the step `advance` prepared: every weight's update; the host only launches."""
+        self._advanced = False
         for params, scalars, group, weight_group in self._work:
             eps, clip_threshold = group["eps"][0], group["clip_threshold"]
             if weight_group is not None:
@@ -267,27 +275,55 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
     return opt
 
 
-def lr_lambda(step: int, *, kind: str, warmup_steps: int, total_steps: int) -> float:
-    """Multiplier of the peak learning rate at optimizer step `step` (0-based): warmup, then decay to 0."""
-    if warmup_steps > 0 and step < warmup_steps and kind != "constant":
-        return (step + 1) / warmup_steps
-    if kind in ("constant", "constant_with_warmup"):
-        return 1.0
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    if kind == "linear":
-        return max(0.0, 1.0 - progress)
-    if kind == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"unknown lr_scheduler_type {kind!r}")
+def warmup_steps(cfg, total_steps: int) -> int:
+    """The warm-up's optimizer steps: cfg.warmup_steps, or below 1 that ratio of `total_steps`, rounded up (as
+    transformers' TrainingArguments.get_warmup_steps)."""
+    if cfg.warmup_steps >= 1:
+        return int(cfg.warmup_steps)
+    return math.ceil(total_steps * cfg.warmup_steps)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
-    """LambdaLR with cfg's warmup and decay; its state_dict goes into checkpoints."""
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """`transformers.get_scheduler`'s cfg.lr_scheduler_type schedule of `optimizer` over `total_steps`
+    optimizer steps (its horizon: the run's steps, or where its time budget ends), with cfg's warm-up and
+    lr_scheduler_kwargs; its state_dict goes into checkpoints. ConfigError for kwargs the schedule does not
+    take or needs."""
+    from transformers import get_scheduler
 
-    def fn(step: int) -> float:
-        return lr_lambda(
-            step, kind=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps, total_steps=total_steps
+    from trainer.config import ConfigError
+
+    try:
+        return get_scheduler(
+            cfg.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=warmup_steps(cfg, total_steps),
+            num_training_steps=total_steps,
+            scheduler_specific_kwargs=dict(cfg.lr_scheduler_kwargs),
         )
+    # A kwarg the schedule does not take, or one it needs (min_lr, num_decay_steps).
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"lr_scheduler_type {cfg.lr_scheduler_type}, lr_scheduler_kwargs {cfg.lr_scheduler_kwargs}: {e}",
+            key=("lr_scheduler_type", "lr_scheduler_kwargs"),
+        ) from None
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+def check_scheduler(cfg, horizon: int) -> None:
+    """Build cfg's schedule once: a bad lr_scheduler_kwargs is a ConfigError before the model loads."""
+    _stand_in_schedule(cfg, horizon, cfg.learning_rate)
+
+
+def set_horizon(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg, horizon: int) -> None:
+    """Make `scheduler` (build_scheduler's) end at `horizon`: its next `step()` and those after follow the
+    schedule built for `horizon` (a warm-up ratio included), from the step it is at."""
+    built = _stand_in_schedule(cfg, horizon, scheduler.optimizer.defaults["lr"])
+    scheduler.lr_lambdas = [built.lr_lambdas[0] for _ in scheduler.lr_lambdas]
+
+
+def _stand_in_schedule(cfg, horizon: int, lr: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """cfg's schedule over `horizon` steps of a stand-in optimizer with peak learning rate `lr`: a real
+    optimizer's learning rates are left as they are."""
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    return build_scheduler(stand_in, cfg, horizon)

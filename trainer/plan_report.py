@@ -9,7 +9,9 @@ can be read; otherwise typical recipes, and the output says so).
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -177,18 +179,25 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
 
 def epoch_data(cfg, plan: RunPlan) -> EpochData:
     """The training split of `cfg`'s data, read through the loader (its per-record token lengths, after
-    truncation, and its batches); typical recipes of ASSUMED_RECORDS when the data or tokenizer cannot be
-    read."""
-    from trainer.data import RecipeDataError, RecipeFileError, resolve_tokenizer_file, stream_for
+    truncation, and its batches); typical recipes of ASSUMED_RECORDS when the data or the model's tokenizer
+    cannot be had (files that match nothing are said so; the tokenizer comes from the local Hugging Face
+    cache, else one try at the Hub), with the reason in `source`."""
+    from trainer.data import RecipeDataError, RecipeFileError, stream_for
+    from trainer.model_files import ModelFilesError, resolve_tokenizer_file
 
     accum = cfg.gradient_accumulation_steps
-    try:
-        if not cfg.train_files:
-            raise RecipeFileError("train_files is empty")
-        print(f"reading the token lengths of {', '.join(cfg.train_files)} ...", file=sys.stderr, flush=True)
-        stream = stream_for(plan.applied_to(cfg), resolve_tokenizer_file(cfg.model_name_or_path), "train")
-        sources, targets = stream.lengths()
-    except (RecipeDataError, RecipeFileError) as e:
+    why = unmatched_files(cfg.train_files) if cfg.train_files else "train_files is empty"
+    if not why:
+        try:
+            tokenizer = resolve_tokenizer_file(cfg.model_name_or_path)
+            print(
+                f"reading the token lengths of {', '.join(cfg.train_files)} ...", file=sys.stderr, flush=True
+            )
+            stream = stream_for(plan.applied_to(cfg), tokenizer, "train")
+            sources, targets = stream.lengths()
+        except (ModelFilesError, RecipeDataError, RecipeFileError) as e:
+            why = str(e)
+    if why:
         src, tgt = min(cfg.max_source_length, TYPICAL_SOURCE), min(cfg.max_target_length, TYPICAL_TARGET)
         rows = cfg.per_device_train_batch_size or max(1, (plan.max_tokens or 0) // (src + tgt))
         steps = ASSUMED_RECORDS / (rows * accum)
@@ -199,7 +208,7 @@ def epoch_data(cfg, plan: RunPlan) -> EpochData:
             ASSUMED_RECORDS * tgt,
             steps,
             total,
-            f"no data read ({e}): assuming {ASSUMED_RECORDS:,} records of {src} + {tgt} tokens (typical "
+            f"no data read ({why}): assuming {ASSUMED_RECORDS:,} records of {src} + {tgt} tokens (typical "
             f"recipes) in about {rows} rows per micro-batch; times scale with the number of records",
         )
     records = len(sources)
@@ -215,6 +224,26 @@ def epoch_data(cfg, plan: RunPlan) -> EpochData:
         f"(the loader's token lengths of {', '.join(cfg.train_files)})",
         stream.stats()["packed_shape"],
     )
+
+
+def unmatched_files(patterns: list[str]) -> str | None:
+    """Which of `patterns` (train_files' paths and globs) name no file, in words: `/data/*.csv matches no
+    file (/data does not exist)`; None when each names one. The loader says the same when it opens them; the
+    plan says it without the tokenizer the loader needs first."""
+    said = []
+    for pattern in patterns:
+        path = os.path.expanduser(pattern)
+        if os.path.exists(path) or glob.glob(path, recursive=True):
+            continue
+        # The deepest directory before the first wildcard: where the files were looked for.
+        literal = re.split(r"[*?[]", path, maxsplit=1)[0]
+        directory = os.path.dirname(literal) or "."
+        where = "" if os.path.isabs(path) else f", resolved against {os.getcwd()}"
+        if not os.path.isdir(directory):
+            said.append(f"{pattern} matches no file ({directory} does not exist{where})")
+        else:
+            said.append(f"{pattern} matches no file{f' ({where[2:]})' if where else ''}")
+    return "; ".join(said) or None
 
 
 def time_report(

@@ -257,7 +257,7 @@ class RecipeServer:
         if not isinstance(stream, bool):
             raise BadRequest("stream must be true or false")
         given = dict(self.defaults)
-        for name, (kind, _) in DECODING_OPTIONS.items():
+        for name, (kind, _, _) in DECODING_OPTIONS.items():
             if request.get(name) is not None:
                 given[name] = _typed(name, request[name], kind)
         try:

@@ -11,6 +11,7 @@ more micro-steps.
 from __future__ import annotations
 
 import logging
+import warnings
 
 from trainer import distributed, memory
 from trainer.config import TrainConfig
@@ -96,18 +97,20 @@ def optimizer_step(
     # One wait for the GPU per step, for both numbers the update depends on.
     loss_sum, grad_norm = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()
     loss = distributed.all_sum([loss_sum])[0] / max(n_target, 1)  # the same on every rank
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+    updated = math.isfinite(loss) and math.isfinite(grad_norm)
+    if not updated:
         if adafactor is not None:
             adafactor.retreat()
-    elif adafactor is None:
-        optimizer.step()
-    elif graph is not None:
+    elif graph is not None and adafactor is not None:
         graph.update(adafactor, layout)
     else:
-        adafactor.apply()
+        optimizer.step()  # Adafactor's applies the step its `advance` prepared above
     # A CUDA graph adds into the gradients where they are: they stay, zeroed.
     optimizer.zero_grad(set_to_none=graph is None)
-    scheduler.step()
+    with warnings.catch_warnings():
+        if not updated:  # torch warns when the first update is skipped; the loop says so itself
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)`", UserWarning)
+        scheduler.step()
     return loss, grad_norm
 
 

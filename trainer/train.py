@@ -20,8 +20,8 @@ import logging
 import math
 import os
 import random
-import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +37,10 @@ from trainer.evaluation import EvalResult, eval_batch_tokens, evaluate, load_gen
 from trainer.healthcheck import Heartbeat
 from trainer.hub import HubUploader, check_hub_config, upload_pending
 from trainer.jsonl import fsync_file
+from trainer.library_logs import route_library_output
 from trainer.memory_plan import RunPlan, plan_packed_rows, plan_run, planned_peak_bytes
-from trainer.model_files import ModelFiles, check_model_dir
+from trainer.model_files import ModelFiles, check_model_dir, resolve_tokenizer_file
+from trainer.optim import check_scheduler, set_horizon, warmup_steps
 from trainer.profiling import StepProfiler
 from trainer.prompt import PromptTemplate
 from trainer.report import Reporter
@@ -129,13 +131,14 @@ class Run:
     hub: HubUploader | None  # push_to_hub's uploads (rank 0), or None
 
 
-def train(cfg: TrainConfig, dry_run: bool = False) -> int:
+def train(cfg: TrainConfig, dry_run: bool = False, *, clock: Callable[[], float] = time.monotonic) -> int:
     """Train as `cfg` says; returns the process exit code (0, or 128 + the signal that stopped the run).
     dry_run: check the config, the model files, the data and the plan, without loading the model or writing
-    anything. Under torchrun every process calls this; the process group lives for the call."""
+    anything. `clock`: the monotonic clock the training time is measured with (max_time, tokens/s, the ETA).
+    Under torchrun every process calls this; the process group lives for the call."""
     try:
         try:
-            code = _train(cfg, dry_run)
+            code = _train(cfg, dry_run, clock)
         except StopBeforeTraining as stopped:  # no barrier: the other ranks may be anywhere in their setup
             log.warning("stopped by %s before training started; nothing to save", stopped.signal_name)
             return stopped.exit_code
@@ -147,7 +150,7 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
         distributed.destroy()
 
 
-def _train(cfg: TrainConfig, dry_run: bool) -> int:
+def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
     # 1. Setup. Allocator settings before anything can initialise CUDA; then everything that can fail on a
     # bad config, model directory, output_dir or data file, before the model is loaded.
     memory.set_alloc_conf(cfg.cuda_alloc_conf)
@@ -157,7 +160,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
             "cuda_graphs works in one process: set it to false under torchrun", key="cuda_graphs"
         )
     distributed.quiet_other_ranks()
-    quiet_library_output()
+    route_library_output()
     # One way out: leaving this block (finished, stopped by a signal, or by an error) closes, in this order,
     # the console progress, the profiler, the heartbeat, the reporter (which reports an error or a stop),
     # the signal handlers and, last, the output_dir lock.
@@ -191,6 +194,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         data = open_data(cfg, plan, rank, world_size)
         if cfg.packing:  # the loader chose the rows' lengths from the data: the plan's blocks fit those
             plan = plan_packed_rows(plan, cfg, data.train_stream.stats()["packed_shape"])
+        check_scheduler(cfg, data.total_steps)
         if dry_run:
             log.info("dry run: the config, the model files and the data are fine; the model is not loaded")
             return 0
@@ -205,6 +209,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
                 if rank == 0:  # what an earlier run of it did not get onto the Hub
                     upload_pending(cfg, output_dir)
                 return 0
+            state.schedule_horizon = resumed_schedule_horizon(cfg, data.total_steps, state)
         if rank == 0:
             start_train_log(cfg, output_dir, resume_from, state)
             warn_if_the_disk_is_small(cfg, output_dir, model_files, data.total_steps)
@@ -241,6 +246,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
                 data.total_steps,
                 state.step,
                 output_dir if rank == 0 else None,
+                clock,
                 seconds_before=state.train_seconds,
                 max_time_s=cfg.max_time_s,
             ),
@@ -291,8 +297,6 @@ def open_stream(
 def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Data:
     """The tokenizer and the train and held-out streams (data indexed, skipped records counted and reported),
     and the number of optimizer steps."""
-    from trainer.data import resolve_tokenizer_file
-
     tokenizer_file = str(resolve_tokenizer_file(cfg.model_name_or_path))
     train_stream = open_stream(cfg, plan, tokenizer_file, "train", rank, world_size)
     eval_stream = None
@@ -335,9 +339,9 @@ def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Da
         total_steps = cfg.max_steps
     else:
         total_steps = max(1, math.ceil(batches_per_epoch * cfg.num_train_epochs / accum))
-    if cfg.warmup_steps >= total_steps:
+    if warmup_steps(cfg, total_steps) >= total_steps:
         log.warning(
-            "warmup_steps %d >= the run's %d optimizer steps: the learning rate never reaches %g",
+            "warmup_steps %g >= the run's %d optimizer steps: the learning rate never reaches %g",
             cfg.warmup_steps,
             total_steps,
             cfg.learning_rate,
@@ -379,7 +383,10 @@ def already_finished(cfg: TrainConfig, data: Data, state: RunState, resume_from:
     elif state.early_stopping_due(cfg.early_stopping_patience):
         why = f"stopped early at step {state.step} of {data.total_steps} (early_stopping_patience)"
         how = "raise early_stopping_patience to train on"
-    elif budget is not None and state.train_seconds >= budget:
+    elif (
+        budget is not None
+        and time_budget_end(state.step, budget - state.train_seconds, state.seconds_per_step) <= state.step
+    ):
         why = (
             f"is at step {state.step} of {data.total_steps}, its time budget (max_time {cfg.max_time}) spent"
         )
@@ -435,22 +442,41 @@ def log_time_budget(cfg: TrainConfig, state: RunState) -> None:
         return
     log.info(
         "max_time %s: %s of training used so far, %s left; when it is spent the run stops at the next step "
-        "boundary, saves, evaluates and writes final/",
+        "boundary, saves, evaluates and writes final/; the learning-rate schedule ends there too",
         cfg.max_time,
         format_duration(state.train_seconds),
         format_duration(max(budget - state.train_seconds, 0.0)),
     )
+    if state.schedule_horizon is not None:
+        log.info(
+            "max_time: the learning-rate schedule ends at step %d, where the time budget does at the %.3g s "
+            "per step measured before",
+            state.schedule_horizon,
+            state.seconds_per_step or float("nan"),
+        )
 
 
-def quiet_library_output() -> None:
-    """Library output through the trainer's own logging; no library progress bars outside a terminal."""
-    from transformers.utils import logging as hf_logging
+def time_budget_end(step: int, seconds_left: float, seconds_per_step: float | None) -> int:
+    """The step a time budget with `seconds_left` ends after, at `seconds_per_step` from `step` on (`step`
+    when spent; with no measured time per step, `step` + 1 while time is left)."""
+    if seconds_left <= 0:
+        return step
+    if seconds_per_step is None or seconds_per_step <= 0:
+        return step + 1
+    return step + int(seconds_left // seconds_per_step)
 
-    # transformers' own stderr handler would bypass the root handler's secret masking (a token in a path).
-    hf_logging.disable_default_handler()
-    hf_logging.enable_propagation()
-    if not sys.stderr.isatty():  # `docker compose logs` would show each bar as one endless line
-        hf_logging.disable_progress_bar()
+
+def resumed_schedule_horizon(cfg: TrainConfig, total_steps: int, state: RunState) -> int | None:
+    """With max_time, where a resumed run's learning-rate schedule ends: where the time left ends at the
+    checkpoint's measured time per step (the checkpoint's horizon when it has none); None without max_time
+    (the planned total steps)."""
+    budget = cfg.max_time_s
+    if budget is None:
+        return None
+    if state.seconds_per_step is None:
+        return None if state.schedule_horizon is None else min(state.schedule_horizon, total_steps)
+    end = time_budget_end(state.step, budget - state.train_seconds, state.seconds_per_step)
+    return min(total_steps, max(end, state.step + 1))
 
 
 def setup_device(cfg: TrainConfig, local_rank: int) -> torch.device:
@@ -537,7 +563,7 @@ def build_model(
     if not distributed.is_distributed():  # DDP and FSDP act on autograd's own gradient accumulation
         accumulate_weight_grads_in_place(model)
     optimizer = build_optimizer(model, cfg, device)
-    scheduler = build_scheduler(optimizer, cfg, data.total_steps)
+    scheduler = build_scheduler(optimizer, cfg, state.schedule_horizon or data.total_steps)
     if resume_from:
         ckpt.load_training_state(resume_from, model, optimizer, scheduler)
         log.info("resumed from step %d (%s)", state.step, resume_from)
@@ -617,11 +643,17 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
             current = upcoming if upcoming is not None else next_step_batches(batches, run)
             upcoming = None
         # Collective, once per step: all ranks stop, save after a data error on one of them, or end at the
-        # time budget at the same step, never inside a step.
-        stop, failed, out_of_time = (
-            n > 0
-            for n in distributed.all_sum([bool(run.stop), current.error is not None, run.meter.out_of_time()])
+        # time budget at the same step, never inside a step; with max_time, rank 0's estimate of the step the
+        # budget ends at (its clock decides for every rank).
+        *flags, budget_end = distributed.all_sum(
+            [
+                bool(run.stop),
+                current.error is not None,
+                run.meter.out_of_time(),
+                time_budget_estimate(run, state),
+            ]
         )
+        stop, failed, out_of_time = (n > 0 for n in flags)
         if failed:
             save_after_error(run, state, current.error, collective=True)
             raise current.error or RecipeDataError(
@@ -637,6 +669,8 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
                 last_eval = evaluate_and_track(run, state)
                 empty_cache.after_evaluation()
             break
+        if budget_end > 0:
+            follow_time_budget(run, state, int(budget_end) - 1)
         with record_function("forward_backward"):
             # Several ranks stop together at a step boundary (above), never inside a step.
             stop = run.stop if distributed.world_size() == 1 else None
@@ -760,6 +794,37 @@ def step_counts(group: list[dict]) -> StepCounts:
         source_tokens=sum(int(b["attention_mask"].sum()) for b in group),
         target_tokens=sum(int((b["labels"] != -100).sum()) for b in group),
         padded_tokens=sum(b["input_ids"].size + b["labels"].size for b in group),
+    )
+
+
+def time_budget_estimate(run: Run, state: RunState) -> int:
+    """Rank 0's estimate, plus 1, of the step the max_time budget ends at, from the time per step it measured
+    (0: no estimate: the other ranks, no max_time, too few steps measured)."""
+    seconds_per_step, seconds_left = run.meter.seconds_per_step(), run.meter.time_left_s()
+    if not run.is_main or seconds_per_step is None or seconds_left is None:
+        return 0
+    return time_budget_end(state.step, seconds_left, seconds_per_step) + 1
+
+
+def follow_time_budget(run: Run, state: RunState, budget_end: int) -> None:
+    """Before a step: end the learning-rate schedule at `budget_end`, where the time budget will end (at least
+    the step about to run, at most the planned total steps), so that a run stopped by max_time decays to the
+    schedule's end. The first estimate is applied, later ones when they move the end by more than 2% of the
+    steps left (a step's time varies). Every change is logged."""
+    state.seconds_per_step = run.meter.seconds_per_step()
+    horizon = min(run.data.total_steps, max(budget_end, state.step + 1))
+    current = state.schedule_horizon
+    if current is not None and abs(horizon - current) <= 0.02 * (current - state.step):
+        return
+    set_horizon(run.scheduler, run.cfg, horizon)
+    state.schedule_horizon = horizon
+    per_step = f"{state.seconds_per_step:.3g} s" if state.seconds_per_step else "n/a"
+    log.info(
+        "max_time: the learning-rate schedule ends at step %d (%s), where the time budget does at %s per "
+        "step",
+        horizon,
+        "first estimate" if current is None else f"was {current}",
+        per_step,
     )
 
 
