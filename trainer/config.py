@@ -76,7 +76,7 @@ class TrainConfig:
     encoder_blocks_without_checkpointing: int | None = None
     torch_compile: bool = False  # compile each T5 block (slower start, faster steps on a GPU)
     # Replay each micro-step (forward, backward, gradient accumulation) as a CUDA graph, so that the host's
-    # launches stop limiting small micro-batches. Needs packing (one batch shape) and one process.
+    # launches stop limiting small micro-batches. Needs packing (one batch shape); not under fsdp.
     cuda_graphs: bool = False
     random_init: bool = False  # build the architecture from model_name_or_path's config.json (benchmarks)
 
@@ -200,8 +200,19 @@ class TrainConfig:
     # is not uploaded by then stays pending in output_dir, and the same command run again uploads it.
     hub_upload_timeout: float | str = "1h"
 
-    # --- distributed (torchrun) ---
+    # --- distributed (torchrun; docs/distributed.md) ---
+    # ddp: the whole model on every GPU, gradients summed once per optimizer step; fsdp: FSDP2, weights,
+    # gradients and optimizer states split across the GPUs.
     distributed_strategy: Literal["ddp", "fsdp"] = "ddp"
+    # Seconds a collective waits for another process before the run fails (HF's ddp_timeout): a machine that
+    # went down. A process that crashes ends the others at once.
+    ddp_timeout: int = 1800
+    # fsdp: free each block's gathered weights after its forward and gather them again for its backward;
+    # false keeps them (the whole model's bf16 weights on every GPU, one all-gather per block less).
+    fsdp_reshard_after_forward: bool = True
+    # fsdp: reduce-scatter the gradients after every micro-batch; false: only after the step's last (the
+    # whole model's fp32 gradients on every GPU until then, one reduce-scatter per step).
+    fsdp_sync_each_micro_batch: bool = True
 
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size is not None and self.max_tokens is not None:
@@ -232,6 +243,7 @@ class TrainConfig:
             "generation_max_new_tokens": 1,
             "generation_num_beams": 1,
             "early_stopping_patience": 1,
+            "ddp_timeout": 1,
         }
         for name, low in at_least.items():
             value = getattr(self, name)
