@@ -91,16 +91,17 @@ def single(model_dir, sample_csv, tmp_path_factory) -> dict[int, float]:
 
 
 def _one_process(model_dir, sample_csv, out: Path, **kw) -> dict[int, float]:
-    """The losses of the run in this process with accumulation 2: what 2 ranks with accumulation 1 train."""
-    assert (
-        train(TrainConfig.from_dict(_values(model_dir, sample_csv, out, gradient_accumulation_steps=2, **kw)))
-        == 0
-    )
+    """The losses of the run in this process, with accumulation 2 unless `kw` says otherwise: what 2 ranks
+    with accumulation 1 train."""
+    values = _values(model_dir, sample_csv, out, **{"gradient_accumulation_steps": 2} | kw)
+    assert train(TrainConfig.from_dict(values)) == 0
     return _losses(out)
 
 
 def _resume_in_one_process(model_dir, sample_csv, checkpoint: Path, out: Path, **kw) -> dict[int, float]:
-    values = _values(model_dir, sample_csv, out, gradient_accumulation_steps=2, resume=str(checkpoint), **kw)
+    values = _values(
+        model_dir, sample_csv, out, resume=str(checkpoint), **{"gradient_accumulation_steps": 2} | kw
+    )
     assert train(TrainConfig.from_dict(values)) == 0
     return _losses(out)
 
@@ -191,18 +192,37 @@ def test_fsdp_two_ranks_train_like_one_process_and_resume_in_one(model_dir, samp
         assert resumed[s] == pytest.approx(two[s], rel=2e-2), (s, resumed[s], two[s])
 
 
-def test_fsdp_with_the_presets_adafactor_trains_like_one_process(model_dir, sample_csv, tmp_path):
+def test_fsdp_with_the_presets_adafactor_trains_like_one_process_and_resumes_in_one(
+    model_dir, sample_csv, tmp_path
+):
     """Adafactor with Kahan-compensated bf16 weights (the rtx5090 preset's optimizer) on FSDP2's sharded
-    weights, which it cannot stack by shape and updates one at a time."""
-    values = dict(optimizer="adafactor", dtype="bfloat16")
-    single = _one_process(model_dir, sample_csv, tmp_path / "one", **values)
+    weights (each rank updates its shards; the factored statistics are agreed in two all-reduces), two
+    micro-batches per step reduce-scattered once (`fsdp_sync_each_micro_batch: false`), gathered weights
+    kept from forward to backward (`fsdp_reshard_after_forward: false`); its checkpoint (the statistics
+    whole on every rank, the Kahan buffers sharded) resumes in one process."""
+    values = dict(optimizer="adafactor", dtype="bfloat16", gradient_checkpointing=True)
+    single = _one_process(model_dir, sample_csv, tmp_path / "one", gradient_accumulation_steps=4, **values)
     out = tmp_path / "fsdp"
-    _torchrun(_values(model_dir, sample_csv, out, distributed_strategy="fsdp", **values), tmp_path)
+    fsdp = dict(
+        distributed_strategy="fsdp", fsdp_sync_each_micro_batch=False, fsdp_reshard_after_forward=False
+    )
+    run = _torchrun(
+        _values(model_dir, sample_csv, out, gradient_accumulation_steps=2, **fsdp, **values), tmp_path
+    )
+    assert "fp32 gradient reduction once per optimizer step" in run.stderr
+    assert "gathered weights kept from forward to backward" in run.stderr
     two = _losses(out)
     assert sorted(two) == list(range(1, STEPS + 1))
     assert two[STEPS] < two[1] - 0.5  # it learns
     for s in two:
         assert two[s] == pytest.approx(single[s], rel=2e-2), (s, two[s], single[s])
+
+    checkpoint = out / f"checkpoint-{SAVE_AT}"
+    resumed = _resume_in_one_process(
+        model_dir, sample_csv, checkpoint, tmp_path / "resumed", gradient_accumulation_steps=4, **values
+    )
+    for s in range(SAVE_AT + 1, STEPS + 1):
+        assert resumed[s] == pytest.approx(two[s], rel=2e-2), (s, resumed[s], two[s])
 
 
 def test_ddp_with_lora_adapters_trains_like_one_process_and_resumes_in_one(model_dir, sample_csv, tmp_path):
