@@ -95,7 +95,7 @@ class Data:
     template: PromptTemplate
     train_stream: Any
     eval_stream: Any | None
-    generation_records: list[dict]  # empty on ranks that do not generate (DDP: all but rank 0)
+    generation_records: list[dict]  # empty on ranks that do not generate (ddp: all but rank 0)
     total_steps: int
     records: int  # usable records, held-out ones included
     eval_records: int  # of them, held out (from eval_files, or train_files' eval_fraction)
