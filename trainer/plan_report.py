@@ -174,7 +174,8 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None, processes: int 
         else:
             advice = (
                 "no micro-batch fits, not even one row: use a bigger card, optimizer: adafactor, shorter "
-                "max_source_length/max_target_length, or FSDP over several GPUs (docs/distributed.md)"
+                "max_source_length/max_target_length, or FSDP over several GPUs (`--processes N --set "
+                "distributed_strategy=fsdp`, docs/distributed.md)"
             )
         print(f"does not fit: the predicted peak exceeds {SAFETY_MARGIN:.0%} of the card; {advice}")
         return 1
