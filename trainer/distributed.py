@@ -72,14 +72,14 @@ def quiet_other_ranks() -> None:
         logging.getLogger("trainer").setLevel(logging.WARNING)
 
 
-def init(device: torch.device, timeout_s: float) -> None:
+def init(device: torch.device, timeout_s: float | None = None) -> None:
     """Join torchrun's process group: NCCL for CUDA tensors and gloo for CPU tensors on a GPU, gloo alone on
     the CPU; nothing for a single process. A collective that waits `timeout_s` seconds for another rank
-    fails."""
+    fails (None: torch's default)."""
     world_size = env()[1]
     if world_size <= 1 or dist.is_initialized():
         return
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     if device.type == "cuda":
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timeout)
     else:

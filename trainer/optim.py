@@ -179,10 +179,19 @@ class Adafactor(torch.optim.Optimizer):
         return scalars
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import zeros as dtensor_zeros
+
         state["step"] = 0
         if p.dim() >= 2:
-            state["exp_avg_sq_row"] = p.new_zeros(p.shape[:-1], dtype=torch.float32)
-            state["exp_avg_sq_col"] = p.new_zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32)
+            rows, cols = p.shape[:-1], p.shape[:-2] + p.shape[-1:]
+            if isinstance(p, DTensor):  # FSDP's shard: the statistics whole on every rank
+                whole = dict(dtype=torch.float32, device_mesh=p.device_mesh, placements=[Replicate()])
+                state["exp_avg_sq_row"] = dtensor_zeros(rows, **whole)
+                state["exp_avg_sq_col"] = dtensor_zeros(cols, **whole)
+            else:
+                state["exp_avg_sq_row"] = p.new_zeros(rows, dtype=torch.float32)
+                state["exp_avg_sq_col"] = p.new_zeros(cols, dtype=torch.float32)
         else:
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         if self.kahan and p.dtype != torch.float32:
@@ -263,6 +272,7 @@ def sharded_adafactor_update(weights: list[tuple]) -> None:
 
     def factored_update(p, state, grad):
         start, end = rows_of(p)
+        assert grad.shape[0] == end - start, "FSDP2 splits a weight's rows as torch.chunk does"
         row, col = local(state["exp_avg_sq_row"]), local(state["exp_avg_sq_col"])
         r_factor = (row[start:end] / row.mean()).rsqrt().unsqueeze(-1)
         return r_factor * col.unsqueeze(-2).rsqrt() * grad

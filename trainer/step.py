@@ -203,10 +203,13 @@ def accumulate_with_oom_backoff(
             reporter.oom_backoff(step=step, micro_batch=micro, accumulation=accumulation)
 
 
-def probe_memory(train_module, cfg: TrainConfig, plan: RunPlan, oom: OomBackoff, device) -> None:
+def probe_memory(
+    train_module, cfg: TrainConfig, plan: RunPlan, oom: OomBackoff, device, replicated=None
+) -> None:
     """oom_probe: before training, one forward+backward on each of the largest micro-batch shapes the loader
     can yield (random ids), through the OOM back-off, so a budget that does not fit is halved now rather than
-    hours into the run. The gradients are dropped."""
+    hours into the run (`replicated`: ddp's gradient buffer, where the gradients go as in training). The
+    gradients are dropped."""
     import torch
 
     shapes = probe_shapes(cfg, plan)
@@ -222,7 +225,8 @@ def probe_memory(train_module, cfg: TrainConfig, plan: RunPlan, oom: OomBackoff,
             batch["decoder_segment_ids"] = torch.ones(rows, tgt, dtype=torch.long)
             batch["encoder_positions"] = torch.arange(src).expand(rows, src).contiguous()
             batch["decoder_positions"] = torch.arange(tgt).expand(rows, tgt).contiguous()
-        accumulate_with_oom_backoff(train_module, [to_device(batch, device)], oom, cfg, plan, step=0)
+        batches = [to_device(batch, device)]
+        accumulate_with_oom_backoff(train_module, batches, oom, cfg, plan, step=0, replicated=replicated)
         train_module.zero_grad(set_to_none=True)
     memory.free_memory()
     log.info(

@@ -567,7 +567,7 @@ def build_model(
         ckpt.load_training_state(resume_from, model, optimizer, scheduler)
         log.info("resumed from step %d (%s)", state.step, resume_from)
     if cfg.oom_probe and device.type == "cuda" and not resume_from:
-        probe_memory(train_module, cfg, plan, state.oom, device)
+        probe_memory(train_module, cfg, plan, state.oom, device, replicated)
     if state.loader is not None:
         state.loader = ckpt.resume_position(
             resume_from,
