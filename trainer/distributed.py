@@ -9,9 +9,9 @@ no process group is started and every helper here is a no-op, so a single-proces
   matmuls, the Adafactor kernels, CUDA graphs). Rank 0's weights are broadcast once at the start; the
   gradients are views of one flat buffer per dtype (`ReplicatedGradients`), summed over ranks in place by one
   all-reduce after the step's last micro-batch. With gradient accumulation torch's DDP would overlap its
-  bucketed all-reduce with the last micro-batch's backward only, and its buckets are one more copy of the
-  gradients (or, as views, misaligned for the Adafactor kernels) that also turn the in-place weight-gradient
-  accumulation off.
+  bucketed all-reduce with the last micro-batch's backward only; its buckets took memory beyond one
+  process's, it needs autograd's own gradient accumulation (no in-place weight gradients), and a CUDA graph
+  cannot replay its hooks.
 - `fsdp` (FSDP2, `fully_shard`): weights, gradients and optimizer states are split across ranks. Each T5 block
   is one unit, the root (embeddings, LM head, final norms) another. A unit's weights are all-gathered in bf16
   just before use; gradients are reduce-scattered in fp32; the sharded weights and the optimizer states keep
