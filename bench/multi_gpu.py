@@ -20,11 +20,12 @@ read by the Rust loader, every process capped at 32 GiB (`gpu_memory_limit_gib`)
   `fsdpN_kept_weights`: gathered weights kept from forward to backward (`fsdp_reshard_after_forward: false`).
 
 Measured per run: real (non-pad) tokens/s of all GPUs over the steps after `--warmup` (train log, rank 0's
-clock), scaling efficiency (tokens/s over N x the same run's on one GPU; FSDP2's over ddp1's), each GPU's peak
-allocated and reserved memory and what the device holds outside PyTorch's allocator (CUDA context, NCCL's
-buffers), the plan's predicted peak (run_summary.json) and its error against the largest reserved peak, the
-optimizer step's and ddp's gradient all-reduce's GPU time per step (CUDA events around them, rank 0), and for
-FSDP2 the largest per-step loss difference from ddpN on the same global batches (bf16: ~1e-3 expected).
+clock) and how much one step's rate varies (standard deviation over mean: the noise), scaling efficiency
+(tokens/s over N x the same run's on one GPU; FSDP2's over ddp1's), each GPU's peak allocated and reserved
+memory and what the device holds outside PyTorch's allocator (CUDA context, NCCL's buffers), the plan's
+predicted peak (run_summary.json) and its error against the largest reserved peak, the optimizer step's and
+ddp's gradient all-reduce's GPU time per step (CUDA events around them, rank 0), and for FSDP2 the largest
+per-step loss difference from ddpN on the same global batches (bf16: ~1e-3 expected).
 The whole set stops starting runs when `--time-limit` would be passed, and prints its table either way.
 NCCL's NVLink multicast is off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1): some multi-GPU hosts
 cannot use it. Results: `--out`/results.json (every number), `--out`/table.md, and each run's train log.
@@ -174,6 +175,19 @@ def steady_tokens_per_s(rows: list[dict], warmup: int) -> float:
     return tokens / (timed[-1]["time"] - rows[warmup - 1]["time"])
 
 
+def step_spread(rows: list[dict], warmup: int) -> float | None:
+    """The standard deviation of the timed steps' tokens/s over their mean: how much one step varies (the
+    run's tokens/s is over all of them)."""
+    rates = [
+        (r["source_tokens"] + r["target_tokens"]) / (r["time"] - before["time"])
+        for before, r in zip(rows[warmup - 1 :], rows[warmup:], strict=False)
+    ]
+    if len(rates) < 2:
+        return None
+    mean = sum(rates) / len(rates)
+    return (sum((x - mean) ** 2 for x in rates) / (len(rates) - 1)) ** 0.5 / mean
+
+
 def mean_after(values: list[float], warmup: int) -> float | None:
     timed = values[warmup:]
     return sum(timed) / len(timed) if timed else None
@@ -215,6 +229,7 @@ def launch(name: str, nproc: int, values: dict, out: Path, device: str, warmup: 
     result.update(
         steps=summary["steps"],
         tokens_per_s=steady_tokens_per_s(rows, warm),
+        step_spread=step_spread(rows, warm),
         real_token_share=sum(r["source_tokens"] + r["target_tokens"] for r in rows)
         / sum(r["padded_tokens"] for r in rows),
         losses=[r["loss"] for r in rows],
@@ -266,8 +281,9 @@ def table(results: list[dict], header: str) -> str:
     lines = [
         header,
         "",
-        "| run | GPUs | strategy | rows | micro-batch | real tok/s | scaling | peak alloc / reserved per GPU "
-        "(GiB) | outside allocator | plan (error) | optimizer step | all-reduce | loss vs ddp |",
+        "| run | GPUs | strategy | rows | micro-batch | real tok/s (step spread) | scaling | "
+        "peak alloc / reserved per GPU (GiB) | outside allocator | plan (error) | optimizer step | "
+        "all-reduce | loss vs ddp |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -282,7 +298,8 @@ def table(results: list[dict], header: str) -> str:
         graphs = ", graphs" if r["cuda_graphs"] else ""
         lines.append(
             f"| {r['run']} | {r['processes']} | {r['strategy']} | {r['rows']}{graphs} | {r['micro_batch']} | "
-            f"{r['tokens_per_s']:,.0f} | {num(r.get('scaling'), '.1%')} | "
+            f"{r['tokens_per_s']:,.0f} ({num(r.get('step_spread'), '.1%')}) | "
+            f"{num(r.get('scaling'), '.1%')} | "
             f"{gib(r['peak_allocated_gib'])} / {gib(r['peak_reserved_gib'])} | "
             f"{gib(r['outside_allocator_gib'])} | {plan} | {ms(r.get('optimizer_step_s'))} | "
             f"{ms(r.get('all_reduce_s'))} | {num(r.get('loss_vs_ddp'), '.2%')} |"
