@@ -6,7 +6,8 @@
   README's GPU numbers were measured with (docker/requirements.in, bench/NOTES.md).
 - docker-compose files: valid against the Compose specification's JSON schema (vendored by check-jsonschema),
   with the GPU reservation, env_file, volumes, grace period, a bounded restart policy, shm and memlock
-  asserted, and no tty (the trainer's plain log lines); their command lines run here too.
+  asserted, and no tty (the trainer's plain log lines); their command lines run here too (the multi-GPU
+  override's torchrun line with two CPU processes).
 - .dockerignore: evaluated with Docker's own matching rules against the repository's files.
 - .env.example: documents every variable the compose files read.
 """
@@ -648,6 +649,26 @@ def test_serve_service_command_and_healthcheck_run_here(tmp_path, tiny_model_dir
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_multi_gpu_override_command_line_runs_here(tmp_path, sample_csv, tiny_model_dir):
+    """The override's torchrun line in front of the base file's command, verbatim, with two processes on the
+    CPU (gloo), as a dry run: every rank checks the config, the model files and the data, and rank 0 says
+    what predicts one GPU's memory for this many processes."""
+    argv = [*_service(COMPOSE_MULTI)["entrypoint"], *_service()["command"]]
+    env = dict(_dry_run_env(tmp_path), CUDA_VISIBLE_DEVICES="")
+    env.update(_service(COMPOSE_MULTI)["environment"])
+    result = subprocess.run(
+        [_tool(argv[0]), *argv[1:], "--dry-run", *_host_paths(tmp_path, sample_csv, tiny_model_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"{' '.join(argv)} --dry-run failed:\n{result.stdout}\n{result.stderr}"
+    assert result.stderr.count("dry run: the config, the model files and the data are fine") == 1
+    assert "trainer plan --config CONFIG --processes 2" in result.stderr
 
 
 def test_env_example_documents_every_variable():

@@ -1,11 +1,16 @@
 """The memory plan against real tensors: exact bytes for weights, gradients and optimizer states after a real
-step, and the activation terms against the live tensor bytes of a real checkpointed T5 training micro-step."""
+step (in one process, and in each rank's FSDP2 shards on 2 gloo ranks), and the activation terms against the
+live tensor bytes of a real checkpointed T5 training micro-step; `trainer plan` for one GPU of several."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,7 @@ from trainer.config import TrainConfig
 from trainer.memory import GIB
 from trainer.memory_plan import (
     SAFETY_MARGIN,
+    _sharded_state,
     budget_peak,
     choose_max_tokens,
     largest_batch_size,
@@ -660,3 +666,91 @@ def test_trainer_plan_without_the_hub_or_the_data_says_what_it_assumed_in_one_li
     assert f"({missing} matches no file ({tmp_path / 'data'} does not exist))" in data, data
     data, _ = plan(str(sample_csv))  # the data is there, but the model's tokenizer is not
     assert "google/flan-t5-xl: its tokenizer.json is not in the Hugging Face cache" in data, data
+
+
+def test_trainer_plan_is_one_gpu_of_several_processes(tmp_path, capsys):
+    """FLAN-T5-XL with fp32 weights and AdamW: no 32 GiB card holds it, nor does each of 2 under ddp (every
+    GPU holds the whole); under fsdp each of 2 holds half of the weights, gradients and states, and fits."""
+    config = write_config(tmp_path, "optimizer: adamw\ndtype: float32\nmax_tokens: 4096\n")
+
+    def plan(*args: str) -> tuple[int, str, dict[str, float]]:
+        code = cli_main(["plan", "--config", config, *args])
+        out = capsys.readouterr().out
+        gib = {m[1].strip(): float(m[2]) for m in re.finditer(r"^([a-z +()]+?)\s+(-?[\d.]+)$", out, re.M)}
+        return code, out, gib
+
+    one, _, one_gib = plan()
+    ddp, ddp_out, ddp_gib = plan("--processes", "2")
+    fsdp, fsdp_out, fsdp_gib = plan("--processes", "2", "--set", "distributed_strategy=fsdp")
+    assert (one, ddp, fsdp) == (1, 1, 0)
+    assert "processes: 2, ddp: every GPU holds what one process does" in ddp_out
+    assert ddp_gib["total (predicted peak)"] == one_gib["total (predicted peak)"]
+    assert "processes: 2, fsdp: weights, gradients and optimizer states split 2 ways" in fsdp_out
+    assert fsdp_gib["optimizer states"] == pytest.approx(one_gib["optimizer states"] / 2, abs=0.01)
+    # Half of the weights, and the bf16 weights of the root and two blocks, gathered for the compute.
+    xl = load_shape("google/flan-t5-xl")
+    gathered = 2 * (xl.root_params() + 2 * xl.block_params(decoder=True)) / GIB
+    assert fsdp_gib["weights"] == pytest.approx(one_gib["weights"] / 2 + gathered, abs=0.01)
+    assert cli_main(["plan", "--config", config, "--processes", "0"]) == 2
+    assert "--processes must be at least 1" in capsys.readouterr().err
+
+
+# Under torchrun (2 gloo ranks): one training step of a small bf16 T5 under FSDP2 (trainer.distributed.wrap)
+# with the trainer's Adafactor (Kahan), then rank 0's bytes of weights, gradients and optimizer states.
+_FSDP_STEP = """
+import json, sys, torch
+from test_memory_plan import batch, build_bf16, tiny_config
+from trainer import distributed
+from trainer.config import TrainConfig
+from trainer.optim import Adafactor
+from trainer.step import token_loss_sum
+
+
+def storage_bytes(tensors):
+    storages = {}
+    for t in tensors:
+        storage = t.to_local().untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+distributed.init(torch.device("cpu"), 300)
+config = tiny_config(dropout_rate=0.0)
+model = build_bf16(config, checkpointing=False)
+module = distributed.wrap(model, TrainConfig(distributed_strategy="fsdp"), torch.device("cpu"))
+opt = Adafactor(list(model.parameters()), lr=1e-3, kahan=True)
+token_loss_sum(module, batch(config, 2, 8, 8)).backward()
+opt.step()
+params = list(model.parameters())
+states = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+measured = dict(
+    weights=storage_bytes(params),
+    gradients=storage_bytes(p.grad for p in params),
+    states=storage_bytes(states),
+    tensors=len(params),
+)
+if distributed.rank() == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(measured, f)
+distributed.destroy()
+"""
+
+
+def test_fsdp_shards_are_the_bytes_a_real_fsdp_step_keeps(tmp_path):
+    """Each rank of 2 keeps half of every weight and gradient (FSDP2's padded shards), its half of the Kahan
+    buffers and vector states, and Adafactor's factored statistics whole: the plan's sharded terms, exactly.
+    (The plan counts transformers' Adafactor, which keeps a 4-byte RMS per weight the trainer's does not.)"""
+    script, out = tmp_path / "fsdp_step.py", tmp_path / "bytes.json"
+    script.write_text(_FSDP_STEP)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    run = subprocess.run([*cmd, str(script), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    measured = json.loads(out.read_text())
+
+    shape = ModelShape.from_config(tiny_config())
+    weights, _, gradients, _, states = _sharded_state(shape, "bfloat16", "adafactor", "kahan", 2, True, True)
+    assert measured["weights"] == weights == 2 * shape.num_params() // 2  # half of the model's bf16 bytes
+    assert measured["gradients"] == gradients
+    assert measured["states"] == states - 4 * measured["tensors"]

@@ -93,11 +93,12 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint-<step> atomically and return its path (an existing one for `step` is replaced).
 
-    `model` is the HF model (not its DDP/FSDP wrapper: its parameter names are the checkpoint's keys). Under
-    torchrun every rank calls this; rank 0 writes the shared files. `rng`: the RNG states to store (default:
-    the current ones); the loop passes those of the step boundary, since a step interrupted by a signal has
-    already drawn dropout masks. `prompt_config`: the config the model trains with, whose prompt template
-    (`recipe_template.json`) goes beside the tokenizer, so that the checkpoint generates on its own."""
+    `model` is the HF model (not FSDP's loss module around it: its parameter names are the checkpoint's
+    keys). Under torchrun every rank calls this; rank 0 writes the shared files. `rng`: the RNG states to
+    store (default: the current ones); the loop passes those of the step boundary, since a step interrupted by
+    a signal has already drawn dropout masks. `prompt_config`: the config the model trains with, whose prompt
+    template (`recipe_template.json`) goes beside the tokenizer, so that the checkpoint generates on its
+    own."""
     output_dir = Path(output_dir)
     rank = distributed.rank()
     final = output_dir / f"checkpoint-{step}"

@@ -216,7 +216,14 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_overrides(plan)
     plan.add_argument("--gpu-memory", default="32GiB", help="card size, e.g. 32GiB or 24GB")
     plan.add_argument(
-        "--hours", type=float, help="also say how much of the data this many hours of training cover per GPU"
+        "--processes",
+        type=int,
+        default=1,
+        help="processes (GPUs) of the run, torchrun's nnodes x nproc_per_node: the plan is one GPU's, e.g. "
+        "of its shard under distributed_strategy fsdp (default 1)",
+    )
+    plan.add_argument(
+        "--hours", type=float, help="also say how much of the data this many hours of training cover"
     )
 
     data = sub.add_parser("data", help="sample data and inspect recipe files").add_subparsers(
@@ -270,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer._loader import RecipeDataError, RecipeFileError
     from trainer.config import ConfigError
     from trainer.disk import out_of_space_message
+    from trainer.distributed import PeerLost
     from trainer.generate import UsageError
     from trainer.model_files import ModelFilesError
     from trainer.prompt import ModelDirError
@@ -292,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"trainer: config error: {redact(str(e))}", file=sys.stderr)
         return 2
+    except PeerLost:  # another rank of a torchrun run ended: logged where it showed; its own log says why
+        return 1
     except (RecipeDataError, RecipeFileError) as e:  # bad data or paths: the message names the file and line
         print(f"trainer: data error: {redact(str(e))}", file=sys.stderr)
         return 2
@@ -339,7 +349,8 @@ def _run(args: argparse.Namespace) -> int:
         from trainer.config import TrainConfig
         from trainer.plan_report import print_plan
 
-        return print_plan(TrainConfig.load(args.config, args.set), args.gpu_memory, args.hours)
+        cfg = TrainConfig.load(args.config, args.set)
+        return print_plan(cfg, args.gpu_memory, args.hours, args.processes)
     if args.command == "healthcheck":
         from trainer.healthcheck import check_heartbeat, heartbeat_path
 

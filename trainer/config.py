@@ -109,7 +109,7 @@ class TrainConfig:
     torch_compile: bool = _key(False, "Compile each T5 block (slower start, faster steps on a GPU).")
     cuda_graphs: bool = _key(
         False,
-        "Replay each micro-step and the optimizer update as CUDA graphs (needs packing and one process).",
+        "Replay each micro-step and the optimizer update as CUDA graphs (needs packing; not under fsdp).",
     )
     random_init: bool = _key(
         False, "Random weights in model_name_or_path's architecture, from its config.json (benchmarks)."
@@ -299,9 +299,26 @@ class TrainConfig:
         "in output_dir for the next run.",
     )
 
-    # --- distributed (torchrun) ---
+    # --- distributed (torchrun; docs/distributed.md) ---
     distributed_strategy: Literal["ddp", "fsdp"] = _key(
-        "ddp", "Under torchrun: ddp (a whole model per GPU) or fsdp (weights and states sharded)."
+        "ddp",
+        "Under torchrun: ddp (the whole model on every GPU, gradients summed once per optimizer step) or "
+        "fsdp (FSDP2: weights, gradients and optimizer states split across the GPUs).",
+    )
+    ddp_timeout: int = _key(
+        1800,
+        "Seconds a collective waits for another process before the run fails (a machine that went down); a "
+        "process that crashes ends the others at once.",
+    )
+    fsdp_reshard_after_forward: bool = _key(
+        True,
+        "fsdp: free each block's gathered weights after its forward and gather them again for its backward; "
+        "false keeps them (the whole model's bf16 weights on every GPU, one all-gather per block less).",
+    )
+    fsdp_sync_each_micro_batch: bool = _key(
+        True,
+        "fsdp: reduce-scatter the gradients after every micro-batch; false: only after the step's last (the "
+        "whole model's fp32 gradients on every GPU until then, one reduce-scatter per step).",
     )
 
     def __post_init__(self) -> None:
@@ -333,6 +350,7 @@ class TrainConfig:
             "generation_max_new_tokens": 1,
             "generation_num_beams": 1,
             "early_stopping_patience": 1,
+            "ddp_timeout": 1,
         }
         for name, low in at_least.items():
             value = getattr(self, name)

@@ -107,8 +107,8 @@ class Seq2SeqLMLoss(torch.nn.Module):
     last hidden states to `linear_cross_entropy` with the LM head's weight. A packed batch (one with
     `encoder_segment_ids`: several records per row) goes through trainer.packed_t5 instead, with the same
     result: the sum of its records' losses. Call it with the batch's tensors as keywords,
-    `loss_module(**batch)`. Under DDP or FSDP, wrap this module (not the inner model), so their hooks see
-    the whole step.
+    `loss_module(**batch)`. Under FSDP, wrap this module (not the inner model), so its hooks see the whole
+    step.
     """
 
     def __init__(self, model: torch.nn.Module):

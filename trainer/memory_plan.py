@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
 from dataclasses import dataclass
 
 from trainer.loss import CHUNK_TOKENS as CE_CHUNK_TOKENS
@@ -113,16 +115,20 @@ def optimizer_state_bytes(
     bf16_update: str,
     dtype: str = "bfloat16",
     lora: LoraShape | None = None,
+    shards: int = 1,
 ) -> int:
-    """Bytes of optimizer state for the whole model, or with `lora` for its fp32 adapters (AdamW's two
-    moments; Adafactor's row and column second moments per matrix; no Kahan buffer for fp32 weights)."""
+    """Bytes of optimizer state for the whole model, with `lora` for its fp32 adapters (AdamW's two
+    moments; Adafactor's row and column second moments per matrix; no Kahan buffer for fp32 weights), or on
+    one of `shards` FSDP ranks: what is elementwise (AdamW's moments, Kahan buffers, Adafactor's vector
+    states) is sharded like the weights, Adafactor's factored row and column statistics are whole on every
+    rank (trainer.optim)."""
     if lora is not None:
         if optimizer == "adamw":
             return 2 * 4 * shape.lora_num_params(lora)
         if optimizer == "adafactor":
             return 4 * sum((rows + cols) * n for (rows, cols), n in shape.lora_weight_shapes(lora).items())
         raise ValueError(f"unknown optimizer {optimizer!r}")
-    p, e = shape.num_params(), _DTYPE_BYTES[dtype]
+    p, e = shape.sharded_params(shards), _DTYPE_BYTES[dtype]
     kahan = p * e if (bf16_update == "kahan" and e == 2) else 0  # one compensation buffer, param dtype
     if optimizer == "adamw":
         return 2 * p * e + kahan  # optimi: exp_avg and exp_avg_sq in the param dtype
@@ -130,12 +136,13 @@ def optimizer_state_bytes(
         # transformers' Adafactor (T5 settings, no first moment): a factored second moment, a row and a column
         # vector (fp32) per matrix, a full fp32 vector for 1-D weights (layer norms).
         d, f, inner, v = shape.d_model, shape.d_ff, shape.inner, shape.vocab_size
+        d_shard = -(-d // shards)
         ff_mats = (3 if shape.gated else 2) * (d + f)
-        enc = shape.num_layers * (4 * (d + inner) + ff_mats + 2 * d)
-        dec = shape.num_decoder_layers * (8 * (d + inner) + ff_mats + 3 * d)
+        enc = shape.num_layers * (4 * (d + inner) + ff_mats + 2 * d_shard)
+        dec = shape.num_decoder_layers * (8 * (d + inner) + ff_mats + 3 * d_shard)
         embeds = (1 if shape.tie_word_embeddings else 2) * (v + d)
         bias = 2 * (shape.relative_attention_num_buckets + shape.num_heads)  # relative position bias tables
-        final_norms = 2 * d
+        final_norms = 2 * d_shard
         # A 0-d fp32 RMS per weight tensor.
         ff_n = 3 if shape.gated else 2
         tensors = shape.num_layers * (4 + ff_n + 2) + shape.num_decoder_layers * (8 + ff_n + 3) + 2 + 2
@@ -383,9 +390,14 @@ def plan_memory(
     encoder_blocks_without_checkpointing: int = 0,
     packed: bool = False,
     lora: LoraShape | None = None,
+    strategy: str = "ddp",
+    processes: int = 1,
+    fsdp_reshard_after_forward: bool = True,
+    fsdp_sync_each_micro_batch: bool = True,
 ) -> MemoryPlan:
     """Predicted peak of the trainer's training step (trainer.loss.Seq2SeqLMLoss over the model with
-    trainer.model.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens.
+    trainer.model.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens, on one
+    GPU of a run of `processes`.
 
     device: "cuda" keeps dropout masks as bool (fused dropout) and runs RMSNorm as one kernel; elsewhere
     dropout saves a mask in the compute dtype (`input * noise`) and RMSNorm is a composite, which is how the
@@ -403,6 +415,9 @@ def plan_memory(
     With `cuda_graphs` the same: the captured update reuses the captured micro-step's memory pool
     (trainer.cuda_graphs).
     lora: LoRA adapters over the frozen base (trainer.lora; the module docstring says what changes).
+    strategy, processes: `ddp` is one process's plan on every GPU (its gradients are summed in place; NCCL's
+    own buffers live outside PyTorch's allocator, in the card's margin); `fsdp` over several processes is
+    `_sharded_state` below, the activations as in one process (bf16 compute). (LoRA trains without fsdp.)
     """
     e = _DTYPE_BYTES[dtype]
     b, s, t = rows, src_len, tgt_len
@@ -416,6 +431,20 @@ def plan_memory(
         weights += 4 * shape.lora_num_params(lora)
         gradients = 4 * shape.lora_num_params(lora)
     states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype, lora)
+    # Alive from the forward to the end of the backward only (not at the optimizer step): FSDP's gathered
+    # weights and unsharded gradients.
+    gathered = unsharded_gradients = 0
+    sharded = strategy == "fsdp" and processes > 1 and lora is None
+    if sharded:
+        weights, gathered, gradients, unsharded_gradients, states = _sharded_state(
+            shape,
+            dtype,
+            optimizer,
+            bf16_update,
+            processes,
+            fsdp_reshard_after_forward,
+            fsdp_sync_each_micro_batch,
+        )
 
     mask_bytes = (1 if device == "cuda" else e) if p_drop > 0 else 0
     if attn_implementation not in ("eager", "sdpa", "triton"):
@@ -487,13 +516,18 @@ def plan_memory(
         "encoder block backward": (enc_keep + enc_shared + flow_enc + enc_bwd, 0),
     }
     # trainer.optim.Adafactor's kernels keep fp32 partial sums per group of same-shape weights (~0.3 GB for
-    # FLAN-T5-XL); optimi's foreach step uses the gradients as its scratch buffer.
-    opt_temp = adafactor_scratch_bytes(shape, lora) if optimizer == "adafactor" else 0
+    # FLAN-T5-XL); optimi's foreach step uses the gradients as its scratch buffer. On FSDP's shards Adafactor
+    # works one weight at a time in torch ops: a few fp32 copies of the largest shard.
+    opt_temp = 0
+    if optimizer == "adafactor":
+        largest = max(-(-dims[0] // processes) * math.prod(dims[1:]) for dims in shape.weight_shapes())
+        opt_temp = 3 * 4 * largest if sharded else adafactor_scratch_bytes(shape, lora)
     moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
-    if opt_temp > acts + logits:
+    if opt_temp > acts + logits + gathered + unsharded_gradients:
         moment, acts, logits = "optimizer step", 0, 0
     else:
         opt_temp = 0
+        weights, gradients = weights + gathered, gradients + unsharded_gradients
     allocated = weights + gradients + states + acts + logits + opt_temp
     return MemoryPlan(
         weights=weights,
@@ -505,6 +539,40 @@ def plan_memory(
         allocator_slack=int(allocated * ALLOCATOR_SLACK),
         peak_moment=moment,
     )
+
+
+def _sharded_state(
+    shape: ModelShape,
+    dtype: str,
+    optimizer: str,
+    bf16_update: str,
+    processes: int,
+    reshard_after_forward: bool,
+    sync_each_micro_batch: bool,
+) -> tuple[int, int, int, int, int]:
+    """One GPU's (sharded weights, gathered weights, sharded gradients, unsharded gradients, optimizer states)
+    under FSDP2 (trainer.distributed.wrap) over `processes` ranks.
+
+    Sharded: each weight's ceil(rows / processes) rows (FSDP2 pads the shards to one size), in `dtype`, and
+    its gradient likewise; the optimizer states as `optimizer_state_bytes` shards them. Gathered (bf16, from
+    the forward to the end of the backward): the root's weights (embeddings, LM head, final norms; kept
+    gathered through the step) and two blocks' (the one running and the next, prefetched), or every block's
+    with `reshard_after_forward` false. Unsharded gradients (during the backward): a block's bf16 gradients
+    as the backward makes them and the fp32 reduce-scatter inputs of two blocks (one reducing while the next
+    runs) and of the root, whose bf16 gradients live through the whole backward; without
+    `sync_each_micro_batch` every weight's fp32 gradient, accumulated over the micro-batches."""
+    e = _DTYPE_BYTES[dtype]
+    block = max(shape.block_params(decoder=True), shape.block_params(decoder=False))
+    root = shape.root_params()
+    all_blocks = shape.num_params() - root
+    weights = shape.sharded_params(processes) * e
+    gathered = 2 * root + 2 * (2 * block if reshard_after_forward else all_blocks)
+    gradients = shape.sharded_params(processes) * e
+    unsharded = 2 * block + 2 * root + 4 * max(2 * block, root)
+    if not sync_each_micro_batch:
+        unsharded += 4 * shape.num_params()
+    states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype, shards=processes)
+    return weights, gathered, gradients, unsharded, states
 
 
 def _budget_shapes(
@@ -584,9 +652,9 @@ def largest_batch_size(
     return rows
 
 
-def _plan_kwargs(cfg, blocks: tuple[int, int] | None = None) -> dict:
-    """plan_memory's keyword arguments for `cfg` (the un-checkpointed (decoder, encoder) blocks: the given
-    numbers, else the config's)."""
+def _plan_kwargs(cfg, blocks: tuple[int, int] | None = None, processes: int = 1) -> dict:
+    """plan_memory's keyword arguments for `cfg` on one GPU of a run of `processes` (the un-checkpointed
+    (decoder, encoder) blocks: the given numbers, else the config's)."""
     # Triton runs only on CUDA (eager elsewhere); other kernels transformers offers are planned like SDPA.
     attn = cfg.attn_implementation if cfg.attn_implementation in ("eager", "triton") else "sdpa"
     if blocks is None:
@@ -604,6 +672,10 @@ def _plan_kwargs(cfg, blocks: tuple[int, int] | None = None) -> dict:
         encoder_blocks_without_checkpointing=blocks[1],
         packed=cfg.packing,
         lora=LoraShape.of(cfg),
+        strategy=cfg.distributed_strategy,
+        processes=processes,
+        fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward,
+        fsdp_sync_each_micro_batch=cfg.fsdp_sync_each_micro_batch,
     )
 
 
@@ -620,11 +692,12 @@ def row_lengths(cfg) -> tuple[int, int]:
     )
 
 
-def choose_max_tokens(cfg, gpu_bytes: int) -> int:
+def choose_max_tokens(cfg, gpu_bytes: int, processes: int = 1) -> int:
     """Starting token budget for the loop when the config sets neither batch size nor max_tokens."""
     shape = load_shape(cfg.model_name_or_path)
     src, tgt = row_lengths(cfg)
-    tokens = largest_token_budget(shape, gpu_bytes, src_cap=src, tgt_cap=tgt, **_plan_kwargs(cfg))
+    kw = _plan_kwargs(cfg, processes=processes)
+    tokens = largest_token_budget(shape, gpu_bytes, src_cap=src, tgt_cap=tgt, **kw)
     # Never below one row at the maximum lengths: the loader must be able to yield its longest row alone.
     floor = src + tgt
     if tokens < floor:
@@ -645,13 +718,18 @@ def choose_max_tokens(cfg, gpu_bytes: int) -> int:
 
 
 def micro_batch_peak(
-    shape: ModelShape, cfg, max_tokens: int | None, blocks: tuple[int, int], packed_rows: tuple | None = None
+    shape: ModelShape,
+    cfg,
+    max_tokens: int | None,
+    blocks: tuple[int, int],
+    packed_rows: tuple | None = None,
+    processes: int = 1,
 ) -> MemoryPlan:
-    """The predicted peak of `cfg`'s largest micro-batch, `blocks` (decoder, encoder) the numbers of each
-    stack's last blocks without checkpointing:
+    """The predicted peak of `cfg`'s largest micro-batch on one GPU of `processes`, `blocks` (decoder,
+    encoder) the numbers of each stack's last blocks without checkpointing:
     the loader's packed rows (rows, source length, target length) when given, else
     per_device_train_batch_size rows of the longest lengths, else the worst the budget `max_tokens` yields."""
-    kw = _plan_kwargs(cfg, blocks)
+    kw = _plan_kwargs(cfg, blocks, processes)
     if packed_rows is not None:
         rows, src, tgt = packed_rows
         return plan_memory(shape, rows=rows, src_len=src, tgt_len=tgt, **kw)
@@ -663,14 +741,23 @@ def micro_batch_peak(
 
 def planned_peak_bytes(cfg, plan: RunPlan) -> int:
     """The predicted peak of the run `plan` makes of `cfg` (its micro-batch, blocks and packed rows)."""
+    return planned_peak(cfg, plan).peak
+
+
+def planned_peak(cfg, plan: RunPlan) -> MemoryPlan:
+    """The predicted peak, by component, of the run `plan` makes of `cfg` on one of its GPUs."""
     shape = load_shape(cfg.model_name_or_path)
     return micro_batch_peak(
-        shape, cfg, plan.max_tokens, plan.blocks_without_checkpointing, plan.packed_rows
-    ).peak
+        shape, cfg, plan.max_tokens, plan.blocks_without_checkpointing, plan.packed_rows, plan.processes
+    )
 
 
 def choose_blocks_without_checkpointing(
-    cfg, gpu_bytes: int, max_tokens: int | None = None, packed_rows: tuple | None = None
+    cfg,
+    gpu_bytes: int,
+    max_tokens: int | None = None,
+    packed_rows: tuple | None = None,
+    processes: int = 1,
 ) -> tuple[int, int]:
     """How many of the last (decoder, encoder) blocks can skip checkpointing (keeping their activations,
     saving their recompute) with the micro-batch (`max_tokens`, default the config's; or the loader's
@@ -682,7 +769,7 @@ def choose_blocks_without_checkpointing(
     tokens = max_tokens if max_tokens is not None else cfg.max_tokens
 
     def fits(decoder: int, encoder: int) -> bool:
-        peak = micro_batch_peak(shape, cfg, tokens, (decoder, encoder), packed_rows).peak
+        peak = micro_batch_peak(shape, cfg, tokens, (decoder, encoder), packed_rows, processes).peak
         return peak <= SAFETY_MARGIN * gpu_bytes
 
     decoder, encoder = cfg.decoder_blocks_without_checkpointing, cfg.encoder_blocks_without_checkpointing
@@ -723,6 +810,7 @@ class RunPlan:
     # Packing: the loader's rows (rows, source length, target length), which it chooses from the data once
     # it is indexed (plan_packed_rows); until then None, and the plan assumes rows of the maximum lengths.
     packed_rows: tuple[int, int, int] | None = None
+    processes: int = 1  # the run's processes (torchrun's WORLD_SIZE): the plan is one GPU's
 
     @property
     def blocks_without_checkpointing(self) -> tuple[int, int]:
@@ -748,14 +836,16 @@ class RunPlan:
         )
 
 
-def plan_run(cfg, gpu_bytes: int | None = None) -> RunPlan:
-    """The memory plan's choices for `cfg` on a card of `gpu_bytes` (default: this process's GPU): a token
-    budget when the config sets neither max_tokens nor per_device_train_batch_size, and how many decoder and
-    encoder blocks skip checkpointing where decoder_blocks_without_checkpointing or
-    encoder_blocks_without_checkpointing is null. Without a GPU: two rows of the maximum lengths, and every
-    block checkpointed where the config leaves it open."""
+def plan_run(cfg, gpu_bytes: int | None = None, processes: int | None = None) -> RunPlan:
+    """The memory plan's choices for `cfg` on a card of `gpu_bytes` (default: this process's GPU), one of
+    `processes` (default: torchrun's WORLD_SIZE, else 1): a token budget when the config sets neither
+    max_tokens nor per_device_train_batch_size, and how many decoder and encoder blocks skip checkpointing
+    where decoder_blocks_without_checkpointing or encoder_blocks_without_checkpointing is null. Without a GPU:
+    two rows of the maximum lengths, and every block checkpointed where the config leaves it open."""
     if gpu_bytes is None:
         gpu_bytes = gpu_bytes_for(cfg)
+    if processes is None:
+        processes = int(os.environ.get("WORLD_SIZE", 1))
     max_tokens = cfg.max_tokens
     if cfg.per_device_train_batch_size is None and max_tokens is None:
         if gpu_bytes is None:
@@ -766,15 +856,15 @@ def plan_run(cfg, gpu_bytes: int | None = None) -> RunPlan:
                 max_tokens,
             )
         else:
-            max_tokens = choose_max_tokens(cfg, gpu_bytes)
+            max_tokens = choose_max_tokens(cfg, gpu_bytes, processes)
     if gpu_bytes is not None:
-        blocks = choose_blocks_without_checkpointing(cfg, gpu_bytes, max_tokens)
+        blocks = choose_blocks_without_checkpointing(cfg, gpu_bytes, max_tokens, processes=processes)
     else:
         blocks = (
             cfg.decoder_blocks_without_checkpointing or 0,
             cfg.encoder_blocks_without_checkpointing or 0,
         )
-    return RunPlan(cfg.per_device_train_batch_size, max_tokens, *blocks)
+    return RunPlan(cfg.per_device_train_batch_size, max_tokens, *blocks, processes=processes)
 
 
 def plan_packed_rows(plan: RunPlan, cfg, packed_shape: dict, gpu_bytes: int | None = None) -> RunPlan:
@@ -787,7 +877,9 @@ def plan_packed_rows(plan: RunPlan, cfg, packed_shape: dict, gpu_bytes: int | No
         gpu_bytes = gpu_bytes_for(cfg)
     if gpu_bytes is None:
         return plan
-    decoder, encoder = choose_blocks_without_checkpointing(cfg, gpu_bytes, plan.max_tokens, rows)
+    decoder, encoder = choose_blocks_without_checkpointing(
+        cfg, gpu_bytes, plan.max_tokens, rows, plan.processes
+    )
     plan = dataclasses.replace(
         plan, decoder_blocks_without_checkpointing=decoder, encoder_blocks_without_checkpointing=encoder
     )

@@ -81,6 +81,24 @@ class ModelShape:
     def lora_num_params(self, lora: LoraShape) -> int:
         return sum(math.prod(dims) * n for dims, n in self.lora_weight_shapes(lora).items())
 
+    def block_params(self, decoder: bool) -> int:
+        """Parameters of one T5 block (without the first block's relative position bias table)."""
+        d, inner = self.d_model, self.inner
+        feed_forward = ((2 if self.gated else 1) + 1) * d * self.d_ff
+        attentions = 2 if decoder else 1
+        return attentions * 4 * d * inner + feed_forward + (attentions + 1) * d
+
+    def root_params(self) -> int:
+        """Parameters outside the blocks: the embedding, the LM head (when untied) and the final norms."""
+        return (1 if self.tie_word_embeddings else 2) * self.vocab_size * self.d_model + 2 * self.d_model
+
+    def sharded_params(self, shards: int) -> int:
+        """Parameters one of `shards` ranks holds when each weight is split along its first dimension into
+        `shards` parts of ceil(rows / shards) rows (FSDP2's padded shards)."""
+        return sum(
+            n * -(-dims[0] // shards) * math.prod(dims[1:]) for dims, n in self.weight_shapes().items()
+        )
+
     @classmethod
     def from_config(cls, config) -> ModelShape:
         """From a `transformers.T5Config` (or anything with its attribute names)."""

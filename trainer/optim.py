@@ -36,8 +36,8 @@ class Adafactor(torch.optim.Optimizer):
     the bf16 weight cannot represent is kept in a bf16 buffer and added back on the next step.
 
     On a GPU the weights of one shape are updated together by trainer.adafactor_kernels (four launches per
-    shape, each weight read where it lies); elsewhere (CPU, FSDP's sharded weights) one at a time by
-    `adafactor_update`.
+    shape, each weight read where it lies); on the CPU one at a time by `adafactor_update`; FSDP's sharded
+    weights (DTensors) by `sharded_adafactor_update`, on each rank's shards, with two all-reduces per step.
     """
 
     def __init__(
@@ -125,10 +125,16 @@ class Adafactor(torch.optim.Optimizer):
     def apply(self) -> None:
         """The device's part of the step `advance` prepared: every weight's update; the host only launches."""
         self._advanced = False
+        from torch.distributed.tensor import DTensor
+
+        sharded = []
         for params, scalars, group, weight_group in self._work:
             eps, clip_threshold = group["eps"][0], group["clip_threshold"]
             if weight_group is not None:
                 weight_group.update(scalars, eps, clip_threshold)
+                continue
+            if isinstance(params[0], DTensor):
+                sharded += [(p, self.state[p], scalars, eps, clip_threshold) for p in params]
                 continue
             for p in params:
                 state = self.state[p]
@@ -143,6 +149,8 @@ class Adafactor(torch.optim.Optimizer):
                     eps,
                     clip_threshold,
                 )
+        if sharded:
+            sharded_adafactor_update(sharded)
 
     def _weight_group(self, key: tuple, params: list[torch.Tensor]) -> WeightGroup:
         """The kernels' tables for `params`, made again only when a tensor moved (new gradients, loaded
@@ -179,10 +187,19 @@ class Adafactor(torch.optim.Optimizer):
         return scalars
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import zeros as dtensor_zeros
+
         state["step"] = 0
         if p.dim() >= 2:
-            state["exp_avg_sq_row"] = p.new_zeros(p.shape[:-1], dtype=torch.float32)
-            state["exp_avg_sq_col"] = p.new_zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32)
+            rows, cols = p.shape[:-1], p.shape[:-2] + p.shape[-1:]
+            if isinstance(p, DTensor):  # FSDP's shard: the statistics whole on every rank
+                whole = dict(dtype=torch.float32, device_mesh=p.device_mesh, placements=[Replicate()])
+                state["exp_avg_sq_row"] = dtensor_zeros(rows, **whole)
+                state["exp_avg_sq_col"] = dtensor_zeros(cols, **whole)
+            else:
+                state["exp_avg_sq_row"] = p.new_zeros(rows, dtype=torch.float32)
+                state["exp_avg_sq_col"] = p.new_zeros(cols, dtype=torch.float32)
         else:
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         if self.kahan and p.dtype != torch.float32:
@@ -203,7 +220,7 @@ def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_thre
     for matrices, `sq` otherwise), the weight `p` and its Kahan buffer `comp` (or None). scalars: [lr,
     beta2t, weight decay, gradient scale] as a float32 tensor on p's device. What trainer.adafactor_kernels
     computes on a GPU."""
-    lr, beta2t, weight_decay, grad_scale = scalars[0], scalars[1], scalars[2], scalars[3]
+    beta2t, grad_scale = scalars[1], scalars[3]
     grad = grad.float() * grad_scale
     update = grad.square() + eps
     if row is not None:
@@ -214,7 +231,14 @@ def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_thre
     else:
         sq.mul_(beta2t).add_(update * (1.0 - beta2t))
         update = sq.rsqrt() * grad
-    rms = update.square().mean().sqrt()
+    write_update(p, comp, update, update.square().mean().sqrt(), scalars, clip_threshold)
+
+
+def write_update(p, comp, update, rms, scalars, clip_threshold: float) -> None:
+    """The end of an Adafactor step: `update` (fp32, unclipped) clipped by its `rms`, times the learning
+    rate, weight decay, and the weight `p` written in place; with a Kahan buffer `comp` (16-bit weights) the
+    part of the new weight its dtype cannot hold is kept there for the next step."""
+    lr, weight_decay = scalars[0], scalars[2]
     update = update / (rms / clip_threshold).clamp(min=1.0) * lr
     w = p.float()
     if comp is not None:
@@ -226,6 +250,84 @@ def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_thre
         rounded = w.to(p.dtype)
         p.copy_(rounded)
         comp.copy_(w - rounded.float())  # what the weight's dtype could not hold this step
+
+
+def sharded_adafactor_update(weights: list[tuple]) -> None:
+    """`adafactor_update` of FSDP's sharded weights, all at once: `weights` are (p, its state, scalars, eps,
+    clip_threshold), p a DTensor split by rows (FSDP2's Shard(0)) whose gradient is split the same way.
+
+    Each rank works on its own rows (`to_local`), as a DTensor op would, but with two all-reduces for all the
+    weights instead of collectives per weight and op: one for what the factored statistics need from every
+    rank (each row's mean over its columns, which fills in the whole row state every rank keeps, and each
+    column's partial sum over this rank's rows), one for each update's sum of squares (its RMS). The row and
+    column states are whole on every rank (Replicate), the vector states and the Kahan buffer split like the
+    weight. The update is computed again in the last pass rather than kept: no fp32 copy of the shards."""
+    import torch.distributed as dist
+
+    if any(p.dim() > 2 for p, *_ in weights):
+        raise ValueError("Adafactor on FSDP's shards updates weights of one or two dimensions (T5's)")
+    mesh = weights[0][0].device_mesh
+    group, rank, ranks = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    device = weights[0][0].to_local().device
+
+    def local(t):
+        return t.to_local() if t is not None else None
+
+    def rows_of(p) -> tuple[int, int]:  # this rank's rows of p: torch.chunk's split of dim 0
+        per_rank = -(-p.shape[0] // ranks)
+        start = min(p.shape[0], rank * per_rank)
+        return start, min(p.shape[0], start + per_rank)
+
+    def factored_update(p, state, grad):
+        start, end = rows_of(p)
+        assert grad.shape[0] == end - start, "FSDP2 splits a weight's rows as torch.chunk does"
+        row, col = local(state["exp_avg_sq_row"]), local(state["exp_avg_sq_col"])
+        r_factor = (row[start:end] / row.mean()).rsqrt().unsqueeze(-1)
+        return r_factor * col.unsqueeze(-2).rsqrt() * grad
+
+    def scaled_grad(p, scalars):
+        return local(p.grad).float() * scalars[3]
+
+    # 1. Row means and column partial sums of (grad^2 + eps), every weight's in one buffer; vector states.
+    sizes = [p.shape[0] + p.shape[1] if p.dim() == 2 else 0 for p, *_ in weights]
+    stats = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    offset = 0
+    for (p, state, scalars, eps, _), size in zip(weights, sizes, strict=True):
+        update = scaled_grad(p, scalars).square() + eps
+        beta2t = scalars[1]
+        if p.dim() == 2:
+            start, end = rows_of(p)
+            stats[offset + start : offset + end] = update.mean(dim=-1)
+            stats[offset + p.shape[0] : offset + size] = update.sum(dim=-2)
+        else:
+            local(state["exp_avg_sq"]).mul_(beta2t).add_(update * (1.0 - beta2t))
+        offset += size
+    dist.all_reduce(stats, group=group)
+    # 2. The factored states (whole on every rank), and each update's sum of squares over this rank's part.
+    squares = torch.zeros(len(weights), dtype=torch.float32, device=device)
+    offset = 0
+    for i, ((p, state, scalars, _, _), size) in enumerate(zip(weights, sizes, strict=True)):
+        grad, beta2t = scaled_grad(p, scalars), scalars[1]
+        if p.dim() == 2:
+            rows = p.shape[0]
+            local(state["exp_avg_sq_row"]).mul_(beta2t).add_(stats[offset : offset + rows] * (1.0 - beta2t))
+            col_mean = stats[offset + rows : offset + size] / rows
+            local(state["exp_avg_sq_col"]).mul_(beta2t).add_(col_mean * (1.0 - beta2t))
+            update = factored_update(p, state, grad)
+        else:
+            update = local(state["exp_avg_sq"]).rsqrt() * grad
+        squares[i] = update.square().sum()
+        offset += size
+    dist.all_reduce(squares, group=group)
+    # 3. The update again, clipped by its RMS over the whole weight, written into this rank's shard.
+    for i, (p, state, scalars, _, clip_threshold) in enumerate(weights):
+        grad = scaled_grad(p, scalars)
+        if p.dim() == 2:
+            update = factored_update(p, state, grad)
+        else:
+            update = local(state["exp_avg_sq"]).rsqrt() * grad
+        rms = (squares[i] / p.numel()).sqrt()
+        write_update(local(p), local(state.get("kahan_comp")), update, rms, scalars, clip_threshold)
 
 
 def clip_coefficient(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:

@@ -115,7 +115,6 @@ def block_ranges(block_segments: torch.Tensor, other_segments: torch.Tensor) -> 
     return ranges.to(torch.int32).contiguous()
 
 
-@dataclass(eq=False)
 class PackedAttentionLayout:
     """Which keys each query of a packed batch attends, for one attention kind (encoder self-, decoder self-
     or cross-attention): what the kernels need besides q, k, v. Passed to transformers' T5 blocks as their
@@ -125,17 +124,33 @@ class PackedAttentionLayout:
     The position-bias table belongs to the first block of each stack: that block's attention sets it
     (`use_bias_table`), the later blocks read it, as T5 shares the first block's bias. (Under FSDP the first
     block's weight exists only during that block's forward; what is kept here is a copy derived from it.)
+
+    A plain class, not a dataclass: FSDP2 copies a dataclass passed to a module's forward and casts its float
+    tensors to the compute dtype, which would give each block a bf16 copy of the fp32 tables and leave the
+    first block's table on a copy the later blocks never see.
     """
 
-    query_segments: torch.Tensor  # (R, T) int32, 0 = padding
-    key_segments: torch.Tensor  # (R, S) int32
-    key_ranges: torch.Tensor  # (R, cdiv(T, BLOCK), 2) int32: keys [lo, hi) of each query block
-    query_ranges: torch.Tensor  # (R, cdiv(S, BLOCK), 2) int32: queries [lo, hi) of each key block
-    causal: bool
-    position_bias: RelativeBias | None  # None: no position bias (T5's cross-attention)
-    bias_table: torch.Tensor | None = None  # fp32 (buckets, H), differentiable: set by the first block
-    distance_bias: torch.Tensor | None = None  # fp32 (H, 2 x max_distance + 1): bias of each clamped distance
-    gradient_buckets: torch.Tensor | None = None  # fp32 (accumulator entries, buckets): each entry's bucket
+    def __init__(
+        self,
+        query_segments: torch.Tensor,
+        key_segments: torch.Tensor,
+        key_ranges: torch.Tensor,
+        query_ranges: torch.Tensor,
+        causal: bool,
+        position_bias: RelativeBias | None,
+    ):
+        self.query_segments = query_segments  # (R, T) int32, 0 = padding
+        self.key_segments = key_segments  # (R, S) int32
+        self.key_ranges = key_ranges  # (R, cdiv(T, BLOCK), 2) int32: keys [lo, hi) of each query block
+        self.query_ranges = query_ranges  # (R, cdiv(S, BLOCK), 2) int32: queries [lo, hi) of each key block
+        self.causal = causal
+        self.position_bias = position_bias  # None: no position bias (T5's cross-attention)
+        # fp32 (buckets, H), differentiable: set by the first block
+        self.bias_table: torch.Tensor | None = None
+        # fp32 (H, 2 x max_distance + 1): bias of each clamped distance
+        self.distance_bias: torch.Tensor | None = None
+        # fp32 (accumulator entries, buckets): each entry's bucket
+        self.gradient_buckets: torch.Tensor | None = None
 
     @classmethod
     def build(

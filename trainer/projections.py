@@ -8,7 +8,7 @@ an attention's o alone. Each group runs as one autograd function (_Projections),
 - makes a layer norm's output again from the norm's input when the input is one (`mark_rms_norm_output`,
   which trainer.fused_ops' sublayers call): the group keeps the norm's input, which the norm keeps anyway,
   instead of a second tokens x d_model tensor per sublayer, and one RMSNorm kernel makes it again;
-- with `accumulate_weight_grads_in_place` (one process: DDP and FSDP hook autograd's accumulation), adds
+- with `accumulate_weight_grads_in_place` (not under FSDP, which hooks autograd's accumulation), adds
   each weight's gradient into its `.grad` in the matmul itself, where autograd would write the product and
   add it to `.grad` (with gradient accumulation or a CUDA graph's gradients kept in place, every
   micro-step: a read of two weight-sized tensors and a write).
@@ -285,8 +285,8 @@ def use_projection_groups(model: torch.nn.Module) -> int:
 
 def accumulate_weight_grads_in_place(model: torch.nn.Module) -> int:
     """Let `model`'s projection groups (and trainer.fused_ops' feed-forward output projections) add their
-    weights' gradients into `.grad` in the matmuls. Only for one process: DDP and FSDP act on autograd's
-    gradient accumulation, which then never runs for these weights. Returns the number of modules switched."""
+    weights' gradients into `.grad` in the matmuls. Not under FSDP: it acts on autograd's gradient
+    accumulation, which then never runs for these weights. Returns the number of modules switched."""
     switched = 0
     for module in model.modules():
         group = module._group if isinstance(module, GroupedLinear) else module

@@ -6,11 +6,11 @@ optimizer step computes is trainer.step; the numbers the loop reports go through
 (trainer.step_meter) to the console, the train log, W&B and Discord (trainer.report).
 
 Under torchrun (`torchrun --nproc_per_node=N -m trainer train --config ...`) every process runs this loop on
-its own shard of the data (the loader's rank/world_size; equal batch counts), with the model in DDP or FSDP2
-(trainer/distributed.py). The loss is still the global one: the target-token count and the loss sum are
-summed over ranks, so the gradients equal those of one process over the same global batch. Rank 0 alone
-writes the train log, the console progress, W&B and Discord; checkpoints are collective
-(trainer/checkpoint.py).
+its own shard of the data (the loader's rank/world_size; equal batch counts), with the whole model (`ddp`,
+its gradients summed over ranks once per step) or FSDP2 (`fsdp`) (trainer/distributed.py). The loss is still
+the global one: the target-token count and the loss sum are summed over ranks, so the gradients equal those
+of one process over the same global batch. Rank 0 alone writes the train log, the console progress, W&B and
+Discord; checkpoints are collective (trainer/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from trainer.healthcheck import Heartbeat
 from trainer.hub import HubUploader, check_hub_config, upload_pending
 from trainer.jsonl import fsync_file
 from trainer.library_logs import route_library_output
-from trainer.memory_plan import RunPlan, plan_packed_rows, plan_run, planned_peak_bytes
+from trainer.memory_plan import RunPlan, gpu_bytes_for, plan_packed_rows, plan_run, planned_peak_bytes
 from trainer.model_files import ModelFiles, check_model_dir, resolve_tokenizer_file
 from trainer.optim import check_scheduler, set_horizon, warmup_steps
 from trainer.profiling import StepProfiler
@@ -97,7 +97,7 @@ class Data:
     template: PromptTemplate
     train_stream: Any
     eval_stream: Any | None
-    generation_records: list[dict]  # empty on ranks that do not generate (DDP: all but rank 0)
+    generation_records: list[dict]  # empty on ranks that do not generate (ddp: all but rank 0)
     total_steps: int
     records: int  # usable records, held-out ones included
     eval_records: int  # of them, held out (from eval_files, or train_files' eval_fraction)
@@ -117,7 +117,8 @@ class Run:
     output_dir: Path
     is_main: bool
     model: Any  # the HF model (checkpoints, generation); with LoRA PEFT's model around it (trainer.lora)
-    train_module: Any  # what the loss is computed through: the model, or DDP/FSDP2 around it
+    train_module: Any  # what the loss is computed through: the model, or FSDP2 around it
+    replicated: Any  # trainer.distributed.ReplicatedGradients (ddp over several ranks), or None
     optimizer: Any
     scheduler: Any
     reporter: Reporter
@@ -155,9 +156,11 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
     # bad config, model directory, output_dir or data file, before the model is loaded.
     memory.set_alloc_conf(cfg.cuda_alloc_conf)
     rank, world_size, local_rank = distributed.env()
-    if cfg.cuda_graphs and world_size > 1:
+    if cfg.cuda_graphs and world_size > 1 and cfg.distributed_strategy == "fsdp":
         raise ConfigError(
-            "cuda_graphs works in one process: set it to false under torchrun", key="cuda_graphs"
+            "cuda_graphs with distributed_strategy fsdp: FSDP2 gathers and reduces inside every micro-step, "
+            "which a CUDA graph cannot replay; use distributed_strategy ddp or cuda_graphs false",
+            key=("cuda_graphs", "distributed_strategy"),
         )
     distributed.quiet_other_ranks()
     route_library_output()
@@ -196,6 +199,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             plan = plan_packed_rows(plan, cfg, data.train_stream.stats()["packed_shape"])
         check_scheduler(cfg, data.total_steps)
         if dry_run:
+            log_memory_plan(cfg, plan, world_size)
             log.info("dry run: the config, the model files and the data are fine; the model is not loaded")
             return 0
         state = RunState(world_size=world_size)
@@ -221,7 +225,9 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
         if cfg.push_to_hub and rank == 0:  # closed before the reporter: its last message can still go out
             hub = HubUploader(cfg, output_dir, reporter)
             exits.callback(hub.close)
-        model, train_module, optimizer, scheduler = build_model(cfg, plan, data, device, state, resume_from)
+        model, train_module, replicated, optimizer, scheduler = build_model(
+            cfg, plan, data, device, state, resume_from
+        )
         run = Run(
             cfg=cfg,
             plan=plan,
@@ -231,6 +237,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             is_main=rank == 0,
             model=model,
             train_module=train_module,
+            replicated=replicated,
             optimizer=optimizer,
             scheduler=scheduler,
             reporter=reporter,
@@ -436,6 +443,22 @@ def warn_if_the_disk_is_small(
         log.warning("%s", warning)
 
 
+def log_memory_plan(cfg: TrainConfig, plan: RunPlan, world_size: int) -> None:
+    """The dry run's memory plan: one GPU's predicted peak by component for this run's processes; without a
+    GPU, the command that predicts it."""
+    from trainer.plan_report import memory_plan_line
+
+    gpu_bytes = gpu_bytes_for(cfg)
+    if gpu_bytes is None:
+        log.info(
+            "memory plan: no GPU here; `trainer plan --config CONFIG --processes %d --gpu-memory 32GiB` "
+            "predicts one GPU's peak",
+            world_size,
+        )
+        return
+    log.info("%s", memory_plan_line(cfg, plan, gpu_bytes))
+
+
 def log_time_budget(cfg: TrainConfig, state: RunState) -> None:
     budget = cfg.max_time_s
     if budget is None:
@@ -486,7 +509,7 @@ def setup_device(cfg: TrainConfig, local_rank: int) -> torch.device:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    distributed.init(device)
+    distributed.init(device, cfg.ddp_timeout)
     if device.type == "cuda":
         log.info("CUDA allocator: %s", memory.alloc_conf_in_force())
         if cfg.gpu_memory_limit_gib:
@@ -534,8 +557,9 @@ def start_reporting(
 def build_model(
     cfg: TrainConfig, plan: RunPlan, data: Data, device, state: RunState, resume_from: Path | None
 ):
-    """Model (loaded once: from the checkpoint when resuming), its DDP/FSDP2 wrapper, optimizer and schedule,
-    with the checkpoint's training state and loader position restored into them and `state`."""
+    """Model (loaded once: from the checkpoint when resuming), what the loss runs through (the model, or FSDP2
+    around it), the all-reduced gradients of ddp over several ranks (or None), optimizer and schedule, with
+    the checkpoint's training state and loader position restored into them and `state`."""
     import numpy as np
 
     from trainer.model import load_model
@@ -559,8 +583,9 @@ def build_model(
 
         model = add_adapters(model, cfg)
     model.train()
-    train_module = distributed.wrap(model, cfg.distributed_strategy, device)
-    if not distributed.is_distributed():  # DDP and FSDP act on autograd's own gradient accumulation
+    train_module = distributed.wrap(model, cfg, device)
+    replicated = distributed.replicated_gradients(model, cfg)
+    if not distributed.is_sharded(train_module):  # FSDP acts on autograd's own gradient accumulation
         accumulate_weight_grads_in_place(model)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, state.schedule_horizon or data.total_steps)
@@ -568,7 +593,7 @@ def build_model(
         ckpt.load_training_state(resume_from, model, optimizer, scheduler)
         log.info("resumed from step %d (%s)", state.step, resume_from)
     if cfg.oom_probe and device.type == "cuda" and not resume_from:
-        probe_memory(train_module, cfg, plan, state.oom, device)
+        probe_memory(train_module, cfg, plan, state.oom, device, replicated)
     if state.loader is not None:
         state.loader = ckpt.resume_position(
             resume_from,
@@ -580,7 +605,7 @@ def build_model(
         )
     state.world_size = distributed.world_size()
     state.rng = ckpt.rng_state()  # the RNG states at the step boundary, which a checkpoint stores
-    return model, train_module, optimizer, scheduler
+    return model, train_module, replicated, optimizer, scheduler
 
 
 def micro_step_graph(cfg: TrainConfig, device: torch.device, model, train_module):
@@ -685,6 +710,7 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
                 stop,
                 n_target=current.counts.target_tokens,
                 graph=run.graph,
+                replicated=run.replicated,
             )
         run.heartbeat.beat(state.step)
         if result is None:  # stop requested mid-step: the partial gradients are dropped
@@ -704,6 +730,7 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
                 *result,
                 max_grad_norm=cfg.max_grad_norm,
                 graph=run.graph,
+                replicated=run.replicated,
             )
         state.loader = current.loader_after
         state.step += 1
@@ -865,7 +892,7 @@ def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
         cfg,
         run.data.template,
         run.data.tokenizer_file,
-        distributed.unwrap(run.train_module),
+        run.train_module,
         max_batch_tokens=eval_batch_tokens(run.plan.applied_to(cfg), state.oom.split),
     )
     log.info("step %d: %s", state.step, metrics_line(result.metrics))
