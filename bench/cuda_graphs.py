@@ -50,11 +50,12 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
     import torch
 
     from trainer.config import TrainConfig
-    from trainer.data import resolve_tokenizer_file, stream_for, to_device
+    from trainer.data import stream_for, to_device
     from trainer.distributed import grad_norm
     from trainer.loss import Seq2SeqLMLoss
     from trainer.memory_plan import plan_packed_rows, plan_run
     from trainer.model import load_model
+    from trainer.model_files import resolve_tokenizer_file
     from trainer.optim import build_optimizer, clip_coefficient
     from trainer.projections import accumulate_weight_grads_in_place
     from trainer.step import accumulate_gradients

@@ -68,7 +68,7 @@ def describe(settings: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------- HF machinery
-# Shared with bench/convergence.py, whose reference run is this trainer on real recipes.
+# Shared with bench/quality.py, whose reference run is this trainer on real recipes.
 
 
 def collate(features: list[dict]) -> dict:

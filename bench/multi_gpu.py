@@ -1,25 +1,34 @@
-"""Several GPUs through torchrun: DDP scaling on packed rows; FSDP2 with the preset's Adafactor + Kahan.
+"""Several GPUs through torchrun: the preset under ddp on 1, 2 (and 4) GPUs, the same on packed 8k-token
+micro-batches replayed as CUDA graphs, FSDP2 on packed and padded rows and where its time goes, the losses
+of ddp and FSDP2 on the same global batches, and the memory plan against every measured peak.
 
-    python3 bench/multi_gpu.py                            # 2 GPUs: ddp1, ddp2, fsdp2, then the table
-    python3 bench/multi_gpu.py --tiny --device cpu        # tiny shape, gloo, CPU: checks the script itself
+    python3 bench/multi_gpu.py --out results/multi_gpu_2x            # the runs for the GPUs this machine has
+    python3 bench/multi_gpu.py --set max_tokens=8192 gradient_accumulation_steps=8   # the preset changed
+    python3 bench/multi_gpu.py --runs ddp1 ddp2 --steps 12           # some runs only (names: --list)
+    python3 bench/multi_gpu.py --tiny --device cpu --out /tmp/mg     # tiny shape, gloo on the CPU: the script
 
-Runs, each `torchrun --standalone --nproc_per_node=N` over the trainer's own loop (`trainer.train.train`, as
-`torchrun -m trainer train` does), on bench_run's recipe-length records (the data of
-bench/train_throughput.py) read by the Rust loader, rank-sharded, every process capped at 32 GiB:
+Every run is `torchrun --standalone --nproc_per_node=N` over the trainer's own loop (`trainer.train.train`, as
+`torchrun -m trainer train` runs it) with configs/flan-t5-xl-rtx5090.yaml as it is (`--set` changes it for
+every run), FLAN-T5-XL's shape with random weights (nothing downloads), on bench_run's recipe-length records
+read by the Rust loader, every process capped at 32 GiB (`gpu_memory_limit_gib`). The runs (`--list`):
 
-- `ddp1`, `ddp2`: FLAN-T5-XL's shape (random init, bf16 weights) with the rtx5090 preset's settings
-  (Adafactor with Kahan-compensated bf16 updates, gradient checkpointing, 32k-token micro-batches x 2) on
-  packed rows (`packing: true`), the same per-GPU micro-batch on 1 and on 2 GPUs. DDP scaling efficiency =
-  real tokens/s on 2 GPUs / (2 x real tokens/s on 1 GPU).
-- `fsdp2`: the same on 2 GPUs under FSDP2 (`distributed_strategy: fsdp`). It sees the same global batches
-  as `ddp2` from the same initial weights, so its per-step losses are compared with ddp2's (DDP equals one
-  process over the same global batch: tests/test_distributed.py).
-- `fsdp2_adamw` (not run by default): FLAN-T5-XL with fp32 weights and torch AdamW (fp32 states) under FSDP2.
+- `ddpN`: the preset on N GPUs (`distributed_strategy: ddp`, the same per-GPU micro-batch on every N).
+- `graphsN`: the preset on packed rows of 8k-token micro-batches replayed as CUDA graphs (`cuda_graphs`),
+  accumulating as many tokens per step as the preset.
+- `fsdpN`: the preset under FSDP2; `fsdpN_padded` / `fsdpN_packed`: on the rows the preset does not use;
+  `fsdpN_one_reduce`: gradients reduce-scattered once per step (`fsdp_sync_each_micro_batch: false`);
+  `fsdpN_kept_weights`: gathered weights kept from forward to backward (`fsdp_reshard_after_forward: false`).
 
-tokens/s are real (non-pad) source + target tokens of all ranks over the steps after `--warmup`, from the
-train log's per-step times. NCCL's NVLink multicast is off (NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1): some multi-GPU hosts cannot use it. Needs this package (or its wheel),
-torch and transformers; no network, no W&B, no torch-optimi.
+Measured per run: real (non-pad) tokens/s of all GPUs over the steps after `--warmup` (train log, rank 0's
+clock) and how much one step's rate varies (standard deviation over mean: the noise), scaling efficiency
+(tokens/s over N x the same run's on one GPU; FSDP2's over ddp1's), each GPU's peak allocated and reserved
+memory and what the device holds outside PyTorch's allocator (CUDA context, NCCL's buffers), the plan's
+predicted peak (run_summary.json) and its error against the largest reserved peak, the optimizer step's and
+ddp's gradient all-reduce's GPU time per step (CUDA events around them, rank 0), and for FSDP2 the largest
+per-step loss difference from ddpN on the same global batches (bf16: ~1e-3 expected).
+The whole set stops starting runs when `--time-limit` would be passed, and prints its table either way.
+NCCL's NVLink multicast is off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1): some multi-GPU hosts
+cannot use it. Results: `--out`/results.json (every number), `--out`/table.md, and each run's train log.
 """
 
 from __future__ import annotations
@@ -33,58 +42,130 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_run import QUIET_RUN, train_rows
+import yaml
+from bench_run import QUIET_RUN, make_records, train_rows, write_data
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-PRESET = dict(  # configs/flan-t5-xl-rtx5090.yaml's training settings, on packed rows
-    dtype="bfloat16",
-    optimizer="adafactor",
-    bf16_update="kahan",
-    learning_rate=1e-3,
-    lr_scheduler_type="constant",
-    gradient_checkpointing=True,
-    max_source_length=512,
-    max_target_length=512,
-    packing=True,
-    random_init=True,
-    progress_bar=False,
-    **QUIET_RUN,
-)
-RUNS = {
-    # name: (processes, config overrides)
-    "ddp1": (1, {}),
-    "ddp2": (2, {}),
-    "fsdp2": (2, dict(distributed_strategy="fsdp")),
-    "fsdp2_adamw": (
-        2,
-        dict(distributed_strategy="fsdp", dtype="float32", optimizer="adamw", learning_rate=1e-4),
-    ),
-}
-DEFAULT_RUNS = ["ddp1", "ddp2", "fsdp2"]
+REPO = Path(__file__).resolve().parents[1]
+PRESET = REPO / "configs" / "flan-t5-xl-rtx5090.yaml"
+GPU_CAP_GIB = 32.0
+GRAPH_TOKENS = 8192  # graphsN's micro-batch (512 with --tiny)
+GIB = 2**30
+
+
+# --------------------------------------------------------------------------------------------- the runs
+
+
+def preset_values(overrides: list[str], tiny: bool, device: str) -> dict:
+    """The preset's config with `--set` applied, then what a timing run changes: the bench's model and data
+    (filled in later), random weights, no evaluation, checkpoints or reporting, the memory cap."""
+    values = yaml.safe_load(PRESET.read_text(encoding="utf-8"))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+    values.update(QUIET_RUN, random_init=True, progress_bar=False)
+    values["gpu_memory_limit_gib"] = GPU_CAP_GIB if device == "cuda" else None
+    if tiny:  # the script's own check: short rows, small micro-batches
+        values.update(max_source_length=64, max_target_length=96, max_tokens=1024, pad_to_multiple_of=8)
+    return values
+
+
+def all_runs(gpus: int, preset: dict, graph_tokens: int) -> dict[str, tuple[int, dict]]:
+    """name -> (processes, config overrides on top of the preset) for a machine of `gpus` GPUs; graphsN's
+    micro-batches have `graph_tokens` tokens, as many per step in all as the preset's."""
+    step_tokens = (preset.get("max_tokens") or graph_tokens) * preset.get("gradient_accumulation_steps", 1)
+    graphs = dict(
+        packing=True,
+        cuda_graphs=True,
+        max_tokens=graph_tokens,
+        gradient_accumulation_steps=max(1, round(step_tokens / graph_tokens)),
+    )
+    runs: dict[str, tuple[int, dict]] = {}
+    for n in sorted({1, 2, gpus} & set(range(1, gpus + 1))):
+        runs[f"ddp{n}"] = (n, {})
+        runs[f"graphs{n}"] = (n, graphs)
+    if gpus >= 2:
+        fsdp = dict(distributed_strategy="fsdp")
+        other = "padded" if preset.get("packing") else "packed"
+        runs[f"fsdp{gpus}"] = (gpus, fsdp)
+        runs[f"fsdp{gpus}_{other}"] = (gpus, dict(fsdp, packing=not preset.get("packing")))
+        runs[f"fsdp{gpus}_one_reduce"] = (gpus, dict(fsdp, fsdp_sync_each_micro_batch=False))
+        runs[f"fsdp{gpus}_kept_weights"] = (gpus, dict(fsdp, fsdp_reshard_after_forward=False))
+    return runs
+
+
+def default_runs(gpus: int, runs: dict) -> list[str]:
+    """What one call of a few minutes measures: on 2 GPUs every run; on more, ddp and graphs on 1 and on all
+    of them, ddp on 2, and FSDP2 on both kinds of rows."""
+    if gpus <= 2:
+        return list(runs)
+    return [
+        name for name in runs if not name.endswith(("_one_reduce", "_kept_weights")) and name != "graphs2"
+    ]
+
+
+# ----------------------------------------------------------------------------------- one rank (torchrun)
 
 
 def worker(config: Path) -> int:
-    """One rank (under torchrun): train, then record this rank's peak GPU memory."""
+    """One rank: train with CUDA events around the optimizer step and ddp's gradient all-reduce, then record
+    this rank's memory and those times."""
     import logging
 
     import torch
-    import yaml
 
+    import trainer.train as loop
+    from trainer import distributed
     from trainer.config import TrainConfig
-    from trainer.train import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cuda = torch.cuda.is_available()
+    spans: dict[str, list] = {"optimizer": [], "all_reduce": []}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            if not cuda:
+                start = time.perf_counter()
+                out = fn(*args, **kwargs)
+                spans[name].append(time.perf_counter() - start)
+                return out
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            spans[name].append((start, end))
+            return out
+
+        return wrapper
+
+    loop.optimizer_step = timed("optimizer", loop.optimizer_step)
+    distributed.ReplicatedGradients.all_reduce = timed(
+        "all_reduce", distributed.ReplicatedGradients.all_reduce
+    )
     cfg = TrainConfig.from_dict(yaml.safe_load(config.read_text()), source=str(config))
-    rc = train(cfg)
-    mem = {"rank": int(os.environ.get("RANK", 0)), "exit_code": rc}
-    if torch.cuda.is_available():
-        mem["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 1024**3
-        mem["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 1024**3
-    (Path(cfg.output_dir) / f"rank-{mem['rank']}.json").write_text(json.dumps(mem))
+    rc = loop.train(cfg)
+    rank = int(os.environ.get("RANK", 0))
+    record = {"rank": rank, "exit_code": rc}
+    if cuda:
+        torch.cuda.synchronize()
+        for name, pairs in spans.items():
+            spans[name] = [start.elapsed_time(end) / 1000 for start, end in pairs]
+        free, total = torch.cuda.mem_get_info()
+        record.update(
+            peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
+            peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB,
+            outside_allocator_gib=(total - free - torch.cuda.memory_reserved()) / GIB,
+        )
+    record.update({f"{name}_s": values for name, values in spans.items()})
+    (Path(cfg.output_dir) / f"rank-{rank}.json").write_text(json.dumps(record))
     return rc
+
+
+# ---------------------------------------------------------------------------------------------- a run
 
 
 def steady_tokens_per_s(rows: list[dict], warmup: int) -> float:
@@ -94,40 +175,136 @@ def steady_tokens_per_s(rows: list[dict], warmup: int) -> float:
     return tokens / (timed[-1]["time"] - rows[warmup - 1]["time"])
 
 
-def launch(name: str, nproc: int, values: dict, tmp: Path, device: str, warmup: int) -> dict:
-    import yaml
+def step_spread(rows: list[dict], warmup: int) -> float | None:
+    """The standard deviation of the timed steps' tokens/s over their mean: how much one step varies (the
+    run's tokens/s is over all of them)."""
+    rates = [
+        (r["source_tokens"] + r["target_tokens"]) / (r["time"] - before["time"])
+        for before, r in zip(rows[warmup - 1 :], rows[warmup:], strict=False)
+    ]
+    if len(rates) < 2:
+        return None
+    mean = sum(rates) / len(rates)
+    return (sum((x - mean) ** 2 for x in rates) / (len(rates) - 1)) ** 0.5 / mean
 
-    out = tmp / name
-    values = dict(values, output_dir=str(out))
-    config = tmp / f"{name}.yaml"
+
+def mean_after(values: list[float], warmup: int) -> float | None:
+    timed = values[warmup:]
+    return sum(timed) / len(timed) if timed else None
+
+
+def launch(name: str, nproc: int, values: dict, out: Path, device: str, warmup: int) -> dict:
+    """One run through torchrun; its numbers (or why it failed)."""
+    run_dir = out / name
+    values = dict(values, output_dir=str(run_dir))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = out / f"{name}.yaml"
     config.write_text(yaml.safe_dump(values))
     env = dict(os.environ)
     if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")  # gloo on the CPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [__file__, "--worker", str(config)]
-    t0 = time.time()
     print(f"--- {name}: {nproc} process(es): {' '.join(cmd)}", flush=True)
+    t0 = time.time()
     rc = subprocess.run(cmd, env=env).returncode
-    if rc != 0:
-        raise SystemExit(f"{name} failed with exit code {rc}")
-    summary = json.loads((out / "run_summary.json").read_text())
-    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)]
-    rows = train_rows(out)
-    return {
+    result: dict = {
         "run": name,
         "processes": nproc,
         "strategy": values.get("distributed_strategy", "ddp"),
-        "optimizer": f"{values['optimizer']}, {values['dtype']} weights",
+        "rows": "packed" if values.get("packing") else "padded",
+        "micro_batch": f"{values.get('max_tokens')} tokens x {values.get('gradient_accumulation_steps', 1)}",
+        "cuda_graphs": bool(values.get("cuda_graphs")),
         "wall_s": time.time() - t0,
-        "steps": summary["steps"],
-        "tokens_per_s": steady_tokens_per_s(rows, max(1, min(warmup, len(rows) - 1))),
-        "real_token_share": sum(r["source_tokens"] + r["target_tokens"] for r in rows)
-        / sum(r["padded_tokens"] for r in rows),
-        "losses": [r["loss"] for r in rows],
-        "peak_allocated_gib": [r.get("peak_allocated_gib") for r in ranks],
-        "peak_reserved_gib": [r.get("peak_reserved_gib") for r in ranks],
+        "exit_code": rc,
     }
+    if rc != 0:
+        return result
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(nproc)]
+    rows = train_rows(run_dir)
+    warm = max(1, min(warmup, len(rows) - 1))
+    reserved = [r.get("peak_reserved_gib") for r in ranks]
+    planned = summary.get("planned_peak_gib")
+    result.update(
+        steps=summary["steps"],
+        tokens_per_s=steady_tokens_per_s(rows, warm),
+        step_spread=step_spread(rows, warm),
+        real_token_share=sum(r["source_tokens"] + r["target_tokens"] for r in rows)
+        / sum(r["padded_tokens"] for r in rows),
+        losses=[r["loss"] for r in rows],
+        oom_split=summary.get("oom_split"),
+        blocks_without_checkpointing=[
+            summary.get("decoder_blocks_without_checkpointing"),
+            summary.get("encoder_blocks_without_checkpointing"),
+        ],
+        packed_rows=summary.get("packed_rows"),
+        peak_allocated_gib=[r.get("peak_allocated_gib") for r in ranks],
+        peak_reserved_gib=reserved,
+        outside_allocator_gib=[r.get("outside_allocator_gib") for r in ranks],
+        planned_peak_gib=planned,
+        plan_error=planned / max(reserved) - 1 if planned and all(reserved) else None,
+        optimizer_step_s=mean_after(ranks[0]["optimizer_s"], warm),
+        all_reduce_s=mean_after(ranks[0]["all_reduce_s"], warm),
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+
+def add_comparisons(results: list[dict]) -> None:
+    """Scaling efficiency against the same run on one GPU (FSDP2 against ddp1), and FSDP2's largest per-step
+    loss difference from ddp on the same GPUs and rows."""
+    by_name = {r["run"]: r for r in results if r["exit_code"] == 0}
+    for r in by_name.values():
+        family = r["run"].split("_")[0].rstrip("0123456789")  # ddp, graphs or fsdp
+        one = by_name.get(f"{'ddp' if family == 'fsdp' else family}1")
+        if one is not None and r["processes"] > 1 and r["rows"] == one["rows"]:
+            r["scaling"] = r["tokens_per_s"] / (r["processes"] * one["tokens_per_s"])
+        peer = by_name.get(f"ddp{r['processes']}")
+        if r["strategy"] == "fsdp" and peer is not None and peer["rows"] == r["rows"]:
+            pairs = list(zip(peer["losses"], r["losses"], strict=False))
+            r["loss_vs_ddp"] = max(abs(f - d) / abs(d) for d, f in pairs)
+
+
+def table(results: list[dict], header: str) -> str:
+    def num(value, fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    def ms(seconds) -> str:
+        return "n/a" if seconds is None else f"{1000 * seconds:.0f} ms"
+
+    def gib(values) -> str:
+        return "n/a" if not values or None in values else "/".join(f"{v:.1f}" for v in values)
+
+    lines = [
+        header,
+        "",
+        "| run | GPUs | strategy | rows | micro-batch | real tok/s (step spread) | scaling | "
+        "peak alloc / reserved per GPU (GiB) | outside allocator | plan (error) | optimizer step | "
+        "all-reduce | loss vs ddp |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r["exit_code"] != 0:
+            lines.append(
+                f"| {r['run']} | {r['processes']} | failed: exit code {r['exit_code']} |" + " |" * 10
+            )
+            continue
+        plan = "n/a"
+        if r.get("planned_peak_gib") is not None:
+            plan = f"{r['planned_peak_gib']:.1f} ({num(r.get('plan_error'), '+.1%')})"
+        graphs = ", graphs" if r["cuda_graphs"] else ""
+        lines.append(
+            f"| {r['run']} | {r['processes']} | {r['strategy']} | {r['rows']}{graphs} | {r['micro_batch']} | "
+            f"{r['tokens_per_s']:,.0f} ({num(r.get('step_spread'), '.1%')}) | "
+            f"{num(r.get('scaling'), '.1%')} | "
+            f"{gib(r['peak_allocated_gib'])} / {gib(r['peak_reserved_gib'])} | "
+            f"{gib(r['outside_allocator_gib'])} | {plan} | {ms(r.get('optimizer_step_s'))} | "
+            f"{ms(r.get('all_reduce_s'))} | {num(r.get('loss_vs_ddp'), '.2%')} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -135,75 +312,78 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # one rank, under torchrun
-    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS))
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="steps left out of tokens/s")
-    parser.add_argument("--max-tokens", type=int, default=32768, help="per-GPU micro-batch token budget")
-    parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
-    parser.add_argument("--records", type=int, default=8192)
+    parser.add_argument(
+        "--out", type=Path, required=False, help="results folder (default: a new temporary one)"
+    )
+    parser.add_argument("--runs", nargs="+", help="run names (default: what one call measures; see --list)")
+    parser.add_argument("--list", action="store_true", help="print the runs this machine offers and exit")
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="change the preset, every run"
+    )
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timings (default 2)")
+    parser.add_argument("--records", type=int, default=16384, help="synthetic recipes (default 16384)")
+    parser.add_argument("--time-limit", type=float, default=540.0, help="start no run past this many seconds")
     parser.add_argument("--tiny", action="store_true", help="tiny shape (checks the script)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker)
 
-    from bench_run import make_records, write_data
+    gpus = 2
+    if args.device == "cuda":
+        import torch
 
-    shape = "tiny" if args.tiny else "xl"
-    results = []
-    with tempfile.TemporaryDirectory(prefix="multi-gpu-") as tmp:
-        tmp = Path(tmp)
-        data, model_dir = write_data(tmp, make_records(args.records), shape)
-        base = dict(
-            PRESET,
-            model_name_or_path=str(model_dir),
-            train_files=[str(data)],
-            max_steps=args.steps,
-            max_tokens=args.max_tokens,
-            gradient_accumulation_steps=args.accumulation,
-            gpu_memory_limit_gib=32.0 if args.device == "cuda" else None,
-        )
-        for name in args.runs:
-            nproc, overrides = RUNS[name]
-            values = dict(base, **overrides)
-            if args.device == "cpu":
-                values.update(dtype="float32", optimizer="adamw")  # CPU check: plain fp32 AdamW everywhere
-            result = launch(name, nproc, values, tmp, args.device, args.warmup)
-            results.append(result)
-            print(json.dumps(result), flush=True)
-            if args.json:  # after every run, so a run cut short keeps the ones before
-                Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-
-    by_name = {r["run"]: r for r in results}
-    print(
-        f"\nFLAN-T5-{shape} shape, {args.device}, packed rows, per-GPU micro-batch {args.max_tokens} "
-        f"tokens x {args.accumulation} accumulation, {args.steps} steps ({args.warmup} warm-up)\n"
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            raise SystemExit("no CUDA GPU here: --device cpu --tiny checks the script on the CPU")
+    preset = preset_values(args.set, args.tiny, args.device)
+    runs = all_runs(gpus, preset, 512 if args.tiny else GRAPH_TOKENS)
+    if args.list:
+        for name, (nproc, overrides) in runs.items():
+            print(f"{name}: {nproc} process(es), {overrides or 'the preset'}")
+        return 0
+    names = args.runs or default_runs(gpus, runs)
+    unknown = [n for n in names if n not in runs]
+    if unknown:
+        raise SystemExit(f"unknown runs {unknown} on {gpus} GPU(s); these exist: {', '.join(runs)}")
+    out = args.out or Path(tempfile.mkdtemp(prefix="multi-gpu-"))
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    data_dir = out / "data"
+    data, model_dir = write_data(data_dir, make_records(args.records), "tiny" if args.tiny else "xl")
+    preset.update(model_name_or_path=str(model_dir), train_files=[str(data)], max_steps=args.steps)
+    results, skipped = [], []
+    for name in names:
+        longest = max((r["wall_s"] for r in results), default=0.0)
+        if results and time.time() - start + longest > args.time_limit:
+            skipped.append(name)
+            continue
+        nproc, overrides = runs[name]
+        results.append(launch(name, nproc, dict(preset, **overrides), out, args.device, args.warmup))
+        add_comparisons(results)
+        (out / "results.json").write_text(
+            json.dumps(results, indent=2) + "\n"
+        )  # a cut-short call keeps these
+    shape = "tiny" if args.tiny else "FLAN-T5-XL"
+    where = (
+        f"{gpus} GPUs, each process capped at {GPU_CAP_GIB:g} GiB"
+        if args.device == "cuda"
+        else "gloo on the CPU"
     )
-    print("| run | GPUs | strategy | optimizer | real tokens/s | real tokens | peak per GPU (GiB) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in results:
-        peaks = ", ".join(f"{p:.1f}" if p is not None else "n/a" for p in r["peak_allocated_gib"])
-        print(
-            f"| {r['run']} | {r['processes']} | {r['strategy']} | {r['optimizer']} | "
-            f"{r['tokens_per_s']:,.0f} | {100 * r['real_token_share']:.1f}% | {peaks} |"
-        )
-    summary = {}
-    if "ddp1" in by_name and "ddp2" in by_name:
-        eff = by_name["ddp2"]["tokens_per_s"] / (2 * by_name["ddp1"]["tokens_per_s"])
-        print(f"\nDDP scaling efficiency (2 GPUs / 2 x 1 GPU): {100 * eff:.1f}%")
-        summary["ddp_scaling_efficiency"] = eff
-    if "ddp2" in by_name and "fsdp2" in by_name:
-        pairs = list(zip(by_name["ddp2"]["losses"], by_name["fsdp2"]["losses"], strict=True))
-        worst = max(abs(f - d) / d for d, f in pairs)
-        print(
-            f"FSDP2 vs DDP on the same global batches: loss {pairs[0][1]:.4f} -> {pairs[-1][1]:.4f} "
-            f"(DDP {pairs[0][0]:.4f} -> {pairs[-1][0]:.4f}), largest per-step difference {100 * worst:.2f}%"
-        )
-        summary["fsdp2_vs_ddp2_max_rel_loss_diff"] = worst
-    if args.json:
-        Path(args.json).write_text(json.dumps(results + [summary], indent=2) + "\n")
-    return 0
+    changed = f" with {' '.join(args.set)}" if args.set else ""
+    header = (
+        f"{shape} shape, random weights, {where}; configs/flan-t5-xl-rtx5090.yaml{changed}; "
+        f"{args.steps} steps per run, the first {args.warmup} left out of the timings; "
+        f"{time.time() - start:.0f} s in all"
+    )
+    if skipped:
+        header += f"; not run (--time-limit {args.time_limit:g} s): {', '.join(skipped)}"
+    text = table(results, header)
+    (out / "table.md").write_text(text + "\n")
+    print("\n" + text)
+    print(f"\nresults: {out / 'results.json'}")
+    return 0 if all(r["exit_code"] == 0 for r in results) else 1
 
 
 if __name__ == "__main__":

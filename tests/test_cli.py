@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -128,3 +130,67 @@ profile_steps: 5
     # The window (steps 2-6) was cut short by the end of the run: the profiler is off again, no report.
     assert not torch.autograd.profiler._is_profiler_enabled
     assert not (tmp_path / "out" / "profile" / "kernels.txt").exists()
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _trainer(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *args],
+        env=dict(os.environ, COLUMNS="100"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_train_help_lists_every_key_with_its_type_default_and_meaning():
+    import dataclasses
+
+    from trainer.config import TrainConfig
+
+    done = _trainer("train", "--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())  # as wrapped for the terminal
+    for f in dataclasses.fields(TrainConfig):
+        assert f" {f.name}: " in text and " ".join(f.metadata["help"].split()) in text, f.name
+    assert "learning_rate: float = 0.0001 The peak learning rate." in text
+    assert "optimizer: adamw | adafactor = adamw" in text
+    assert "optim: taken as optimizer (adamw_torch," in text  # Hugging Face's names, with what they become
+    # `trainer config` prints the same list (--markdown: docs/config.md).
+    config = _trainer("config")
+    assert config.returncode == 0 and " ".join(config.stdout.split()) in text
+
+
+def test_docs_config_md_is_generated_from_the_config():
+    import dataclasses
+
+    from trainer.cli import CONFIG_DOC_COMMAND, config_keys_markdown
+    from trainer.config import TrainConfig
+
+    doc = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
+    assert doc == config_keys_markdown(), f"docs/config.md is out of date: run `{CONFIG_DOC_COMMAND}`"
+    assert CONFIG_DOC_COMMAND in doc.splitlines()[2]  # named at the top
+    for f in dataclasses.fields(TrainConfig):
+        assert f"| `{f.name}` |" in doc, f"{f.name} is not in docs/config.md"
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    def options(parser: argparse.ArgumentParser, command: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from options(sub, f"{command} {name}")
+            elif not isinstance(action, argparse._HelpAction):
+                yield command, action
+
+    found = list(options(_build_parser(), "trainer"))
+    assert len(found) > 40
+    assert [f"{cmd} {'/'.join(a.option_strings) or a.dest}" for cmd, a in found if not a.help] == []
+
+
+def test_version_is_the_package_version():
+    done = _trainer("--version")
+    version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert done.returncode == 0 and done.stdout.strip() == f"trainer {version}", done.stdout + done.stderr

@@ -12,7 +12,7 @@ from trainer.config import ConfigError, TrainConfig
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-@pytest.mark.parametrize("name", ["quickstart.yaml", "flan-t5-xl-rtx5090.yaml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_presets_load(name):
     cfg = TrainConfig.load(CONFIGS / name)
     assert cfg.train_files and cfg.output_dir
@@ -175,3 +175,88 @@ def test_invalid_yaml_is_one_line_with_the_line_number(tmp_path):
     with pytest.raises(ConfigError) as invalid:
         TrainConfig.load(bad)
     assert str(invalid.value).startswith(f"{bad}:3: not valid YAML (") and "\n" not in str(invalid.value)
+
+
+def test_every_key_has_its_help_in_the_dataclass_and_a_section():
+    import dataclasses
+
+    from trainer.config import SECTIONS, sections
+
+    fields = dataclasses.fields(TrainConfig)
+    assert [f.name for f in fields if not f.metadata.get("help", "").strip()] == []
+    assert [title for title, _ in sections()] == [title for title, _ in SECTIONS]
+    assert [f.name for _, group in sections() for f in group] == [f.name for f in fields]
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [
+        ("optim=adamw_torch_fused", "optimizer", "adamw"),
+        ("optim=adamw_torch", "optimizer", "adamw"),
+        ("optim=adafactor", "optimizer", "adafactor"),
+        ("warmup_ratio=0.1", "warmup_steps", 0.1),
+        ("torch_empty_cache_steps=50", "empty_cache_steps", 50),
+        ("torch_empty_cache_steps=null", "empty_cache_steps", 0),  # HF's None: never
+        ("generation_max_length=128", "generation_max_new_tokens", 127),  # max_length counts the start token
+        ("resume_from_checkpoint=true", "resume", "auto"),
+        ("resume_from_checkpoint=false", "resume", "never"),
+        ("resume_from_checkpoint=/runs/a/checkpoint-500", "resume", "/runs/a/checkpoint-500"),
+    ],
+)
+def test_hugging_face_names_with_the_same_meaning_are_taken(override, key, value):
+    # An override replaces the file's value under either name (the quickstart sets optimizer, warmup_steps,
+    # generation_max_new_tokens).
+    cfg = TrainConfig.load(CONFIGS / "quickstart.yaml", [override])
+    assert getattr(cfg, key) == value
+
+
+def test_hugging_face_names_without_a_counterpart_are_one_line_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig.load(CONFIGS / "quickstart.yaml", ["bf16=true"])
+    assert str(refused.value).startswith(
+        "--set bf16=true: 'bf16' is Hugging Face's name; this trainer's key is 'dtype' (bfloat16: "
+    )
+    config = tmp_path / "hf.yaml"
+    config.write_text("max_steps: 10\noptim: adamw_bnb_8bit\n")
+    with pytest.raises(ConfigError) as no_such_optimizer:
+        TrainConfig.load(config)
+    assert str(no_such_optimizer.value) == (
+        f"{config}:2: optim 'adamw_bnb_8bit' has no counterpart here; this trainer's key is 'optimizer' "
+        "(adafactor or adamw)"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^--set generation_max_length=1: generation_max_length 1 leaves no"
+    ):
+        TrainConfig.load(None, ["generation_max_length=1"])
+    with pytest.raises(
+        ConfigError, match=r"^--set warmup_ratio=1.5: warmup_ratio 1.5 is not a ratio in \[0, 1\)"
+    ):
+        TrainConfig.load(None, ["warmup_ratio=1.5"])
+
+
+def test_warmup_steps_below_one_is_a_ratio_and_warmup_ratio_beside_it_is_one_error(tmp_path):
+    assert TrainConfig.load(None, ["warmup_steps=0.05"]).warmup_steps == 0.05
+    assert TrainConfig.load(None, ["warmup_steps=20"]).warmup_steps == 20
+    with pytest.raises(ConfigError, match=r"^--set warmup_steps=2.5: warmup_steps must be a whole number"):
+        TrainConfig.load(None, ["warmup_steps=2.5"])
+    config = tmp_path / "both.yaml"
+    config.write_text("warmup_steps: 100\nwarmup_ratio: 0.1\n")
+    with pytest.raises(ConfigError) as both:
+        TrainConfig.load(config)
+    assert str(both.value) == (
+        f"{config}:2 and {config}:1: 'warmup_ratio' is Hugging Face's name for 'warmup_steps' (steps, or "
+        "below 1 a ratio of the run's steps): set one of them"
+    )
+    # A --set replaces the file's value, whichever name the file used.
+    assert TrainConfig.load(CONFIGS / "quickstart.yaml", ["warmup_ratio=0.1"]).warmup_steps == 0.1
+
+
+def test_lr_scheduler_kwargs_is_a_mapping():
+    cfg = TrainConfig.load(
+        None, ["lr_scheduler_type=cosine_with_min_lr", "lr_scheduler_kwargs={min_lr_rate: 0.1}"]
+    )
+    assert cfg.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
+    with pytest.raises(
+        ConfigError, match=r"^--set lr_scheduler_kwargs=0.1: lr_scheduler_kwargs must be a mapping"
+    ):
+        TrainConfig.load(None, ["lr_scheduler_kwargs=0.1"])

@@ -6,7 +6,8 @@
   README's GPU numbers were measured with (docker/requirements.in, bench/NOTES.md).
 - docker-compose files: valid against the Compose specification's JSON schema (vendored by check-jsonschema),
   with the GPU reservation, env_file, volumes, grace period, a bounded restart policy, shm and memlock
-  asserted, and no tty (the trainer's plain log lines); their command lines run here too.
+  asserted, and no tty (the trainer's plain log lines); their command lines run here too (the multi-GPU
+  override's torchrun line with two CPU processes).
 - .dockerignore: evaluated with Docker's own matching rules against the repository's files.
 - .env.example: documents every variable the compose files read.
 """
@@ -447,9 +448,9 @@ class _Recorder(dict):
         return default
 
 
-def _service(path: Path = COMPOSE, env: dict[str, str] | None = None) -> dict:
+def _service(path: Path = COMPOSE, env: dict[str, str] | None = None, name: str = "trainer") -> dict:
     doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    return _interpolate(doc, env or {})["services"]["trainer"]
+    return _interpolate(doc, env or {})["services"][name]
 
 
 def _seconds(duration: str) -> float:
@@ -582,6 +583,92 @@ def test_multi_gpu_override_runs_torchrun_with_the_same_command():
     # On `docker compose stop` torchrun waits for the ranks' checkpoint, but not past Docker's own SIGKILL.
     shutdown = int(multi["environment"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
     assert 30 < shutdown < _seconds(base["stop_grace_period"])
+
+
+def test_serve_service_is_opt_in_and_serves_the_final_model_on_this_machine():
+    """The serve profile: not started by a plain `up`, the image the trainer builds, the final/ the default
+    config writes, a GPU, the port on 127.0.0.1 only, and a health check of its own (the image's watches a
+    training heartbeat, which a server never writes)."""
+    from trainer.config import TrainConfig
+
+    trainer, serve = _service(), _service(name="serve")
+    assert serve["profiles"] == ["serve"], "plain `docker compose up` must start only the trainer"
+    assert serve["image"] == trainer["image"] and serve["build"] == trainer["build"]
+    assert serve["user"] == trainer["user"] and serve.get("init") is True
+    argv = serve["command"]
+    assert argv[0] == "serve" and argv[argv.index("--host") + 1] == "0.0.0.0"
+    config = TrainConfig.load(REPO / _exec_form("CMD")[-1])
+    assert argv[argv.index("--model") + 1] == config.output_dir + "/final"
+    (outputs,) = serve["volumes"]
+    assert (
+        outputs["target"] == "/outputs" and outputs["source"] == "./outputs" and not outputs.get("read_only")
+    )
+    assert serve["ports"] == [f"127.0.0.1:8000:{argv[argv.index('--port') + 1]}"]
+    assert _service(env={"SERVE_PORT": "9000"}, name="serve")["ports"] == ["127.0.0.1:9000:8000"]
+    devices = serve["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert serve["healthcheck"]["test"][:2] == ["CMD", "python"]
+    assert re.fullmatch(r"on-failure:\d", serve["restart"])
+
+
+def test_serve_service_command_and_healthcheck_run_here(tmp_path, tiny_model_dir):
+    """The serve service's command line, its model and port moved off the container's paths, serves the
+    tiny model; the service's health check passes while it serves and fails once it is stopped."""
+    from trainer.config import TrainConfig
+    from trainer.prompt import save_prompt_template
+
+    model = tmp_path / "final"
+    shutil.copytree(tiny_model_dir, model)
+    save_prompt_template(model, TrainConfig(max_source_length=64, max_target_length=8))
+    serve = _service(name="serve")
+    argv = list(serve["command"])
+    argv[argv.index("--model") + 1] = str(model)
+    argv[argv.index("--port") + 1] = "0"
+    argv[argv.index("--host") + 1] = "127.0.0.1"
+    proc = subprocess.Popen(
+        ["trainer", *argv],
+        env=_dry_run_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if m := re.search(r"serving .* on http://127\.0\.0\.1:(\d+) ", line):
+                port = m[1]
+                break
+        else:
+            pytest.fail("trainer serve exited before serving")
+        health = [w.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for w in serve["healthcheck"]["test"][1:]]
+        assert health[0] == "python"
+        assert subprocess.run([sys.executable, *health[1:]], timeout=60).returncode == 0
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + 15
+        assert subprocess.run([sys.executable, *health[1:]], capture_output=True, timeout=60).returncode != 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_multi_gpu_override_command_line_runs_here(tmp_path, sample_csv, tiny_model_dir):
+    """The override's torchrun line in front of the base file's command, verbatim, with two processes on the
+    CPU (gloo), as a dry run: every rank checks the config, the model files and the data, and rank 0 says
+    what predicts one GPU's memory for this many processes."""
+    argv = [*_service(COMPOSE_MULTI)["entrypoint"], *_service()["command"]]
+    env = dict(_dry_run_env(tmp_path), CUDA_VISIBLE_DEVICES="")
+    env.update(_service(COMPOSE_MULTI)["environment"])
+    result = subprocess.run(
+        [_tool(argv[0]), *argv[1:], "--dry-run", *_host_paths(tmp_path, sample_csv, tiny_model_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"{' '.join(argv)} --dry-run failed:\n{result.stdout}\n{result.stderr}"
+    assert result.stderr.count("dry run: the config, the model files and the data are fine") == 1
+    assert "trainer plan --config CONFIG --processes 2" in result.stderr
 
 
 def test_env_example_documents_every_variable():

@@ -1,14 +1,23 @@
 """cuda_graphs (trainer.cuda_graphs): replayed micro-steps against eager ones on the tiny FLAN-T5 with the
-packed Triton kernels. Needs a CUDA GPU (skipped elsewhere); on CPU the trainer runs such a config eagerly
-(test_train_step)."""
+packed Triton kernels, and under torchrun on two GPUs against one process. Needs a CUDA GPU (two for the
+last; skipped elsewhere); on CPU the trainer runs such a config eagerly (test_train_step)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+import yaml
 from packed_batches import pack
+from tiny_run import tiny_run_values
 
+from trainer.config import TrainConfig
 from trainer.loss import Seq2SeqLMLoss
+from trainer.train import TRAIN_LOG, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
@@ -183,3 +192,41 @@ def test_the_optimizer_update_replays_as_a_graph_exactly_like_an_eager_step(tiny
     assert graph.captures == 2  # the same update graph
     assert all(torch.equal(a, b) for a, b in zip(replayed, eager, strict=True))
     assert not all(torch.equal(a, w) for a, w in zip(replayed, saved, strict=False))  # it did update
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two ranks of ddp need two GPUs")
+def test_two_ranks_replay_their_micro_steps_and_train_as_one_process(
+    tiny_model_without_dropout, sample_csv, tmp_path
+):
+    """cuda_graphs under torchrun (ddp, NCCL): each rank captures and replays its micro-steps and the update,
+    the gradients summed between them; the losses are one process's on the same global batches (bf16)."""
+    steps = 6  # warm-up micro-steps, the capture, then replays
+    values = dict(
+        dtype="bfloat16",
+        packing=True,
+        cuda_graphs=True,
+        optimizer="adafactor",
+        max_tokens=1024,
+        max_steps=steps,
+        eval_fraction=0.0,
+        save_steps=10**6,
+        save_final=False,
+    )
+
+    def losses(out) -> list[float]:
+        rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    model, one = tiny_model_without_dropout, tmp_path / "one"
+    cfg = tiny_run_values(model, sample_csv, one, **values, gradient_accumulation_steps=2)
+    assert train(TrainConfig.from_dict(cfg)) == 0
+    two = tmp_path / "two"
+    config = tmp_path / "two.yaml"
+    config.write_text(yaml.safe_dump(tiny_run_values(model, sample_csv, two, **values)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "trainer", "train", "--config", str(config)]
+    run = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    assert "cuda_graphs: micro-step captured" in run.stderr
+    assert "cuda_graphs: optimizer update captured" in run.stderr
+    assert losses(two) == pytest.approx(losses(one), rel=2e-2)

@@ -1,5 +1,7 @@
 """torchrun on the CPU (gloo), real processes: 2 ranks train the tiny model as 1 process does with the same
-global batch, and a checkpoint saved by 2 ranks resumes in 1 process where the 1-process run would be.
+global batch, and a checkpoint saved by 2 ranks resumes in 1 process where the 1-process run would be; an
+out-of-memory error on one rank makes every rank halve, a crash on one ends all; two torchrun launchers
+("nodes") train and resume on one; FSDP2's bf16 compute runs the packed Triton kernels (in the interpreter).
 
 The global batch is the same: the loader gives rank r of 2 the global batches r, r+2, ..., so 2 ranks with
 accumulation 1 see, per step, the 2 batches that 1 process with accumulation 2 sees.
@@ -9,16 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from tiny_run import tiny_run_values
 
 from trainer.config import TrainConfig
-from trainer.train import SUMMARY, TRAIN_LOG, train
+from trainer.train import SUMMARY, TRAIN_LOG, token_loss_sum, train
 
 STEPS = 4
 SAVE_AT = 2
@@ -46,14 +50,28 @@ def _values(model_dir, sample_csv, out, **kw) -> dict:
     return tiny_run_values(model_dir, sample_csv, out, **values | kw)
 
 
-def _torchrun(values: dict, tmp_path: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+FAULT_SCRIPT = Path(__file__).parent / "run_with_faults.py"
+
+
+def _config(values: dict, tmp_path: Path) -> Path:
     config = tmp_path / f"{Path(values['output_dir']).name}.yaml"
     config.write_text(yaml.safe_dump(values))
+    return config
+
+
+def _torchrun(
+    values: dict, tmp_path: Path, nproc: int = 2, faults: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=nproc -m trainer train --config ...`; with `faults`
+    (FAULT_* variables of tests/run_with_faults.py), that script instead of `-m trainer`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += ["-m", "trainer", "train", "--config", str(config)]
+    cmd += [str(FAULT_SCRIPT)] if faults else ["-m", "trainer"]
+    cmd += ["train", "--config", str(_config(values, tmp_path))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.update({f"FAULT_{k.upper()}": str(v) for k, v in (faults or {}).items()})
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    if check:
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     return run
 
 
@@ -72,8 +90,18 @@ def single(model_dir, sample_csv, tmp_path_factory) -> dict[int, float]:
     return _losses(out)
 
 
+def _one_process(model_dir, sample_csv, out: Path, **kw) -> dict[int, float]:
+    """The losses of the run in this process, with accumulation 2 unless `kw` says otherwise: what 2 ranks
+    with accumulation 1 train."""
+    values = _values(model_dir, sample_csv, out, **{"gradient_accumulation_steps": 2} | kw)
+    assert train(TrainConfig.from_dict(values)) == 0
+    return _losses(out)
+
+
 def _resume_in_one_process(model_dir, sample_csv, checkpoint: Path, out: Path, **kw) -> dict[int, float]:
-    values = _values(model_dir, sample_csv, out, gradient_accumulation_steps=2, resume=str(checkpoint), **kw)
+    values = _values(
+        model_dir, sample_csv, out, resume=str(checkpoint), **{"gradient_accumulation_steps": 2} | kw
+    )
     assert train(TrainConfig.from_dict(values)) == 0
     return _losses(out)
 
@@ -164,23 +192,205 @@ def test_fsdp_two_ranks_train_like_one_process_and_resume_in_one(model_dir, samp
         assert resumed[s] == pytest.approx(two[s], rel=2e-2), (s, resumed[s], two[s])
 
 
-def test_fsdp_with_the_presets_adafactor_trains_like_one_process(model_dir, sample_csv, tmp_path):
+def test_fsdp_with_the_presets_adafactor_trains_like_one_process_and_resumes_in_one(
+    model_dir, sample_csv, tmp_path
+):
     """Adafactor with Kahan-compensated bf16 weights (the rtx5090 preset's optimizer) on FSDP2's sharded
-    weights, which it cannot stack by shape and updates one at a time."""
-    values = dict(optimizer="adafactor", dtype="bfloat16")
-    one = tmp_path / "one"
-    assert (
-        train(
-            TrainConfig.from_dict(
-                _values(model_dir, sample_csv, one, gradient_accumulation_steps=2, **values)
-            )
-        )
-        == 0
-    )
+    weights (each rank updates its shards; the factored statistics are agreed in two all-reduces), two
+    micro-batches per step reduce-scattered once (`fsdp_sync_each_micro_batch: false`), gathered weights
+    kept from forward to backward (`fsdp_reshard_after_forward: false`); its checkpoint (the statistics
+    whole on every rank, the Kahan buffers sharded) resumes in one process."""
+    values = dict(optimizer="adafactor", dtype="bfloat16", gradient_checkpointing=True)
+    single = _one_process(model_dir, sample_csv, tmp_path / "one", gradient_accumulation_steps=4, **values)
     out = tmp_path / "fsdp"
-    _torchrun(_values(model_dir, sample_csv, out, distributed_strategy="fsdp", **values), tmp_path)
-    single, two = _losses(one), _losses(out)
+    fsdp = dict(
+        distributed_strategy="fsdp", fsdp_sync_each_micro_batch=False, fsdp_reshard_after_forward=False
+    )
+    run = _torchrun(
+        _values(model_dir, sample_csv, out, gradient_accumulation_steps=2, **fsdp, **values), tmp_path
+    )
+    assert "fp32 gradient reduction once per optimizer step" in run.stderr
+    assert "gathered weights kept from forward to backward" in run.stderr
+    two = _losses(out)
     assert sorted(two) == list(range(1, STEPS + 1))
     assert two[STEPS] < two[1] - 0.5  # it learns
     for s in two:
         assert two[s] == pytest.approx(single[s], rel=2e-2), (s, two[s], single[s])
+
+    checkpoint = out / f"checkpoint-{SAVE_AT}"
+    resumed = _resume_in_one_process(
+        model_dir, sample_csv, checkpoint, tmp_path / "resumed", gradient_accumulation_steps=4, **values
+    )
+    for s in range(SAVE_AT + 1, STEPS + 1):
+        assert resumed[s] == pytest.approx(two[s], rel=2e-2), (s, resumed[s], two[s])
+
+
+def test_ddp_with_lora_adapters_trains_like_one_process_and_resumes_in_one(model_dir, sample_csv, tmp_path):
+    """LoRA (trainer.lora) under DDP: the adapters alone are reduced (the frozen base has no gradient), rank 0
+    writes the adapter checkpoints and the merged final/, and 2 ranks' checkpoint resumes in 1 process."""
+    lora = dict(adapter="lora", lora_r=4, optimizer="adamw", learning_rate=1e-2)
+    one = _one_process(model_dir, sample_csv, tmp_path / "one-lora", **lora)
+
+    out = tmp_path / "ddp-lora"
+    run = _torchrun(_values(model_dir, sample_csv, out, distributed_strategy="ddp", **lora), tmp_path)
+    assert "process group: 2 ranks, backend gloo" in run.stderr and "LoRA: r 4" in run.stderr
+    two = _losses(out)
+    assert sorted(two) == list(range(1, STEPS + 1)) and two[STEPS] < two[1]
+    for s in two:
+        assert two[s] == pytest.approx(one[s], rel=1e-5), (s, two[s], one[s])
+    from transformers import AutoModelForSeq2SeqLM
+
+    AutoModelForSeq2SeqLM.from_pretrained(out / "final")  # merged by rank 0
+    checkpoint = out / f"checkpoint-{SAVE_AT}"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "rng-1.pt").is_file()
+
+    resumed = _resume_in_one_process(model_dir, sample_csv, checkpoint, tmp_path / "resumed", **lora)
+    assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
+    for s in resumed:
+        assert resumed[s] == pytest.approx(one[s], rel=1e-5), (s, resumed[s], one[s])
+
+
+def test_out_of_memory_on_one_rank_halves_every_rank_and_keeps_one_process_losses(
+    model_dir, sample_csv, single, tmp_path
+):
+    """Rank 1 runs out of memory at its second micro-batch (step 1): both ranks agree, drop the step's
+    gradients, and train it again in halves, as one process would; the losses stay one process's."""
+    out = tmp_path / "oom"
+    values = _values(model_dir, sample_csv, out, distributed_strategy="ddp")
+    run = _torchrun(values, tmp_path, faults=dict(rank=1, oom_at=2))
+    assert (
+        "out of memory at step 1 on rank 1 (every rank halves): micro-batch halved to 4 rows, accumulation 2"
+        in run.stderr
+    )
+    two = _losses(out)
+    assert sorted(two) == list(range(1, STEPS + 1))
+    for s in two:
+        assert two[s] == pytest.approx(single[s], rel=1e-5), (s, two[s], single[s])
+    assert json.loads((out / SUMMARY).read_text())["oom_split"] == 2
+
+
+def test_a_crash_on_one_rank_ends_every_rank_with_one_line(model_dir, sample_csv, tmp_path):
+    """Rank 1 fails at its second micro-batch: it ends with its error, and rank 0, waiting for it at the next
+    point where the ranks agree, ends with one line that says so, instead of waiting."""
+    out = tmp_path / "crash"
+    values = _values(model_dir, sample_csv, out, distributed_strategy="ddp")
+    run = _torchrun(values, tmp_path, faults=dict(rank=1, crash_at=2), check=False)
+    assert run.returncode != 0
+    assert "RuntimeError: upstream call failed" in run.stderr  # rank 1's own error
+    assert "rank 0 stops: " in run.stderr and "another process of this run ended" in run.stderr
+    assert f"finished: {STEPS} steps" not in run.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_train_checkpoint_and_resume_on_one(model_dir, sample_csv, tmp_path):
+    """Two torchrun launchers ("nodes" on 127.0.0.1) of 2 ranks each meet through the c10d rendezvous and
+    train as one run of 4 ranks; its checkpoint resumes on one node of 2 ranks (twice the accumulation: the
+    same global batch), which continues with the losses of the 4-rank run."""
+    steps = 3
+    out = tmp_path / "two-nodes"
+    values = _values(
+        model_dir, sample_csv, out, max_steps=steps, save_steps=1, eval_fraction=0.0, save_total_limit=0
+    )
+    config = _config(values, tmp_path)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2"]
+    cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes"]
+    cmd += ["-m", "trainer", "train", "--config", str(config)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    logs = [node.communicate(timeout=600)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-4000:] for log in logs)
+    assert "process group: 4 ranks, backend gloo" in "".join(logs)
+    four = _losses(out)
+    assert sorted(four) == list(range(1, steps + 1))
+    assert json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["world_size"] == 4
+
+    resumed_out = tmp_path / "one-node"
+    resumed = dict(
+        values, output_dir=str(resumed_out), gradient_accumulation_steps=2, resume=str(out / "checkpoint-1")
+    )
+    run = _torchrun(resumed, tmp_path)
+    assert "resuming on 2 ranks from a checkpoint of 4" in run.stderr
+    two = _losses(resumed_out)
+    assert sorted(two) == [2, 3]
+    for s in two:
+        assert two[s] == pytest.approx(four[s], rel=1e-5), (s, two[s], four[s])
+
+
+# Under torchrun: FSDP2 (trainer.distributed.wrap) around the tiny model, its attention through the packed
+# Triton kernels in Triton's interpreter, which computes them right in fp16 (not in bf16): FSDP's compute
+# dtype is fp16 here, bf16 on a GPU, the same cast either way. Rank r computes packed batch r of 2, scaled
+# as the loop scales it; rank 0 saves the loss sum and the whole gradients.
+_FSDP_PACKED = """
+import sys
+import torch
+from trainer import distributed
+from trainer.config import TrainConfig
+from trainer.step import token_loss_sum
+from test_distributed import packed_batches
+from test_packed_t5 import load
+
+path, out = sys.argv[1], sys.argv[2]
+distributed.FSDP_COMPUTE_DTYPE = torch.float16  # the interpreter computes fp16 right, not bf16
+distributed.init(torch.device("cpu"), 300)
+model = load(path, torch.float16, triton_attention=True).train()
+module = distributed.wrap(model, TrainConfig(distributed_strategy="fsdp"), torch.device("cpu"))
+batches = packed_batches()
+tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
+loss = token_loss_sum(module, batches[distributed.rank()])
+(loss * distributed.world_size() / tokens).backward()
+grads = {n: p.grad.full_tensor().float() for n, p in model.named_parameters()}
+total = distributed.all_sum([float(loss.detach())])[0]
+if distributed.rank() == 0:
+    torch.save({"loss": total, "grads": grads}, out)
+distributed.destroy()
+"""
+
+
+def packed_batches() -> list[dict]:
+    """Two packed batches of 2 rows of 32 + 48 tokens (the kernels' smallest tiles: quick in the
+    interpreter), other records in each."""
+    from packed_batches import pack
+    from test_packed_t5 import SMALL, records
+
+    lengths, shape = SMALL
+    return [pack(records(lengths, seed=seed), *shape) for seed in (0, 1)]
+
+
+def test_fsdp_16_bit_compute_runs_the_packed_kernels_and_gives_one_process_gradients(model_dir, tmp_path):
+    """FSDP2 casts what a block's forward receives to its compute dtype: the packed layout the blocks share
+    (its fp32 bias tables) must come through as it is (a bf16 copy failed the first backward on a GPU:
+    "expected mat1 and mat2 to have the same dtype"). Two ranks on two packed batches against one process on
+    both, through the kernels, in 16-bit."""
+    script = tmp_path / "fsdp_packed.py"
+    script.write_text(_FSDP_PACKED)
+    out = tmp_path / "fsdp.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(script), str(model_dir), str(out)]
+    tests = str(Path(__file__).parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    got = torch.load(out)
+
+    from test_packed_t5 import load
+
+    model = load(model_dir, torch.float16, triton_attention=True).train()
+    batches = packed_batches()
+    tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
+    want_loss = 0.0
+    for batch in batches:
+        loss = token_loss_sum(model, batch)
+        (loss / tokens).backward()
+        want_loss += float(loss.detach())
+    assert got["loss"] == pytest.approx(want_loss, rel=1e-2)
+    for name, p in model.named_parameters():
+        want = p.grad.float()
+        err = float((got["grads"][name] - want).norm() / want.norm().clamp_min(1e-30))
+        assert err < 5e-2, (name, err)

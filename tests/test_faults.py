@@ -50,7 +50,8 @@ RUN = dict(
 
 # Runs the trainer CLI with one phase blocked (the first time it is reached) until the test signals the
 # process or removes the marker file that says it got there: "data" (indexing the data), "model" (loading the
-# weights), "save" (writing a checkpoint), "step" (the first optimizer update), "evaluate" (an evaluation).
+# weights), "save" (writing a checkpoint), "torch_save" (inside torch.save, writing a checkpoint's optimizer
+# states into a stream), "step" (the first optimizer update), "evaluate" (an evaluation).
 _BLOCKING_SCRIPT = """
 import os, sys, time
 from pathlib import Path
@@ -73,6 +74,28 @@ def blocking(original, where):
     return wrapper
 
 
+class BlockingStream:  # its first write blocks as `blocking` does: a signal then arrives inside torch.save
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.write = blocking(stream.write, "torch_save")
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+import torch
+
+_torch_save = torch.save
+
+
+def torch_save(obj, f, *args, **kwargs):
+    if hasattr(f, "write"):
+        f = BlockingStream(f)
+    return _torch_save(obj, f, *args, **kwargs)
+
+
+torch.save = torch_save
 import trainer.checkpoint
 import trainer.data
 from transformers import AutoModelForSeq2SeqLM
@@ -557,7 +580,7 @@ def test_a_hub_id_is_checked_as_far_as_it_is_cached(tmp_path, tiny_model_dir):
         text=True,
     )
     assert done.returncode == 0, done.stderr
-    assert f"acme/recipes -> model: {snapshot}/model.safetensors is truncated" in done.stdout, done.stdout
+    assert f"acme/recipes -> {snapshot}/model.safetensors is truncated" in done.stdout, done.stdout
     assert "acme/not-downloaded -> None" in done.stdout  # training downloads it
 
 
@@ -567,11 +590,46 @@ def test_a_truncated_model_fails_the_dry_run_in_one_line(tmp_path, tiny_model_di
     done = _trainer("train", "--config", str(config), "--dry-run")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
-    assert (
-        done.stderr.strip()
-        .splitlines()[-1]
-        .startswith(f"trainer: config error: model: {model}/model.safetensors")
+    assert done.stderr.strip().splitlines()[-1].startswith(f"trainer: model error: {model}/model.safetensors")
+
+
+def test_a_relative_model_path_that_does_not_exist_names_the_working_directory(tmp_path, sample_csv):
+    config, _ = _config(tmp_path, "relative", Path("models/tiny/final"), sample_csv)
+    done = _trainer("train", "--config", str(config), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"trainer: model error: model_name_or_path models/tiny/final (resolved against {tmp_path}): no such "
+        "directory"
     )
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "hub-unreachable"])
+def test_a_hub_model_not_in_the_cache_is_a_model_error_saying_how_to_get_it(tmp_path, sample_csv, offline):
+    # An empty Hugging Face cache; the Hub either off on purpose, or not reachable (nothing listens there).
+    env = _env(HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}")
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    config, _ = _config(tmp_path, "hub", "google/flan-t5-xl", sample_csv)
+    done = _trainer("train", "--config", str(config), "--dry-run", env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"trainer: model error: google/flan-t5-xl: its tokenizer.json is not in the Hugging Face cache "
+        f"({tmp_path / 'hub'})"
+    ), last
+    assert last.endswith(
+        "download the model once where the Hub is reachable (`hf download google/flan-t5-xl`), or mount a "
+        "Hugging Face cache that holds it (HF_HOME)"
+    ), last
+    assert ("HF_HUB_OFFLINE is set" in last) == offline
+    # One try at the Hub, not half a minute of retries, and no advice to check a connection that is off.
+    assert "Retrying" not in done.stderr and "check your connection" not in done.stderr, done.stderr
 
 
 # -- 6. a cut last line in train_log.jsonl ----------------------------------------------------------------
@@ -657,15 +715,16 @@ def test_rerunning_a_finished_run_keeps_its_heartbeat(finished_run, tmp_path, ti
     assert json.loads((out / "heartbeat").read_text())["step"] == 2  # the healthcheck reports where it is
 
 
+@pytest.mark.parametrize("phase", ["save", "torch_save"])
 def test_a_double_ctrl_c_during_a_save_leaves_nothing_and_the_rerun_says_it_starts_over(
-    tmp_path, tiny_model_dir, sample_csv
+    tmp_path, tiny_model_dir, sample_csv, phase
 ):
     config, out = _config(tmp_path, "ctrl-c", tiny_model_dir, sample_csv, max_steps=1000)
     script, marker = tmp_path / "blocking.py", tmp_path / "saving"
     script.write_text(_BLOCKING_SCRIPT)
     proc = subprocess.Popen(
         [sys.executable, str(script), "train", "--config", str(config)],
-        env=_env(FAULT_BLOCK_IN="save", FAULT_MARKER=str(marker)),
+        env=_env(FAULT_BLOCK_IN=phase, FAULT_MARKER=str(marker)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -679,7 +738,11 @@ def test_a_double_ctrl_c_during_a_save_leaves_nothing_and_the_rerun_says_it_star
         console, _ = proc.communicate(timeout=100)
     finally:
         proc.kill()
+    # Inside torch.save the interrupt surfaces as its zip writer's RuntimeError ("unexpected pos"): still an
+    # interrupt, said as such.
     assert proc.returncode == 130, console[-3000:]
+    assert console.strip().splitlines()[-1] == "trainer: interrupted", console[-3000:]
+    assert "Traceback" not in console and "unexpected pos" not in console, console[-3000:]
     assert list(out.glob("checkpoint-*")) == []  # the half-written checkpoint is removed
 
     rerun = _trainer("train", "--config", str(config), "--set", "max_steps=2")

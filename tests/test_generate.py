@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from tokenizers import Tokenizer
 from transformers import AutoModelForSeq2SeqLM
 
@@ -258,9 +259,17 @@ def test_model_card_snippet_runs_with_the_exact_prompt(model_dir: Path, tmp_path
         wall_time_s=95.0,
         hardware="CPU",
         metrics={"eval/loss": 2.05, "eval/rougeL": 31.2},
+        last_eval_step=250,
     )
     card = write_model_card(model_dir, info).read_text()
     assert card.startswith("---\nbase_model: google/flan-t5-xl\n")
+    # The metadata, read back by huggingface_hub: the weights' evaluation as model-index.
+    metadata = ModelCard(card).data
+    assert metadata.pipeline_tag == "text2text-generation" and metadata.datasets is None  # a local file
+    assert {(r.metric_type, r.metric_value) for r in metadata.eval_results} == {
+        ("loss", 2.05),
+        ("rougeL", 31.2),
+    }
     assert (
         f"trainer generate --model {model_dir} --ingredients '2 eggs; 1 cup flour; 1 cup milk; 1 lemon'"
         in card
@@ -276,3 +285,40 @@ def test_model_card_snippet_runs_with_the_exact_prompt(model_dir: Path, tmp_path
     snippet = snippet.replace(f"max_new_tokens={LENGTHS['max_target_length']}", "max_new_tokens=4")
     proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_saved_model_says_its_head_is_its_own_and_loads_without_a_tie_warning(
+    tiny_model_dir: Path, sample_csv: Path, tmp_path: Path
+) -> None:
+    from trainer.checkpoint import save_pretrained
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir)
+    saved = tmp_path / "final"  # as a run writes its checkpoints and final/
+    save_pretrained(model, saved)
+    shutil.copy(tiny_model_dir / "tokenizer.json", saved)
+    # FLAN-T5's LM head is its own: the config says so (transformers 4 would otherwise tie it to the
+    # embedding), and the head is the trained one.
+    config = json.loads((saved / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and "scale_decoder_outputs" not in config
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(saved)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert not torch.equal(loaded.lm_head.weight, loaded.shared.weight)
+    for args in (
+        ["generate", "--model", str(saved), "--ingredients", "1 egg", "--max_new_tokens", "3"],
+        [
+            "evaluate",
+            "--model",
+            str(saved),
+            "--data",
+            str(sample_csv),
+            "--max-records",
+            "4",
+            "--max_new_tokens",
+            "3",
+        ],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "trainer", *args], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "tied weights" not in done.stderr and "tie_word_embeddings" not in done.stderr, done.stderr

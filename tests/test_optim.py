@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from trainer.optim import Adafactor, build_optimizer, clip_coefficient, lr_lambda
+from trainer.optim import Adafactor, build_optimizer, clip_coefficient
 
 STEPS = 25
 
@@ -243,14 +243,88 @@ def test_adafactor_kernels_keep_their_tables_and_leave_unaligned_weights_to_torc
         torch.testing.assert_close(*effective, rtol=0, atol=1e-6)
 
 
-def test_schedules():
-    kw = dict(warmup_steps=10, total_steps=110)
-    assert lr_lambda(0, kind="linear", **kw) == pytest.approx(0.1)
-    assert lr_lambda(9, kind="linear", **kw) == pytest.approx(1.0)
-    assert lr_lambda(60, kind="linear", **kw) == pytest.approx(0.5)
-    assert lr_lambda(110, kind="linear", **kw) == 0.0
-    assert lr_lambda(60, kind="cosine", **kw) == pytest.approx(0.5)
-    assert lr_lambda(10, kind="cosine", **kw) == pytest.approx(1.0)
-    assert lr_lambda(0, kind="constant", **kw) == 1.0
-    assert lr_lambda(0, kind="constant_with_warmup", **kw) == pytest.approx(0.1)
-    assert lr_lambda(100, kind="constant_with_warmup", **kw) == 1.0
+def _lrs(scheduler, steps: int) -> list[float]:
+    """The learning rate of each of the next `steps` optimizer steps (the schedule steps after each)."""
+    lrs = []
+    for _ in range(steps):
+        lrs.append(scheduler.get_last_lr()[0])
+        scheduler.optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def _schedule(horizon: int, **cfg):
+    from trainer.config import TrainConfig
+    from trainer.optim import build_scheduler
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    return build_scheduler(opt, TrainConfig(learning_rate=1e-3, **cfg), horizon)
+
+
+def test_schedules_are_transformers_with_warmup_steps_or_a_warmup_ratio():
+    linear = _lrs(_schedule(110, lr_scheduler_type="linear", warmup_steps=10), 111)
+    assert linear[0] == 0.0 and linear[5] == pytest.approx(5e-4) and linear[10] == pytest.approx(1e-3)
+    assert linear[60] == pytest.approx(5e-4) and linear[110] == 0.0
+    # Below 1, warmup_steps is a ratio of the horizon, rounded up (transformers 5): 11 of 110 steps.
+    ratio = _lrs(_schedule(110, lr_scheduler_type="linear", warmup_steps=0.1), 12)
+    assert ratio[10] < 1e-3 and ratio[11] == pytest.approx(1e-3)
+    cosine = _lrs(_schedule(110, lr_scheduler_type="cosine", warmup_steps=10), 111)
+    assert cosine[60] == pytest.approx(5e-4) and cosine[110] == pytest.approx(0.0, abs=1e-12)
+    floor = _schedule(
+        100, lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=0
+    )
+    assert _lrs(floor, 101)[100] == pytest.approx(1e-4)
+    wsd = _schedule(
+        100,
+        lr_scheduler_type="warmup_stable_decay",
+        lr_scheduler_kwargs={"num_decay_steps": 20},
+        warmup_steps=10,
+    )
+    lrs = _lrs(wsd, 101)
+    assert lrs[10] == lrs[79] == pytest.approx(1e-3) and lrs[80] == pytest.approx(1e-3) and lrs[100] == 0.0
+    assert lrs[90] < 1e-3
+    constant = _lrs(_schedule(100, lr_scheduler_type="constant", warmup_steps=10), 3)
+    assert constant == [1e-3] * 3
+
+
+def test_a_schedule_missing_or_given_a_wrong_argument_is_a_config_error():
+    from trainer.config import ConfigError, TrainConfig
+    from trainer.optim import check_scheduler
+
+    with pytest.raises(
+        ConfigError, match=r"lr_scheduler_type cosine_with_min_lr, lr_scheduler_kwargs \{\}: .*min_lr"
+    ):
+        check_scheduler(TrainConfig(lr_scheduler_type="cosine_with_min_lr"), 100)
+    with pytest.raises(
+        ConfigError, match=r"lr_scheduler_type cosine, .*unexpected keyword argument 'min_lr_rate'"
+    ):
+        check_scheduler(
+            TrainConfig(lr_scheduler_type="cosine", lr_scheduler_kwargs={"min_lr_rate": 0.1}), 100
+        )
+
+
+def test_a_new_horizon_applies_from_the_step_the_schedule_is_at():
+    from trainer.config import TrainConfig
+    from trainer.optim import set_horizon
+
+    moved = _schedule(1000, lr_scheduler_type="linear", warmup_steps=0.1)
+    _lrs(moved, 30)
+    set_horizon(moved, TrainConfig(lr_scheduler_type="linear", warmup_steps=0.1), 50)
+    planned = _schedule(50, lr_scheduler_type="linear", warmup_steps=0.1)
+    _lrs(planned, 30)
+    # The step the schedule is at keeps its learning rate; the steps after it follow the new horizon.
+    assert _lrs(moved, 21)[1:] == pytest.approx(_lrs(planned, 21)[1:])
+    assert moved.get_last_lr()[0] == 0.0
+
+
+def test_a_checkpoint_of_the_hand_written_schedule_resumes():
+    # Checkpoints before transformers' schedules saved a LambdaLR over a local function: its state (the step,
+    # the peak learning rate) loads into the new schedule, which goes on from that step.
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    old = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 10))
+    _lrs(old, 40)
+    resumed = _schedule(110, lr_scheduler_type="linear", warmup_steps=10)
+    resumed.load_state_dict(old.state_dict())
+    planned = _schedule(110, lr_scheduler_type="linear", warmup_steps=10)
+    _lrs(planned, 40)
+    assert resumed.last_epoch == 40 and _lrs(resumed, 5)[1:] == pytest.approx(_lrs(planned, 5)[1:])

@@ -52,8 +52,9 @@ def test_grouped_projections_give_the_plain_models_loss_and_gradients(tiny_model
     plain, grouped = (AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir).eval() for _ in range(2))
     keys = list(plain.state_dict())
     blocks = len(plain.encoder.block) + len(plain.decoder.block)
-    # self-attention q/k/v and o, feed-forward wi_0/wi_1 per block; cross-attention q, k/v, o in the decoder
-    assert use_projection_groups(grouped) == 3 * blocks + 3 * len(plain.decoder.block)
+    # self-attention q/k/v and o, feed-forward wi_0/wi_1 and wo per block; cross-attention q, k/v, o in the
+    # decoder
+    assert use_projection_groups(grouped) == 4 * blocks + 3 * len(plain.decoder.block)
     assert list(grouped.state_dict()) == keys
     losses = []
     for model in (plain, grouped):

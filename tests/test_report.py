@@ -362,53 +362,6 @@ def test_wandb_off_when_not_asked_or_not_main(wandb_env):
 
 # --- a real tiny training run, through the `trainer` CLI, against the local Discord server ---------------
 
-# Faults a 32 GB card meets on a multi-day run, injected into a real run with torch's global module hooks (the
-# loop under test is unchanged): a CUDA out-of-memory error on one training micro-batch, NaN activations on
-# another, optionally an error whose message carries every secret (as some library errors carry URLs and
-# tokens), and optionally a slower step.
-_RUN_WITH_FAULTS = """
-import os, sys, time, torch
-from torch.nn.modules import module as nn_module
-from trainer.cli import main
-
-STEP_SLEEP_S = float(os.environ.get("FAULT_STEP_SLEEP_S", 0))  # a slower step, of known duration at least
-OOM_AT = int(os.environ.get("FAULT_OOM_AT", 0))
-NAN_AT = {int(x) for x in os.environ.get("FAULT_NAN_AT", "").split(",") if x}
-NAN_FROM = int(os.environ.get("FAULT_NAN_FROM", 0))
-CRASH_AT = int(os.environ.get("FAULT_CRASH_AT", 0))
-forwards = 0
-
-
-def encoder_in_training(module):
-    # The encoder runs once per training micro-batch, whichever way the loop computes its loss.
-    return module.training and type(module).__name__ == "T5Stack" and not module.is_decoder
-
-
-def pre_hook(module, args):
-    global forwards
-    if not encoder_in_training(module):
-        return None
-    forwards += 1
-    time.sleep(STEP_SLEEP_S)
-    if forwards == OOM_AT:
-        raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
-    if forwards == CRASH_AT:
-        secrets = [os.environ[n] for n in ("WANDB_API_KEY", "HF_TOKEN", "DISCORD_WEBHOOK_URL")]
-        raise RuntimeError("upstream call failed: " + " ".join(secrets))
-    return None
-
-
-def post_hook(module, args, output):
-    if encoder_in_training(module) and (forwards in NAN_AT or (NAN_FROM and forwards >= NAN_FROM)):
-        output.last_hidden_state = output.last_hidden_state * float("nan")
-    return output
-
-
-nn_module.register_module_forward_pre_hook(pre_hook)
-nn_module.register_module_forward_hook(post_hook)
-sys.exit(main(sys.argv[1:]))
-"""
-
 RUN_SECRETS = {
     "WANDB_API_KEY": "wandb-fake-key-5f0e1d2c3b4a59687766554433221100",
     "HF_TOKEN": "hf_fakeRunTokenAbCdEf0123456789",
@@ -428,10 +381,9 @@ CLOSED_LINE = r"Discord: nothing left to send; closing waited (?P<waited>[\d.]+)
 
 
 @pytest.fixture(scope="module")
-def fault_script(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("faults") / "run_with_faults.py"
-    path.write_text(_RUN_WITH_FAULTS)
-    return path
+def fault_script() -> Path:
+    """The trainer's command line with injected faults (tests/run_with_faults.py)."""
+    return Path(__file__).parent / "run_with_faults.py"
 
 
 def _run_config(tmp_path: Path, tiny_model_dir: Path, sample_csv: Path, name: str, **kw) -> tuple[Path, Path]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 from tiny_run import tiny_run_values
@@ -239,8 +242,14 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model_dir, s
 
     out = tmp_path / "run"
     cfg = _cfg(broken, sample_csv, out, max_consecutive_nan_steps=3)
-    with pytest.raises(RuntimeError, match="3 optimizer steps in a row had a NaN/inf loss"):
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        pytest.raises(RuntimeError, match="3 optimizer steps in a row had a NaN/inf loss"),
+    ):
+        warnings.simplefilter("always")
         train(cfg)
+    # The skipped updates are the loop's own warnings, not torch's about the schedule stepping first.
+    assert [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)] == []
     losses = _losses(out)
     assert list(losses) == [1, 2, 3] and all(loss != loss for loss in losses.values())  # NaN, logged
     checkpoint = find_resume_checkpoint("auto", out)
@@ -261,3 +270,77 @@ def test_bad_data_paths_are_one_clear_line_not_a_traceback(tiny_model_dir, tmp_p
     assert cli_main(["train", "--config", str(config), "--dry-run", "--set", f"train_files=[{missing}]"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == f"trainer: data error: {missing}: glob matches no file", err
+
+
+def _lrs(out) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in rows if "loss" in r}
+
+
+def test_a_resumed_run_has_the_learning_rates_of_an_uninterrupted_one(
+    tiny_model_dir, sample_csv, tmp_path, caplog
+):
+    caplog.set_level("INFO")
+    out = tmp_path / "out"
+    cfg = _cfg(
+        tiny_model_dir,
+        sample_csv,
+        out,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        warmup_steps=0.25,  # a ratio: 2 of the 8 steps
+        save_steps=4,
+    )
+    assert train(cfg) == 0
+    expected = _lrs(out)
+    assert expected[1] == pytest.approx(5e-4) and expected[STEPS] == pytest.approx(1e-4)  # warm-up, min_lr
+    # As if killed after step 8 was logged but before its checkpoint: steps 5-8 again, from checkpoint-4.
+    shutil.rmtree(out / f"checkpoint-{STEPS}")
+    shutil.rmtree(out / "final")
+    assert train(cfg) == 0
+    assert "resumed from step 4" in caplog.text
+    assert _lrs(out) == expected
+
+
+def test_with_max_time_the_schedule_ends_where_the_time_budget_does(
+    tiny_model_dir, sample_csv, tmp_path, caplog
+):
+    # Each reading of the clock advances it by 50 ms: a step takes a fixed share of the budget, whatever the
+    # machine, so the run's end and the schedule's are exact.
+    def ticking_clock():
+        ticks = itertools.count()
+        return lambda: next(ticks) * 0.05
+
+    caplog.set_level("INFO")
+    out = tmp_path / "out"
+    values = dict(max_steps=100_000, warmup_steps=0.1, eval_fraction=0.0, save_steps=1000)
+
+    def horizons() -> list[int]:
+        return [int(h) for h in re.findall(r"learning-rate schedule ends at step (\d+)", caplog.text)]
+
+    assert train(_cfg(tiny_model_dir, sample_csv, out, max_time="6s", **values), clock=ticking_clock()) == 0
+    summary = json.loads((out / SUMMARY).read_text())
+    assert summary["stopped_by"] == "max_time" and 10 < summary["steps"] < 100
+    # Planned over 100,000 steps at first, the schedule ends at the last step once the step time is measured:
+    # a linear decay to 0, which a time-stopped run used to never reach.
+    assert horizons() and horizons()[-1] == summary["steps"]
+    assert _lrs(out)[summary["steps"]] == 0.0
+
+    # More time: the resumed run's schedule ends where the new budget does, at the checkpoint's step time.
+    caplog.clear()
+    assert train(_cfg(tiny_model_dir, sample_csv, out, max_time="9s", **values), clock=ticking_clock()) == 0
+    assert re.search(r"ends at step \d+, where the time budget does at the [\d.]+ s per step", caplog.text)
+    resumed = json.loads((out / SUMMARY).read_text())
+    assert resumed["steps"] > summary["steps"] and horizons()[-1] == resumed["steps"]
+    assert _lrs(out)[resumed["steps"]] == 0.0
+
+
+def test_adafactor_steps_before_the_schedule(tiny_model_dir, sample_csv, tmp_path):
+    # torch warns "Detected call of `lr_scheduler.step()` before `optimizer.step()`" when the optimizer's
+    # update did not go through its step().
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert (
+            train(_cfg(tiny_model_dir, sample_csv, tmp_path / "out", optimizer="adafactor", max_steps=2)) == 0
+        )
+    assert [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)] == []

@@ -242,8 +242,8 @@ class WeightGroup:
     def supports(weight: torch.Tensor) -> bool:
         """Whether the kernels can update `weight`: a plain contiguous CUDA tensor of at most two dimensions
         (more would need the leading ones factored separately) in a dtype they know, with a contiguous
-        gradient of its dtype, both at addresses that are multiples of 16 bytes (views into a larger buffer,
-        such as DDP's gradient buckets, need not be)."""
+        gradient of its dtype, both at addresses that are multiples of 16 bytes (views into a larger buffer
+        need not be; trainer.distributed's gradient buffer aligns them)."""
         grad = weight.grad
         return (
             weight.is_cuda

@@ -260,9 +260,11 @@ def _bwd_kv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
 ):
-    """dK, dV for one key block of one head, for the batch rows of one group; the group's bias gradient for
-    those keys is summed here over its rows (this program alone writes that slice: no atomics)."""
+    """dK, dV for one key block of one head, for the batch rows of one group; with BIAS_GRAD the group's bias
+    gradient for those keys is summed here over its rows (this program alone writes that slice: no atomics);
+    a frozen bias (LoRA's base, trainer.lora) needs none."""
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.program_id(2)
@@ -322,7 +324,7 @@ def _bwd_kv_kernel(
             dv += tl.dot(tl.trans(p_kept.to(do.dtype)), do)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            if HAS_BIAS:  # DBias: (groups, H, T, key_stride), the bias's layout per group
+            if BIAS_GRAD:  # DBias: (groups, H, T, key_stride), the bias's layout per group
                 # An atomic add (done in L2, nothing comes back) instead of load + add + store; still
                 # deterministic: this program alone adds to this slice, its adds to an address in order.
                 db_ptrs = DBias + (g * H + h) * sbh + rows[:, None] * sbm + cols[None, :]
@@ -505,14 +507,15 @@ class _T5Attention(torch.autograd.Function):
         B, H, T, D = q.shape
         S = k.shape[2]
         has_bias, has_mask = bias is not None, mask is not None
+        bias_grad = has_bias and ctx.needs_input_grad[3]
         # rowsum(dO * O): the softmax backward's correction term, dropout included (O is the dropped output).
         grad_out = grad_out.contiguous()
         delta = softmax_delta(out, grad_out)
         do = grad_out.transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         key_blocks = triton.cdiv(S, BWD_CONFIG["BLOCK_N"])
-        groups, rows_per_group = bias_grad_groups(B, H, S) if has_bias else (B, 1)
-        dbias = torch.zeros((groups, *bias.shape), dtype=torch.float32, device=q.device) if has_bias else q
+        groups, rows_per_group = bias_grad_groups(B, H, S) if bias_grad else (B, 1)
+        dbias = torch.zeros((groups, *bias.shape), dtype=torch.float32, device=q.device) if bias_grad else q
         strides = _strides(q, k, v, do, bias, mask)
         flags = dict(
             HAS_BIAS=has_bias,
@@ -545,6 +548,7 @@ class _T5Attention(torch.autograd.Function):
             ctx.scale,
             ctx.dropout_p,
             rows_per_group,
+            BIAS_GRAD=bias_grad,
             **flags,
         )
         _bwd_q_kernel[(triton.cdiv(T, BWD_CONFIG["BLOCK_M"]), B * H)](
@@ -566,7 +570,7 @@ class _T5Attention(torch.autograd.Function):
             ctx.dropout_p,
             **flags,
         )
-        grad_bias = dbias[..., :S].sum(0).to(bias.dtype) if has_bias else None
+        grad_bias = dbias[..., :S].sum(0).to(bias.dtype) if bias_grad else None
         return dq, dk, dv, grad_bias, None, None, None, None
 
 

@@ -11,6 +11,9 @@ next run once it holds output_dir's lock (`remove_stale_temporaries`). Contents:
   by 2 ranks resumes on 1, 4, or with the other strategy. This is what resume loads the optimizer from.
 - `model.safetensors` + `config.json`: the whole model via save_pretrained (rank 0, FSDP shards gathered), so
   any checkpoint loads with `from_pretrained` (the best one, for evaluation); resume builds the model from it.
+  A LoRA run (trainer.lora) saves its adapter instead, in PEFT's format (`adapter_model.safetensors`,
+  `adapter_config.json` naming the base), and dcp/ holds the adapters and their optimizer states alone: the
+  frozen base is the config's model_name_or_path, which resume loads again.
 - `tokenizer.json` and `recipe_template.json` (the prompt template, trainer.prompt): with the two above, the
   checkpoint generates on its own (`trainer generate --model <output_dir>/checkpoint-<step>`).
 - `scheduler.pt`; `rng.pt` (python, numpy, torch, cuda) and `rng-<rank>.pt` for the other ranks.
@@ -19,7 +22,8 @@ next run once it holds output_dir's lock (`remove_stale_temporaries`). Contents:
 
 Also here: finding the checkpoint to resume from, where its loader position puts this run's ranks, what in
 the config changed since it was written, and `final/` (the finished model, written whole: weights, tokenizer,
-prompt template and model card, the weights those of the best checkpoint with load_best_model_at_end).
+prompt template and model card, the weights those of the best checkpoint with load_best_model_at_end; a LoRA
+run's merged into the base, its adapter in `final/adapter/`).
 
 Several ranks: every rank calls `save_checkpoint` (it is collective); the output directory must be one shared
 filesystem for all of them (a multi-node run needs a network filesystem there).
@@ -50,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer import disk, distributed
 from trainer.config import ConfigError
+from trainer.model import write_config
 from trainer.prompt import save_prompt_template
 from trainer.redact import redact_obj
 
@@ -88,11 +93,12 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint-<step> atomically and return its path (an existing one for `step` is replaced).
 
-    `model` is the HF model (not its DDP/FSDP wrapper: its parameter names are the checkpoint's keys). Under
-    torchrun every rank calls this; rank 0 writes the shared files. `rng`: the RNG states to store (default:
-    the current ones); the loop passes those of the step boundary, since a step interrupted by a signal has
-    already drawn dropout masks. `prompt_config`: the config the model trains with, whose prompt template
-    (`recipe_template.json`) goes beside the tokenizer, so that the checkpoint generates on its own."""
+    `model` is the HF model (not FSDP's loss module around it: its parameter names are the checkpoint's
+    keys). Under torchrun every rank calls this; rank 0 writes the shared files. `rng`: the RNG states to
+    store (default: the current ones); the loop passes those of the step boundary, since a step interrupted by
+    a signal has already drawn dropout masks. `prompt_config`: the config the model trains with, whose prompt
+    template (`recipe_template.json`) goes beside the tokenizer, so that the checkpoint generates on its
+    own."""
     output_dir = Path(output_dir)
     rank = distributed.rank()
     final = output_dir / f"checkpoint-{step}"
@@ -108,7 +114,7 @@ def save_checkpoint(
     needed = disk.checkpoint_bytes(output_dir) or disk.state_bytes(model, optimizer)
     with disk.removed_on_failure(tmp, needed_bytes=needed, remove=rank == 0):
         save_pretrained(model, tmp)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state, _ = _states(model, optimizer)
         with _one_process_is_intended():
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / "dcp")
         torch.save(rng if rng is not None else rng_state(), tmp / _rng_file(rank))
@@ -132,15 +138,41 @@ def save_checkpoint(
     return final
 
 
+def is_adapter_model(model) -> bool:
+    """Whether `model` is a PEFT model (trainer.lora): it saves, checkpoints and loads its adapters alone."""
+    return hasattr(model, "peft_config")
+
+
+def _states(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
+    """The model and optimizer state dicts DCP saves and loads, and the options to set them with: every
+    weight, or a PEFT model's trained ones (its adapters; DCP's own ignore_frozen_params keeps the tied
+    embedding's other names, e.g. encoder.embed_tokens.weight)."""
+    if not is_adapter_model(model):
+        return *get_state_dict(model, optimizer), StateDictOptions()
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_state.items() if k in trained}, optim_state, options
+
+
 def save_pretrained(model, path: str | Path) -> None:
-    """`model.save_pretrained(path)` of the whole model, written by rank 0. Under FSDP the shards are gathered
+    """`model.save_pretrained(path)` of the whole model (a PEFT model's adapter), written by rank 0, its
+    config.json saying how its LM head is (trainer.model.write_config). Under FSDP the shards are gathered
     first (collective: every rank calls this)."""
+    if is_adapter_model(model):  # LoRA (one process or DDP: every rank holds the same adapters)
+        if distributed.rank() == 0:
+            from trainer.lora import save_adapter
+
+            save_adapter(model, path)
+        return
     if not distributed.is_distributed():
         model.save_pretrained(path, safe_serialization=True)
+        write_config(model, path)
         return
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if distributed.rank() == 0:  # cpu_offload + full_state_dict: only rank 0 receives the tensors
         model.save_pretrained(path, state_dict=full, safe_serialization=True)
+        write_config(model, path)
 
 
 @contextlib.contextmanager
@@ -187,7 +219,9 @@ def checkpoint_problem(path: Path) -> str | None:
         if not isinstance(state, dict) or not isinstance(state.get("step"), int):
             return f"{MARKER} holds no step"
         index = path / "model.safetensors.index.json"
-        if index.is_file():
+        if (path / "adapter_config.json").is_file():  # a LoRA run's (trainer.lora)
+            weights = ["adapter_model.safetensors"]
+        elif index.is_file():
             weights = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         else:
             weights = ["model.safetensors"]
@@ -241,11 +275,13 @@ def load_training_state(path: str | Path, model, optimizer, scheduler) -> None:
     RNG: each rank restores its own states; a rank the saving run did not have (more ranks now) takes rank
     0's."""
     path = Path(path)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state, options = _states(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     with _one_process_is_intended():
         dcp.load(state, checkpoint_id=path / "dcp")
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+    )
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     rng_file = path / _rng_file(distributed.rank())
     set_rng_state(torch.load(rng_file if rng_file.exists() else path / "rng.pt", weights_only=False))
@@ -333,7 +369,35 @@ _RESUME_FREE_KEYS = {
     "output_dir",
     "progress_bar",
     "run_name",
+    "push_to_hub",
+    "hub_model_id",
+    "hub_strategy",
+    "hub_private_repo",
+    "hub_upload_timeout",
 }
+
+
+# Keys the checkpoint's tensors are shaped by: full weights or LoRA adapters, and the adapters' shapes.
+_RESUME_FIXED_KEYS = ("adapter", "lora_r", "lora_target_modules")
+
+
+def check_resume_config(checkpoint: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """ConfigError naming the keys when the config `now` changes what `checkpoint` (written with the config
+    `saved`) holds: a LoRA run's adapters or a full run's weights, the adapters' rank or projections."""
+    adapter_keys = _RESUME_FIXED_KEYS[1:] if now.get("adapter") or saved.get("adapter") else ()
+
+    def value(config: dict[str, Any], key: str):
+        v = config.get(key)
+        return sorted(v) if isinstance(v, list) else v  # the projections in any order: the same adapters
+
+    changed = [k for k in ("adapter", *adapter_keys) if k in saved and value(saved, k) != value(now, k)]
+    if changed:
+        raise ConfigError(
+            f"resume: {checkpoint} was written with {', '.join(f'{k} {saved[k]!r}' for k in changed)}, which "
+            f"this config changes to {', '.join(repr(now.get(k)) for k in changed)}: its tensors cannot be "
+            "loaded. Set them back, or start over with resume: never or another output_dir",
+            key=tuple(changed),
+        )
 
 
 def warn_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
@@ -371,7 +435,10 @@ def save_final_model(
 
     `weights_from`: a checkpoint whose weights final/ takes instead of `model`'s (load_best_model_at_end),
     hard-linked (copied on a filesystem without links); the same on every rank. `prompt_config`: the config
-    trained with, for `recipe_template.json`; `card`: a trainer.model_card.ModelCardInfo for README.md."""
+    trained with, for `recipe_template.json`; `card`: a trainer.model_card.ModelCardInfo for README.md.
+
+    A PEFT model (LoRA, trainer.lora): final/ holds the base with the adapter (`weights_from`'s, else the
+    model's) merged into its weights, final/adapter/ the adapter; rank 0's model is merged in place."""
     is_main = distributed.rank() == 0
     tmp = final.with_name(final.name + ".tmp")
     if is_main and tmp.exists():
@@ -379,7 +446,12 @@ def save_final_model(
     distributed.barrier()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # this rank's, under FSDP
     with disk.removed_on_failure(tmp, needed_bytes=weights, remove=is_main):
-        if weights_from is None:
+        if is_adapter_model(model):
+            if is_main:
+                from trainer.lora import save_merged
+
+                save_merged(model, tmp, adapter_from=weights_from)
+        elif weights_from is None:
             save_pretrained(model, tmp)  # rank 0 writes the whole model (FSDP: gathered)
         elif is_main:
             _link_weights(Path(weights_from), tmp)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import re
@@ -19,10 +20,30 @@ from typing import Any, Literal
 
 import yaml
 
+log = logging.getLogger(__name__)
+
 DataFormat = Literal["recipenlg-csv", "foodcom-csv", "jsonl", "parquet", "arrow"]
 DATA_FORMATS: tuple[str, ...] = typing.get_args(DataFormat)  # the recipe file formats the loader reads
 Task = Literal["ingredients-to-recipe", "title-to-recipe"]
+HubStrategy = Literal["end", "every_save", "checkpoint", "all_checkpoints"]
 TASKS: tuple[str, ...] = typing.get_args(Task)  # the loader's prompt presets
+# T5's projections a LoRA adapter can sit on (PEFT's module names; trainer.lora), and the default. Not the
+# embeddings or the LM head: the loss reads the head's weight directly (trainer.loss).
+LORA_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "wi_0", "wi_1", "wi", "wo")
+LORA_DEFAULT_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "wi_0", "wi_1", "wo")
+# transformers.get_scheduler's schedules that step with the optimizer (not those driven by a metric).
+SchedulerName = Literal[
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+]
 
 
 # What an evaluation reports (HF names: eval_<name>): the loss, and the scores of generated recipes
@@ -78,128 +99,261 @@ class ConfigError(ValueError):
         self.keys = (key,) if isinstance(key, str) else key
 
 
+def _key(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING) -> Any:
+    """A config key: its default (or `factory` for a list or mapping) and its one-line help, kept where
+    Hugging Face keeps it (`field(metadata={"help": ...})`); `trainer train --help` and docs/config.md show
+    it."""
+    return field(default=default, default_factory=factory, metadata={"help": help})
+
+
 @dataclass
 class TrainConfig:
     # --- model ---
-    model_name_or_path: str = "google/flan-t5-xl"
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    # triton: fused attention kernels with T5's position bias (trainer.attention) on CUDA; eager elsewhere.
-    # Any name transformers accepts works too; bench/NOTES.md compares them.
-    attn_implementation: str = "triton"
-    gradient_checkpointing: bool = True
-    # With checkpointing: how many of the last decoder blocks keep their activations instead of recomputing
-    # them in the backward (they are the first to run it). None: as many as the memory plan fits on the GPU.
-    decoder_blocks_without_checkpointing: int | None = None
-    # The same for the encoder's last blocks. None: as many as fit once every decoder block keeps its own.
-    encoder_blocks_without_checkpointing: int | None = None
-    torch_compile: bool = False  # compile each T5 block (slower start, faster steps on a GPU)
-    # Replay each micro-step (forward, backward, gradient accumulation) as a CUDA graph, so that the host's
-    # launches stop limiting small micro-batches. Needs packing (one batch shape) and one process.
-    cuda_graphs: bool = False
-    random_init: bool = False  # build the architecture from model_name_or_path's config.json (benchmarks)
+    model_name_or_path: str = _key(
+        "google/flan-t5-xl", "A Hugging Face Hub id, or a local directory saved with save_pretrained."
+    )
+    dtype: Literal["bfloat16", "float32"] = _key(
+        "bfloat16", "The weights' dtype: bfloat16 (with bf16_update) or float32."
+    )
+    attn_implementation: str = _key(
+        "triton",
+        "triton: the trainer's fused T5 attention kernels on CUDA (eager elsewhere); or any name "
+        "transformers accepts (eager, sdpa).",
+    )
+    gradient_checkpointing: bool = _key(
+        True, "Recompute activations in the backward instead of keeping them."
+    )
+    decoder_blocks_without_checkpointing: int | None = _key(
+        None,
+        "With checkpointing: how many of the last decoder blocks keep their activations; null: as many as "
+        "the memory plan fits.",
+    )
+    encoder_blocks_without_checkpointing: int | None = _key(
+        None,
+        "The same for the last encoder blocks; null: as many as fit once every decoder block keeps its own.",
+    )
+    torch_compile: bool = _key(False, "Compile each T5 block (slower start, faster steps on a GPU).")
+    cuda_graphs: bool = _key(
+        False,
+        "Replay each micro-step and the optimizer update as CUDA graphs (needs packing; not under fsdp).",
+    )
+    random_init: bool = _key(
+        False, "Random weights in model_name_or_path's architecture, from its config.json (benchmarks)."
+    )
 
     # --- data ---
-    # Paths or globs (csv, jsonl, parquet, arrow; optionally .gz/.zst), datasets.save_to_disk directories or
-    # hf://datasets/OWNER/NAME; an entry may be a mapping {path, weight, split, name} (DataSource).
-    train_files: list[str | DataSource] = field(default_factory=list)
-    data_format: DataFormat | None = None  # None: by file extension
-    # The column each field is in, for files with other names: {title: name, ingredients: ingr, ...}
-    # (fields: title, ingredients, directions, ner, source, target).
-    columns: dict[str, str] | None = None
-    task: Task = "ingredients-to-recipe"
-    source_template: str | None = None
-    target_template: str | None = None
-    max_source_length: int = 512
-    max_target_length: int = 512
-    per_device_train_batch_size: int | None = None  # rows per micro-batch; or use max_tokens
-    max_tokens: int | None = None  # token budget per micro-batch: rows x (longest source + longest target)
-    pad_to_multiple_of: int | None = None
-    # Several records per row, with segment ids and positions (docs/loader.md); rows per micro-batch:
-    # per_device_train_batch_size, or max_tokens // (packed_source_length + packed_target_length).
-    packing: bool = False
-    packed_source_length: int | None = None  # encoder row length when packing; None: chosen from the data
-    packed_target_length: int | None = None  # decoder row length when packing; None: chosen from the data
-    shuffle: bool = True
-    strict_data: bool = False  # raise on the first bad record instead of skipping and counting it
-    dedup: bool = False
-    eval_fraction: float = 0.01  # held out by record hash, never trained on
-    # A held-out set of its own (paths or globs): evaluated on instead; eval_fraction is then not used and
-    # every record of train_files is trained on.
-    eval_files: list[str | DataSource] = field(default_factory=list)
-    eval_max_batches: int = 50
-    loader_threads: int | None = None
-    make_demo_data: bool = False  # create sample recipes and the tiny model if missing (quickstart only)
-    demo_records: int = 2000
+    train_files: list[str | DataSource] = _key(
+        help="Recipe files or globs (RecipeNLG or Food.com CSV, JSONL, Parquet, Arrow; .gz/.zst too), "
+        "datasets.save_to_disk directories or hf://datasets/OWNER/NAME; an entry may be a mapping {path, "
+        "weight, split, name}: weight mixes the sources (docs/loader.md).",
+        factory=list,
+    )
+    data_format: DataFormat | None = _key(None, "The files' format; null: from each file's extension.")
+    columns: dict[str, str] | None = _key(
+        None,
+        "The column each field is in, for files with other names, e.g. {title: name, ingredients: ingr} "
+        "(fields: title, ingredients, directions, ner, source, target).",
+    )
+    task: Task = _key("ingredients-to-recipe", "The prompt preset: what the source holds.")
+    source_template: str | None = _key(
+        None, "The source text, with {title}, {ingredients}, {directions}, {ner}; null: the task's."
+    )
+    target_template: str | None = _key(
+        None, "The target text, placeholders as source_template; null: the task's."
+    )
+    max_source_length: int = _key(512, "Source tokens kept per record (longer ones are truncated).")
+    max_target_length: int = _key(512, "Target tokens kept per record (longer ones are truncated).")
+    per_device_train_batch_size: int | None = _key(
+        None, "Rows per micro-batch; or set max_tokens; neither: the memory plan's token budget."
+    )
+    max_tokens: int | None = _key(
+        None, "Token budget per micro-batch, rows x (longest source + longest target), length-bucketed."
+    )
+    pad_to_multiple_of: int | None = _key(None, "Round padded lengths up to a multiple of this.")
+    packing: bool = _key(
+        False, "Several records per row, each with its own positions and attention (docs/loader.md)."
+    )
+    packed_source_length: int | None = _key(
+        None, "Encoder row length when packing; null: chosen from the data."
+    )
+    packed_target_length: int | None = _key(
+        None, "Decoder row length when packing; null: chosen from the data."
+    )
+    shuffle: bool = _key(True, "Shuffle the training records every epoch (with seed).")
+    strict_data: bool = _key(False, "Stop at the first bad record instead of skipping and counting it.")
+    dedup: bool = _key(False, "Drop records whose rendered source and target repeat an earlier one.")
+    eval_fraction: float = _key(
+        0.01, "Share of train_files held out for evaluation, by record hash (never trained on)."
+    )
+    eval_files: list[str | DataSource] = _key(
+        help="A held-out set of its own (files or globs): evaluated on instead of eval_fraction's share.",
+        factory=list,
+    )
+    eval_max_batches: int = _key(50, "Each evaluation's loss: over at most this many held-out batches.")
+    loader_threads: int | None = _key(
+        None, "The Rust loader's worker threads; null: chosen from the CPU count."
+    )
+    make_demo_data: bool = _key(
+        False, "Write sample recipes and the tiny model under data/quickstart/ when missing (quickstart)."
+    )
+    demo_records: int = _key(2000, "How many sample recipes make_demo_data writes.")
+
+    # --- adapters (docs/lora.md): axolotl's and PEFT's names ---
+    adapter: Literal["lora"] | None = _key(
+        None,
+        "lora: train LoRA adapters (PEFT) over the frozen base, merged into final/ at the end; null: full "
+        "fine-tuning.",
+    )
+    lora_r: int = _key(16, "The adapters' rank.")
+    lora_alpha: float = _key(32.0, "The adapters' scaling is lora_alpha / lora_r.")
+    lora_dropout: float = _key(0.0, "Dropout on each adapter's input.")
+    lora_target_modules: list[str] = _key(
+        help="T5's projections that get adapters: q, k, v, o (attention), wi_0, wi_1 (or wi) and wo "
+        "(feed-forward).",
+        factory=lambda: list(LORA_DEFAULT_TARGETS),
+    )
 
     # --- optimization ---
-    optimizer: Literal["adamw", "adafactor"] = "adamw"
-    # How bf16 weights receive updates: Kahan-compensated (no silent loss of small updates), or naive.
-    bf16_update: Literal["kahan", "naive"] = "kahan"
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    warmup_steps: int = 0
-    gradient_accumulation_steps: int = 1
-    max_steps: int = -1  # > 0 overrides num_train_epochs
-    num_train_epochs: float = 1.0
-    # A time budget for the training: seconds, or a duration such as "10h", "90m", "1d12h", "2h30m". Counted
-    # over restarts (checkpoints keep the time used); when spent the run ends as a finished one would.
-    max_time: float | str | None = None
-    seed: int = 42
+    optimizer: Literal["adamw", "adafactor"] = _key(
+        "adamw", "adamw (as Hugging Face) or adafactor (T5's settings; the XL preset's: far smaller states)."
+    )
+    bf16_update: Literal["kahan", "naive"] = _key(
+        "kahan", "How bf16 weights take updates: Kahan-compensated (no small update lost), or naive."
+    )
+    learning_rate: float = _key(1e-4, "The peak learning rate.")
+    weight_decay: float = _key(0.0, "Decoupled weight decay (AdamW and Adafactor).")
+    adam_beta1: float = _key(0.9, "AdamW's beta1.")
+    adam_beta2: float = _key(0.999, "AdamW's beta2.")
+    adam_epsilon: float = _key(1e-8, "AdamW's epsilon.")
+    max_grad_norm: float = _key(1.0, "Clip the gradients' global norm to this; 0: measured, not clipped.")
+    lr_scheduler_type: SchedulerName = _key(
+        "linear", "The learning-rate schedule, transformers.get_scheduler's of that name."
+    )
+    lr_scheduler_kwargs: dict[str, Any] = _key(
+        help="The schedule's own arguments, e.g. {min_lr_rate: 0.1} or {num_decay_steps: 1000}.", factory=dict
+    )
+    warmup_steps: float = _key(
+        0,
+        "Linear warm-up: optimizer steps, or below 1 a ratio of the run's steps (warmup_ratio is taken too).",
+    )
+    gradient_accumulation_steps: int = _key(1, "Micro-batches per optimizer step.")
+    max_steps: int = _key(-1, "Optimizer steps of the run; > 0 overrides num_train_epochs.")
+    num_train_epochs: float = _key(1.0, "Epochs of the run (fractions allowed), unless max_steps > 0.")
+    max_time: float | str | None = _key(
+        None,
+        "A training time budget, seconds or e.g. 10h, 90m, 1d12h, counted over restarts; the schedule ends "
+        "with it.",
+    )
+    seed: int = _key(
+        42, "Seed of the data order, dropout, random weights and the evaluations' generation sample."
+    )
 
     # --- memory ---
-    cuda_alloc_conf: str = "expandable_segments:True"  # used unless PYTORCH_CUDA_ALLOC_CONF is already set
-    # torch.cuda.empty_cache() every N optimizer steps and after each evaluation; 0: never.
-    empty_cache_steps: int = 100
-    gpu_memory_limit_gib: float | None = None  # cap this process (emulates a smaller card)
-    oom_probe: bool = False  # try the largest batch the loader can produce before training
-    max_oom_halvings: int = 4
-    max_consecutive_nan_steps: int = 5
+    cuda_alloc_conf: str = _key(
+        "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF, used unless that variable is already set."
+    )
+    empty_cache_steps: int = _key(
+        100, "torch.cuda.empty_cache() every N optimizer steps and after each evaluation; 0: never."
+    )
+    gpu_memory_limit_gib: float | None = _key(
+        None, "Cap this process's GPU memory (emulates a smaller card)."
+    )
+    oom_probe: bool = _key(
+        False, "Before training, try the largest micro-batches the loader yields; halve the budget if needed."
+    )
+    max_oom_halvings: int = _key(4, "On out-of-memory, halve the micro-batch at most this many times.")
+    max_consecutive_nan_steps: int = _key(5, "Stop after this many optimizer steps in a row with NaN/inf.")
 
     # --- logging, evaluation, checkpoints ---
-    output_dir: str = "outputs/run"
-    logging_steps: int = 10
-    eval_steps: int = 500
-    save_steps: int = 500
-    save_total_limit: int = 3
-    resume: str = "auto"  # "auto" (newest valid checkpoint in output_dir), "never", or a checkpoint path
-    # Each evaluation generates for this many held-out records (a fixed sample, drawn with `seed`) and
-    # scores them as `trainer evaluate` does (eval/rougeL, eval/ingredient_coverage, ...); 0: eval loss only.
-    eval_generation_records: int = 64
-    num_eval_generations: int = 3  # of those, shown in the log, Discord and the W&B table
-    # None: the model's generation_config, else max_target_length (as `trainer generate`).
-    generation_max_new_tokens: int | None = None
-    generation_num_beams: int | None = None  # None: the model's generation_config (greedy for FLAN-T5)
-    # The best checkpoint: by which evaluation metric (HF's names, with or without "eval_"), in which
-    # direction (None: lower for loss, invented_ingredients, repetition; higher for the others), and whether
-    # final/ holds its weights rather than the last step's.
-    metric_for_best_model: str = "eval_loss"
-    greater_is_better: bool | None = None
-    load_best_model_at_end: bool = False
-    # Stop after this many evaluations in a row without an improvement of the metric by more than the
-    # threshold (HF's EarlyStoppingCallback); None: never.
-    early_stopping_patience: int | None = None
-    early_stopping_threshold: float = 0.0
-    progress_bar: bool = True
-    profile_steps: int = (
-        0  # > 0: torch.profiler over this many optimizer steps, report in output_dir/profile/
+    output_dir: str = _key("outputs/run", "Checkpoints, final/, the train log and the run summary go here.")
+    logging_steps: int = _key(10, "Log loss, learning rate, tokens/s and memory every N optimizer steps.")
+    eval_steps: int = _key(500, "Evaluate every N optimizer steps, and at the last one.")
+    save_steps: int = _key(500, "Save a checkpoint every N optimizer steps, and at the last one.")
+    save_total_limit: int = _key(3, "Keep the newest N checkpoints (the best one is kept too); 0: all.")
+    resume: str = _key(
+        "auto", "auto (the newest usable checkpoint in output_dir), never, or a checkpoint's path."
     )
-    profile_start_step: int = 5  # steps before the profiled window (compilation and allocator warm-up)
-    save_final: bool = True  # a checkpoint and final/ at the end (benchmarks turn it off)
+    eval_generation_records: int = _key(
+        64, "Each evaluation generates for this many held-out records and scores them; 0: loss only."
+    )
+    num_eval_generations: int = _key(3, "Of those, how many the log, Discord and W&B's table show.")
+    generation_max_new_tokens: int | None = _key(
+        None, "New tokens per generation; null: the model's generation_config, else max_target_length."
+    )
+    generation_num_beams: int | None = _key(
+        None, "Beams per generation; null: the model's generation_config."
+    )
+    metric_for_best_model: str = _key(
+        "eval_loss", "The evaluation metric that picks the best checkpoint (eval_loss, eval_rougeL, ...)."
+    )
+    greater_is_better: bool | None = _key(
+        None, "Whether higher is better; null: lower for loss, invented_ingredients, repetition."
+    )
+    load_best_model_at_end: bool = _key(
+        False, "final/ holds the best checkpoint's weights, not the last step's."
+    )
+    early_stopping_patience: int | None = _key(
+        None, "Stop after this many evaluations in a row without improvement; null: never."
+    )
+    early_stopping_threshold: float = _key(0.0, "The improvement that counts, for early stopping.")
+    progress_bar: bool = _key(True, "A progress bar on a terminal (log lines elsewhere, always).")
+    profile_steps: int = _key(
+        0, "torch.profiler over this many optimizer steps, report in output_dir/profile/; 0: off."
+    )
+    profile_start_step: int = _key(5, "Steps before the profiled window (compilation, allocator warm-up).")
+    save_final: bool = _key(True, "A checkpoint and final/ at the end (benchmarks turn it off).")
 
     # --- monitoring (secrets come from the environment only) ---
-    report_to: Literal["wandb", "none"] = "wandb"
-    wandb_project: str | None = None  # else WANDB_PROJECT, else "recipe-t5"
-    wandb_entity: str | None = None
-    run_name: str | None = None
-    discord_progress_minutes: float = 30.0
+    report_to: Literal["wandb", "none"] = _key("wandb", "wandb (offline without a key) or none.")
+    wandb_project: str | None = _key(None, "W&B project; null: WANDB_PROJECT, else recipe-t5.")
+    wandb_entity: str | None = _key(None, "W&B entity (user or team); null: WANDB_ENTITY or your default.")
+    run_name: str | None = _key(None, "The run's name in W&B and Discord; null: output_dir's name.")
+    discord_progress_minutes: float = _key(
+        30.0, "A Discord progress message at most this often (DISCORD_WEBHOOK_URL); negative: none."
+    )
 
-    # --- distributed (torchrun) ---
-    distributed_strategy: Literal["ddp", "fsdp"] = "ddp"
+    # --- Hugging Face Hub (Seq2SeqTrainer's names; the token comes from HF_TOKEN, never from the config) ---
+    push_to_hub: bool = _key(
+        False, "Upload the model to the Hub as the run saves it, from a background thread (HF_TOKEN)."
+    )
+    hub_model_id: str | None = _key(
+        None, "The repository: name (in the token's namespace) or namespace/name; null: output_dir's name."
+    )
+    hub_strategy: HubStrategy = _key(
+        "every_save",
+        "end: final/ at the end; every_save: also each checkpoint's model files; checkpoint: also the newest "
+        "checkpoint to last-checkpoint/; all_checkpoints: also each checkpoint to checkpoint-<step>/.",
+    )
+    hub_private_repo: bool | None = _key(
+        None, "Create the repository private; null: the namespace's default (an existing one keeps its own)."
+    )
+    hub_upload_timeout: float | str = _key(
+        "1h",
+        "How long the end of the run waits for the last upload (seconds or e.g. 90m); the rest stays pending "
+        "in output_dir for the next run.",
+    )
+
+    # --- distributed (torchrun; docs/distributed.md) ---
+    distributed_strategy: Literal["ddp", "fsdp"] = _key(
+        "ddp",
+        "Under torchrun: ddp (the whole model on every GPU, gradients summed once per optimizer step) or "
+        "fsdp (FSDP2: weights, gradients and optimizer states split across the GPUs).",
+    )
+    ddp_timeout: int = _key(
+        1800,
+        "Seconds a collective waits for another process before the run fails (a machine that went down); a "
+        "process that crashes ends the others at once.",
+    )
+    fsdp_reshard_after_forward: bool = _key(
+        True,
+        "fsdp: free each block's gathered weights after its forward and gather them again for its backward; "
+        "false keeps them (the whole model's bf16 weights on every GPU, one all-gather per block less).",
+    )
+    fsdp_sync_each_micro_batch: bool = _key(
+        True,
+        "fsdp: reduce-scatter the gradients after every micro-batch; false: only after the step's last (the "
+        "whole model's fp32 gradients on every GPU until then, one reduce-scatter per step).",
+    )
 
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size is not None and self.max_tokens is not None:
@@ -230,12 +384,21 @@ class TrainConfig:
             "generation_max_new_tokens": 1,
             "generation_num_beams": 1,
             "early_stopping_patience": 1,
+            "ddp_timeout": 1,
         }
         for name, low in at_least.items():
             value = getattr(self, name)
             if value is not None and value < low:
                 nullable = " or null" if defaults[name] is None else ""
                 raise ConfigError(f"{name} must be >= {low}{nullable}, got {value}", key=name)
+        if not math.isfinite(self.warmup_steps) or (
+            self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps)
+        ):
+            raise ConfigError(
+                f"warmup_steps must be a whole number of steps, or below 1 a ratio of the run's steps, got "
+                f"{self.warmup_steps}",
+                key="warmup_steps",
+            )
         if self.cuda_graphs and not self.packing:
             raise ConfigError(
                 "cuda_graphs needs packing: true (a graph replays one batch shape; packed micro-batches all "
@@ -246,6 +409,7 @@ class TrainConfig:
             raise ConfigError(
                 "cuda_graphs and torch_compile: use one of them", key=("cuda_graphs", "torch_compile")
             )
+        self._check_adapter_keys()
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(
                 f"eval_fraction must be in [0, 1), got {self.eval_fraction}", key="eval_fraction"
@@ -267,6 +431,7 @@ class TrainConfig:
             )
         if self.max_time is not None:
             parse_duration(self.max_time, "max_time")  # a clear error now, not when the loop reads it
+        parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
         self._check_best_model_keys()
         # `~` in a path means the home directory, as in a shell.
         self.output_dir = os.path.expanduser(self.output_dir)
@@ -290,9 +455,39 @@ class TrainConfig:
             self.resume = os.path.expanduser(self.resume)
 
     @property
+    def hub_upload_timeout_s(self) -> float:
+        return parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
+
+    @property
     def max_time_s(self) -> float | None:
         """max_time in seconds, or None for no time budget."""
         return None if self.max_time is None else parse_duration(self.max_time, "max_time")
+
+    def _check_adapter_keys(self) -> None:
+        if self.adapter is None:
+            return
+        if self.lora_r < 1:
+            raise ConfigError(f"lora_r must be >= 1, got {self.lora_r}", key="lora_r")
+        if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ConfigError(
+                f"lora_alpha must be a positive number, got {self.lora_alpha}", key="lora_alpha"
+            )
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}", key="lora_dropout")
+        unknown = [name for name in self.lora_target_modules if name not in LORA_TARGETS]
+        if unknown or not self.lora_target_modules:
+            what = f"{', '.join(map(repr, unknown))} cannot take an adapter" if unknown else "is empty"
+            raise ConfigError(
+                f"lora_target_modules {what}: choose from T5's projections {', '.join(LORA_TARGETS)} (the "
+                "embeddings and the LM head are not supported)",
+                key="lora_target_modules",
+            )
+        if self.distributed_strategy == "fsdp":
+            raise ConfigError(
+                "adapter: lora trains with one process or distributed_strategy: ddp, not fsdp (the adapters "
+                "and their optimizer states are small: nothing for FSDP to shard but the frozen base)",
+                key=("adapter", "distributed_strategy"),
+            )
 
     def _check_best_model_keys(self) -> None:
         name = self.metric_for_best_model.removeprefix("eval_")
@@ -357,15 +552,17 @@ class TrainConfig:
                 loaded = {}
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: expected a mapping of config keys, got {type(loaded).__name__}")
-            values.update(loaded)
             sources.update({key: f"{path}:{lines[key]}" if key in lines else str(path) for key in loaded})
+            values.update(_take_hf_names(loaded, sources, str(path)))
         for item in overrides or []:
             key, sep, raw = item.partition("=")
             key = key.strip()
             if not sep or not key:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
-            values[key] = _read_yaml(raw, f"override {item!r}")[0] if raw.strip() else None
+            value = _read_yaml(raw, f"override {item!r}")[0] if raw.strip() else None
+            # An override replaces the file's value, whichever name either of them uses.
             sources[key] = f"--set {item}"
+            values.update(_take_hf_names({key: value}, sources, sources[key]))
         return cls.from_dict(values, source=str(path) if path else "overrides", sources=sources)
 
     @classmethod
@@ -376,18 +573,26 @@ class TrainConfig:
         `source`)."""
         hints = typing.get_type_hints(cls)
         names = [f.name for f in dataclasses.fields(cls)]
+        sources = dict(sources or {})
+        values = _take_hf_names(values, sources, source)
         checked = {}
         for key, value in values.items():
-            where = (sources or {}).get(key, source)
+            where = sources.get(key, source)
             if key not in names:
                 close = difflib.get_close_matches(str(key), names, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
             checked[key] = _check_type(key, value, hints[key], where)
+        unused = [k for k in checked if k.startswith("lora_")] if checked.get("adapter") is None else []
+        if unused:
+            log.warning(
+                "%s set, but adapter is null (full fine-tuning): not used (adapter: lora trains adapters)",
+                ", ".join(f"{k} ({sources.get(k, source)})" for k in unused),
+            )
         try:
             return cls(**checked)
         except ConfigError as e:  # a value check: say where the value was set (file:line, --set k=v)
-            where = next((sources[k] for k in e.keys if k in (sources or {})), None)
+            where = next((sources[k] for k in e.keys if k in sources), None)
             if where is None:
                 raise
             raise ConfigError(f"{where}: {e}", key=e.keys) from None
@@ -398,6 +603,168 @@ def _expand_source(entry: str | DataSource) -> str | DataSource:
     if isinstance(entry, DataSource):
         return dataclasses.replace(entry, path=os.path.expanduser(entry.path))
     return os.path.expanduser(entry)
+
+
+# The dataclass's sections, in order, each named with its first key: how `trainer train --help` and
+# docs/config.md group the keys.
+SECTIONS: tuple[tuple[str, str], ...] = (
+    ("model", "model_name_or_path"),
+    ("data", "train_files"),
+    ("adapters", "adapter"),
+    ("optimization", "optimizer"),
+    ("memory", "cuda_alloc_conf"),
+    ("logging, evaluation, checkpoints", "output_dir"),
+    ("monitoring", "report_to"),
+    ("Hugging Face Hub", "push_to_hub"),
+    ("distributed (torchrun)", "distributed_strategy"),
+)
+
+
+def sections() -> list[tuple[str, list[dataclasses.Field]]]:
+    """TrainConfig's fields by section, in the dataclass's order."""
+    starts = dict((first, title) for title, first in SECTIONS)
+    grouped: list[tuple[str, list[dataclasses.Field]]] = []
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in starts:
+            grouped.append((starts[f.name], []))
+        grouped[-1][1].append(f)
+    return grouped
+
+
+@dataclass(frozen=True)
+class HfName:
+    """A name of Hugging Face's `Seq2SeqTrainingArguments` that this trainer spells otherwise. With `convert`,
+    it is taken as `key`, its value converted (`taken` says how; ValueError, with the reason, for a value that
+    has no counterpart here); without, it is refused. `hint` says what `key` takes."""
+
+    key: str
+    hint: str
+    convert: typing.Callable[[Any], Any] | None = None
+    taken: str = ""
+
+
+# Hugging Face's optim values that are this trainer's optimizers: the same algorithm and settings (HF's
+# "adafactor" is transformers' Adafactor with scale_parameter and relative_step off, as here).
+HF_OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_hf": "adamw",
+    "adamw_apex_fused": "adamw",
+    "adafactor": "adafactor",
+}
+
+
+def _hf_optim(value: Any) -> str:
+    if value not in HF_OPTIMIZERS:
+        raise ValueError("has no counterpart here")
+    return HF_OPTIMIZERS[value]
+
+
+def _hf_warmup_ratio(value: Any) -> Any:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value < 1:
+        raise ValueError("is not a ratio in [0, 1)")
+    return value
+
+
+def _hf_empty_cache_steps(value: Any) -> Any:
+    return 0 if value is None else value
+
+
+def _hf_generation_max_length(value: Any) -> Any:
+    # A seq2seq model's generated sequence starts with the decoder's start token, which max_length counts.
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError("is not a number of tokens")
+    if value < 2:
+        raise ValueError("leaves no new token (it counts the decoder's start token)")
+    return value - 1
+
+
+def _hf_resume(value: Any) -> Any:
+    if value is True:
+        return "auto"
+    if value is False or value is None:
+        return "never"
+    return value
+
+
+HF_NAMES: dict[str, HfName] = {
+    "optim": HfName(
+        "optimizer",
+        "adafactor or adamw",
+        _hf_optim,
+        "adamw_torch, adamw_torch_fused, adamw_hf, adamw_apex_fused as adamw, adafactor as adafactor (the "
+        "same settings); the others are refused",
+    ),
+    "warmup_ratio": HfName(
+        "warmup_steps",
+        "steps, or below 1 a ratio of the run's steps",
+        _hf_warmup_ratio,
+        "the same ratio: below 1, warmup_steps is a ratio, as in transformers 5",
+    ),
+    "torch_empty_cache_steps": HfName(
+        "empty_cache_steps",
+        "every N optimizer steps and after each evaluation; 0: never",
+        _hf_empty_cache_steps,
+        "the same N, null as 0 (never); it also clears after each evaluation",
+    ),
+    "generation_max_length": HfName(
+        "generation_max_new_tokens",
+        "new tokens per generated recipe",
+        _hf_generation_max_length,
+        "N as N - 1 new tokens: a seq2seq max_length counts the decoder's start token",
+    ),
+    "resume_from_checkpoint": HfName(
+        "resume",
+        "auto, never, or a checkpoint's path",
+        _hf_resume,
+        "true as auto, false or null as never, a path as that checkpoint",
+    ),
+    "bf16": HfName(
+        "dtype", "bfloat16: bf16 weights with Kahan-compensated updates, no fp32 copy; or float32"
+    ),
+    "fp16": HfName("dtype", "bfloat16 or float32; fp16 is not supported"),
+    "eval_strategy": HfName("eval_steps", "evaluations every N optimizer steps and at the last one"),
+    "save_strategy": HfName("save_steps", "checkpoints every N optimizer steps and at the last one"),
+    "per_device_eval_batch_size": HfName(
+        "eval_max_batches", "evaluation batches are sized by the memory plan; this bounds how many"
+    ),
+    "dataloader_num_workers": HfName("loader_threads", "the Rust loader's worker threads"),
+}
+
+
+def _take_hf_names(values: dict[str, Any], sources: dict[str, str], source: str) -> dict[str, Any]:
+    """`values` (of one source: a file, an override) with Hugging Face's names (HF_NAMES) taken as this
+    trainer's keys, their sources moved along; ConfigError naming where it was set for a name that is refused,
+    a value without a counterpart, or a name given beside the key it stands for."""
+    taken = {}
+    for name, value in values.items():
+        hf = HF_NAMES.get(name)
+        if hf is None:
+            continue
+        where = sources.get(name, source)
+        if hf.convert is None:
+            raise ConfigError(
+                f"{where}: {name!r} is Hugging Face's name; this trainer's key is {hf.key!r} ({hf.hint})"
+            )
+        if hf.key in values:
+            raise ConfigError(
+                f"{where} and {sources.get(hf.key, source)}: {name!r} is Hugging Face's name for {hf.key!r} "
+                f"({hf.hint}): set one of them"
+            )
+        try:
+            taken[name] = (hf.key, hf.convert(value))
+        except ValueError as e:
+            raise ConfigError(
+                f"{where}: {name} {value!r} {e}; this trainer's key is {hf.key!r} ({hf.hint})"
+            ) from None
+    out = {k: v for k, v in values.items() if k not in taken}
+    for name, (key, value) in taken.items():
+        out[key] = value
+        if name in sources:
+            sources[key] = sources.pop(name)
+    return out
 
 
 _DURATION = re.compile(
@@ -427,7 +794,8 @@ def parse_duration(value: float | str, key: str) -> float:
             key=key,
         )
     if seconds <= 0:
-        raise ConfigError(f"{key} must be more than 0 (null: no time budget), got {value!r}", key=key)
+        unset = " (null: no time budget)" if key == "max_time" else ""
+        raise ConfigError(f"{key} must be more than 0{unset}, got {value!r}", key=key)
     return seconds
 
 
@@ -528,7 +896,9 @@ def _check_type(key: str, value: Any, hint: Any, source: str) -> Any:
     if origin is dict:
         key_type, value_type = typing.get_args(hint)
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key} must be a mapping, got {value!r}")
+            raise ConfigError(f"{source}: {key} must be a mapping, e.g. {{name: value}}, got {value!r}")
+        if value_type is Any:  # the schedule's own arguments (lr_scheduler_kwargs): it checks them
+            return {_check_type(key, k, key_type, source): v for k, v in value.items()}
         return {
             _check_type(key, k, key_type, source): _check_type(f"{key}.{k}", v, value_type, source)
             for k, v in value.items()

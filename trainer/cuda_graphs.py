@@ -17,6 +17,9 @@ Gradients that were freed or moved, or `reset()` (before an evaluation, after ru
 graph's memory pool holds a micro-step's activations) capture again at the next micro-step of a warm shape:
 an eager micro-step's cached blocks would come on top of the memory the run holds by then.
 
+Under torchrun (`ddp`) every rank replays its own graphs; the all-reduce of the gradients runs between the
+last micro-step and the update, outside both graphs.
+
 The optimizer step (trainer.optim.Adafactor) is captured too, into the micro-step graph's memory pool: its
 fp32 scratch reuses the activations' memory instead of coming on top of it, and its kernels (a few per weight
 shape, trainer.adafactor_kernels) cost the host one replay. The host keeps the step counts and queues
@@ -31,6 +34,8 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+
+from trainer import distributed
 
 if TYPE_CHECKING:
     from trainer.optim import Adafactor
@@ -58,6 +63,10 @@ class MicroStepGraph:
         self.warm: dict[tuple, int] = {}  # eager micro-steps run so far, per shape
         self.side = torch.cuda.Stream()
         self.captures = 0
+        # Under torchrun NCCL's watchdog thread queries its events while this thread captures: in CUDA's
+        # default (global) capture mode another thread's call ends the capture with an error; only this
+        # thread's calls are checked then. (The collectives themselves stay outside the graphs.)
+        self.capture_mode = "thread_local" if distributed.is_distributed() else "global"
 
     def run(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
         shape = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()))
@@ -82,7 +91,7 @@ class MicroStepGraph:
                 # graph's pool: its scratch would come on top of that pool, given back first (the micro-step
                 # is captured again).
                 self.reset()
-            optimizer.apply()
+            optimizer.step()  # `step`, not `apply`: torch's scheduler checks that the optimizer stepped first
             self.stepped = True
             return
         if self.update_graph is None or layout != self.update_key:
@@ -92,7 +101,9 @@ class MicroStepGraph:
             # replay in the order they were captured, never at once, as sharing a pool requires.
             before = torch.cuda.memory_reserved()
             try:
-                with torch.cuda.graph(graph, pool=self.graph.pool(), stream=self.side):
+                with torch.cuda.graph(
+                    graph, pool=self.graph.pool(), stream=self.side, capture_error_mode=self.capture_mode
+                ):
                     optimizer.apply()
             except BaseException:
                 self.reset()
@@ -136,7 +147,7 @@ class MicroStepGraph:
         try:
             # On the warm-up's stream: autograd's nodes of an earlier micro-step stay on theirs, and a
             # capture on another would leave their gradient accumulation out.
-            with torch.cuda.graph(graph, stream=self.side):
+            with torch.cuda.graph(graph, stream=self.side, capture_error_mode=self.capture_mode):
                 loss = self.loss_fn(**self.static)
                 (loss * self.scale).backward()
                 self.loss = loss.detach()

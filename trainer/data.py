@@ -22,7 +22,6 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,6 +38,7 @@ from trainer._loader import (
     cache_root,
 )
 from trainer.config import DataSource
+from trainer.model_files import resolve_tokenizer_file
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,6 @@ __all__ = [
     "mixture_summary",
     "records_in",
     "resolve_sources",
-    "resolve_tokenizer_file",
     "stream_for",
     "to_device",
 ]
@@ -229,6 +228,45 @@ def resolve_sources(entries: Sequence[str | DataSource]) -> tuple[list[str], lis
     return paths, weights
 
 
+def packed_records(batch: Batch | dict[str, Any]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (source ids, target ids) records of a packed batch, in row and segment order."""
+    records = []
+    for r in range(len(batch["input_ids"])):
+        src_segments, tgt_segments = (
+            np.asarray(batch["encoder_segment_ids"][r]),
+            np.asarray(batch["decoder_segment_ids"][r]),
+        )
+        for seg in range(1, int(src_segments.max()) + 1):
+            records.append(
+                (
+                    np.asarray(batch["input_ids"][r])[src_segments == seg],
+                    np.asarray(batch["labels"][r])[tgt_segments == seg],
+                )
+            )
+    return records
+
+
+def padded_batch(records: Sequence[tuple[np.ndarray, np.ndarray]], pad_to_multiple_of: int = 1) -> Batch:
+    """`records` as an unpacked batch, one record per row, right-padded (ids 0, labels -100) to the longest
+    source and target rounded up to `pad_to_multiple_of`, as the loader pads."""
+
+    def length(n: int) -> int:
+        return -(-n // pad_to_multiple_of) * pad_to_multiple_of
+
+    src_len = length(max(len(s) for s, _ in records))
+    tgt_len = length(max(len(t) for _, t in records))
+    batch = {
+        "input_ids": np.zeros((len(records), src_len), dtype=np.int64),
+        "attention_mask": np.zeros((len(records), src_len), dtype=np.int64),
+        "labels": np.full((len(records), tgt_len), -100, dtype=np.int64),
+    }
+    for i, (s, t) in enumerate(records):
+        batch["input_ids"][i, : len(s)] = s
+        batch["attention_mask"][i, : len(s)] = 1
+        batch["labels"][i, : len(t)] = t
+    return batch
+
+
 def stream_for(
     cfg: TrainConfig,
     tokenizer_file: str | os.PathLike[str],
@@ -260,9 +298,9 @@ def stream_for(
 
 
 def mixture_summary(stats: dict[str, Any], names: Sequence[str] | None = None) -> str | None:
-    """One line on what each source contributes to an epoch (records drawn, of how many, at which weight), or
-    None for a single source read once. `names`: the sources as the user named them (a dataset's id rather than
-    its Parquet copy), in order."""
+    """One line on what each source contributes to an epoch (records drawn, of how many, at which weight),
+    or None for a single source read once. `names`: the sources as the user named them (a dataset's id
+    rather than its Parquet copy), in order."""
     sources = stats["sources"]
     if len(sources) < 2 and all(s["weight"] == 1 for s in sources):
         return None
@@ -274,29 +312,6 @@ def mixture_summary(stats: dict[str, Any], names: Sequence[str] | None = None) -
         for name, s in zip(names, sources, strict=True)
     ]
     return f"each epoch draws {stats['epoch_records']:,} records: " + "; ".join(parts)
-
-
-def resolve_tokenizer_file(name: str) -> Path:
-    """tokenizer.json of `name`: a file, a local directory holding one, or a Hub model id found in the HF
-    cache (downloaded when online). Raises RecipeFileError when none is found."""
-    p = Path(name).expanduser()
-    if p.is_file():
-        return p
-    if p.is_dir():
-        if (p / "tokenizer.json").is_file():
-            return p / "tokenizer.json"
-        raise RecipeFileError(f"{p}: directory has no tokenizer.json")
-    if name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a local path, not a Hub id (org/name)
-        raise RecipeFileError(f"{name}: no such file or directory")
-    try:
-        from huggingface_hub import hf_hub_download, try_to_load_from_cache
-
-        cached = try_to_load_from_cache(name, "tokenizer.json")
-        if isinstance(cached, str):
-            return Path(cached)
-        return Path(hf_hub_download(name, "tokenizer.json"))
-    except Exception as e:  # offline, unknown repo, no tokenizer.json: one clear error
-        raise RecipeFileError(f"{name}: no tokenizer.json locally or in the Hugging Face cache ({e})") from e
 
 
 def skipped_summary(

@@ -39,31 +39,46 @@ class DiskFullError(Exception):
     """Out of disk space, said in one line (the original exception is its __cause__)."""
 
 
+def _exceptions_in(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and every exception behind it: its __cause__ and __context__, an exception group's members and
+    DCP's per-rank `.failures` (torch.distributed.checkpoint.api.CheckpointException), each once."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+
+
+def interrupt_in(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C behind `exc`, if there is one: a KeyboardInterrupt raised inside torch.save's stream
+    writes comes out as the zip writer's RuntimeError ("unexpected pos ...") with the interrupt as its
+    context, or wrapped by DCP."""
+    return next((e for e in _exceptions_in(exc) if isinstance(e, KeyboardInterrupt)), None)
+
+
 def out_of_space(exc: BaseException, path: str | Path | None = None) -> tuple[int, str | None] | None:
     """(errno, path or None) when `exc` is, wraps or was caused by an out-of-space error (ENOSPC, EDQUOT),
     looking through __cause__, __context__, exception groups and DCP's per-rank `.failures`; else None.
 
     Exceptions DCP gathers from the ranks lose their __context__ (pickled), so torch's bare "unexpected pos"
     or "failed writing" also counts when `path`'s filesystem has (almost) nothing left."""
-    seen: set[int] = set()
-    todo: list[Any] = [exc]
     by_message = None
     write_failed = False
-    while todo:
-        e = todo.pop()
-        if not isinstance(e, BaseException) or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in _exceptions_in(exc):
         if isinstance(e, OSError) and e.errno in _ERRNOS:
             return e.errno, _written_path(e)
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        else:  # DCP's own str is every rank's traceback; its failures are looked at one by one
+        if not isinstance(getattr(e, "failures", None), dict):
+            # DCP's own str is every rank's traceback; its failures are looked at one by one
             text = str(e)
             by_message = by_message or next((c for pattern, c in _MESSAGES if pattern.search(text)), None)
             write_failed = write_failed or _WRITE_FAILED.search(text) is not None
-        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
     if by_message is not None:
         return by_message, None
     if write_failed and path is not None:
@@ -119,14 +134,18 @@ def removed_on_failure(
     """Around a write into the temporary directory `tmp` (a checkpoint's, final/'s): on any failure or
     interrupt, `tmp` is deleted (when `remove`: rank 0 under torchrun), so that a full disk is not left
     fuller and no partial directory stays behind; an out-of-space error becomes DiskFullError in one line
-    naming the space free (after the removal) and `needed_bytes`. Earlier checkpoints are not touched."""
+    naming the space free (after the removal) and `needed_bytes`. An error a Ctrl-C caused (torch.save's
+    zip writer failing on the interrupted write) is raised as that KeyboardInterrupt: the run was
+    interrupted. Earlier checkpoints are not touched."""
     try:
         yield
     except BaseException as e:
-        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))
-        found = None if interrupted else out_of_space(e, tmp)  # before the removal frees the space
-        if remove:
+        interrupt = interrupt_in(e)
+        found = None if interrupt is not None or isinstance(e, SystemExit) else out_of_space(e, tmp)
+        if remove:  # after out_of_space looked at the free space: the removal frees some
             shutil.rmtree(tmp, ignore_errors=True)
+        if interrupt is not None and interrupt is not e:
+            raise interrupt from None
         if found is None:
             raise
         raise DiskFullError(_message(found, tmp, needed_bytes)) from e
@@ -167,9 +186,10 @@ def estimate_checkpoint_bytes(n_params: int, dtype: str, optimizer: str, bf16_up
 
 
 def state_bytes(model, optimizer) -> int:
-    """What a checkpoint of `model` and `optimizer` holds now: the weights twice (model.safetensors and
-    dcp/) and every optimizer state tensor. (Local sizes: under FSDP, this rank's shards.)"""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    """What a checkpoint of `model` and `optimizer` holds now: the trained weights twice (model.safetensors,
+    or a LoRA run's adapter, and dcp/) and every optimizer state tensor. (Local sizes: under FSDP, this rank's
+    shards.)"""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     states = sum(
         t.numel() * t.element_size()
         for state in optimizer.state.values()

@@ -10,8 +10,8 @@ drawn with the run's seed), the same at every evaluation, so that the metrics mo
 with the sample. Decoding follows the config (`generation_max_new_tokens`, `generation_num_beams`), else the
 model's generation_config, as in `trainer generate`.
 
-Several ranks: the loss is each rank's shard of the held-out batches, summed over ranks. Under DDP rank 0
-generates alone with the model inside DDP (no collectives); the other ranks wait for its metrics, which
+Several ranks: the loss is each rank's shard of the held-out batches, summed over ranks. Under ddp rank 0
+generates alone with its whole model (no collectives); the other ranks wait for its metrics, which
 every rank receives (the best checkpoint and early stopping decide the same everywhere). Under FSDP every rank
 runs the model's forward together: they all generate for the same records with `synced_gpus`, rank 0
 scores.
@@ -74,8 +74,8 @@ def evaluate(
 ) -> EvalResult:
     """Eval loss (token mean) over at most cfg.eval_max_batches held-out batches of `stream`, then generation
     for `records` (`load_generation_records`) in batches of at most `max_batch_tokens` (`eval_batch_tokens`)
-    and its metrics. `model` is the HF model; `loss_module` what the loss runs through (the FSDP module,
-    DDP's inner module; default `model`). Collective under torchrun."""
+    and its metrics. `model` is the HF model; `loss_module` what the loss runs through (the FSDP module;
+    default `model`). Collective under torchrun."""
     loss_module = model if loss_module is None else loss_module
     loss_module.eval()
     try:

@@ -16,12 +16,21 @@ On CPU (tests) the kernels run under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from trainer.attention import dropout_keep, dropout_resolution, dropout_seed
-from trainer.projections import mark_rms_norm_output, weight_gradient
+from trainer.projections import (
+    LowRank,
+    low_rank_down_grads,
+    low_rank_forward,
+    low_rank_input_grad,
+    mark_rms_norm_output,
+    weight_gradient,
+)
 
 BLOCK = 1024  # elements per program
 # 4 elements per thread: forward + backward 1.50 -> 1.13 ms at XL size (bench/fused_ops.py --sweep)
@@ -242,12 +251,14 @@ def norm_and_residual(x: torch.Tensor, norm: torch.nn.Module) -> tuple[torch.Ten
 
 
 class _GatedGeluLinear(torch.autograd.Function):
-    """wo(dropout(gelu_tanh(a) * b)). The product (wo's input) is not kept for wo's weight gradient: the
-    backward's kernel makes it again while it reads a and b for their gradients, and writes a's gradient over
-    the product's (a tokens x d_ff tensor less at every moment)."""
+    """wo(dropout(gelu_tanh(a) * b)), plus wo's low-rank update (LoRA) when `scaling` is not None. The
+    product (wo's input) is not kept for wo's weight gradient: the backward's kernel makes it again while it
+    reads a and b for their gradients, and writes a's gradient over the product's (a tokens x d_ff tensor less
+    at every moment). The update keeps its small down-projection (tokens x rank) and, with its own dropout, a
+    mask."""
 
     @staticmethod
-    def forward(ctx, a, b, weight, dropout_p, weight_grad_in_place):
+    def forward(ctx, a, b, weight, dropout_p, weight_grad_in_place, scaling, lora_dropout_p, lora_a, lora_b):
         a, b = a.contiguous(), b.contiguous()
         seed = dropout_seed(a.device) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64, device=a.device)
         product = torch.empty_like(a)
@@ -255,26 +266,45 @@ class _GatedGeluLinear(torch.autograd.Function):
         _gated_gelu_fwd_kernel[(triton.cdiv(n, BLOCK),)](
             a, b, product, seed, n, dropout_p, DROPOUT=dropout_p > 0, BLOCK=BLOCK, num_warps=NUM_WARPS
         )
-        ctx.save_for_backward(a, b, seed, weight)
-        ctx.dropout_p = dropout_p
+        out = torch.nn.functional.linear(product, weight)
+        low_rank = ()
+        if scaling is not None:
+            update = LowRank(lora_a, lora_b, scaling, lora_dropout_p)
+            flat_product = product.view(-1, product.size(-1))
+            low_rank = (
+                lora_a,
+                lora_b,
+                *low_rank_forward(flat_product, [out.view(-1, out.size(-1))], [update]),
+            )
+        ctx.save_for_backward(a, b, seed, weight, *low_rank)
+        ctx.dropout_p, ctx.scaling, ctx.lora_dropout_p = dropout_p, scaling, lora_dropout_p
         ctx.parameter = weight if weight_grad_in_place else None
-        return torch.nn.functional.linear(product, weight)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        a, b, seed, weight = ctx.saved_tensors
+        a, b, seed, weight, *low_rank = ctx.saved_tensors
         flat = grad_out.reshape(-1, grad_out.size(-1))
         grad_a = flat.mm(weight).view_as(a)  # the product's gradient, then a's (in place)
+        if low_rank:
+            lora_a, lora_b, u, keep = low_rank
+            updates = [LowRank(lora_a, lora_b, ctx.scaling, ctx.lora_dropout_p)]
+            v, (grad_lora_b,) = low_rank_input_grad([flat], updates, u, keep, grad_a.view(-1, a.size(-1)))
         grad_b, product = torch.empty_like(b), torch.empty_like(a)
         n = a.numel()
         p = ctx.dropout_p
         _gated_gelu_bwd_kernel[(triton.cdiv(n, BLOCK),)](
             grad_a, a, b, grad_a, grad_b, product, seed, n, p, DROPOUT=p > 0, BLOCK=BLOCK, num_warps=NUM_WARPS
         )
-        grad_weight = None
+        flat_product = product.view(-1, a.size(-1))
+        grad_weight = grad_lora_a = None
         if ctx.needs_input_grad[2]:
-            grad_weight = weight_gradient(flat, product.view(-1, a.size(-1)), ctx.parameter)
-        return grad_a, grad_b, grad_weight, None, None
+            grad_weight = weight_gradient(flat, flat_product, ctx.parameter)
+        if low_rank:
+            (grad_lora_a,) = low_rank_down_grads(v, flat_product, keep, updates)
+        else:
+            grad_lora_b = None
+        return grad_a, grad_b, grad_weight, None, None, None, None, grad_lora_a, grad_lora_b
 
 
 @torch.compiler.disable  # a compiled block calls the kernels as they are, like trainer.attention's
@@ -284,10 +314,11 @@ def gated_gelu_linear(
     weight: torch.Tensor,
     dropout_p: float = 0.0,
     weight_grad_in_place: bool = False,
+    low_rank: LowRank | None = None,
 ) -> torch.Tensor:
     """linear(dropout(gelu_tanh(a) * b, dropout_p), weight), the GELU, product and dropout fused; a and b of
     one shape and dtype. weight_grad_in_place: the weight's gradient is added into its `.grad` by the matmul
-    (trainer.projections.weight_gradient).
+    (trainer.projections.weight_gradient). low_rank: the output projection's LoRA update, added to it.
 
     dropout_p is rounded to a multiple of 2**-16 (0.1 -> 0.100006), the resolution of the random numbers.
     """
@@ -295,7 +326,10 @@ def gated_gelu_linear(
         raise ValueError(
             f"gated_gelu_linear: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} differ"
         )
-    return _GatedGeluLinear.apply(a, b, weight, dropout_resolution(dropout_p), weight_grad_in_place)
+    update = (None, 0.0, None, None)
+    if low_rank is not None:
+        update = (low_rank.scaling, low_rank.dropout_p, low_rank.a, low_rank.b)
+    return _GatedGeluLinear.apply(a, b, weight, dropout_resolution(dropout_p), weight_grad_in_place, *update)
 
 
 class FusedGatedGelu(torch.nn.Module):
@@ -303,7 +337,7 @@ class FusedGatedGelu(torch.nn.Module):
     GELU, product, dropout and wo as one autograd function (gated_gelu_linear).
 
     Holds the original wi_0, wi_1 and wo Linear modules under the same names, so state-dict keys and
-    checkpoints are unchanged.
+    checkpoints are unchanged. A LoRA layer in wo's place (trainer.lora) is read through `wo_low_rank`.
     """
 
     def __init__(self, dense: torch.nn.Module):
@@ -311,12 +345,15 @@ class FusedGatedGelu(torch.nn.Module):
         self.wi_0, self.wi_1, self.wo = dense.wi_0, dense.wi_1, dense.wo
         self.dropout_p = dense.dropout.p
         self.weight_grads_in_place = False  # trainer.projections.accumulate_weight_grads_in_place
+        # What gives wo's low-rank update at call time (trainer.lora: its LoRA layer's adapter), or None.
+        self.wo_low_rank: Callable[[], LowRank | None] | None = None
         self.train(dense.training)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         a, b = self.wi_0(hidden_states), self.wi_1(hidden_states)
         p = self.dropout_p if self.training else 0.0
-        return gated_gelu_linear(a, b, self.wo.weight, p, self.weight_grads_in_place)
+        update = self.wo_low_rank() if self.wo_low_rank is not None else None
+        return gated_gelu_linear(a, b, self.wo.weight, p, self.weight_grads_in_place, update)
 
 
 def use_fused_gated_gelu(model: torch.nn.Module) -> int:

@@ -38,15 +38,20 @@ from trainer.prompt import (
 
 log = logging.getLogger(__name__)
 
-# Hugging Face GenerationConfig names -> (type, Hugging Face's default); `--num-beams` spellings work too.
-DECODING_OPTIONS: dict[str, tuple[type, Any]] = {
-    "num_beams": (int, 1),
-    "max_new_tokens": (int, None),
-    "do_sample": (bool, False),
-    "temperature": (float, 1.0),
-    "top_p": (float, 1.0),
-    "no_repeat_ngram_size": (int, 0),
-    "repetition_penalty": (float, 1.0),
+# Hugging Face GenerationConfig names -> (type, Hugging Face's default, help); `--num-beams` works too.
+DECODING_OPTIONS: dict[str, tuple[type, Any, str]] = {
+    "num_beams": (int, 1, "beams per prompt (1: greedy or sampling)"),
+    "max_new_tokens": (
+        int,
+        None,
+        "new tokens per recipe (without a generation_config value: max_target_length)",
+    ),
+    "do_sample": (bool, False, "sample instead of the most likely token"),
+    "temperature": (float, 1.0, "sampling temperature (with --do_sample)"),
+    "top_p": (float, 1.0, "nucleus sampling: keep the likeliest tokens up to this probability"),
+    "top_k": (int, 50, "sampling: keep the k likeliest tokens"),
+    "no_repeat_ngram_size": (int, 0, "never repeat an n-gram of this size (0: off)"),
+    "repetition_penalty": (float, 1.0, "penalise tokens already generated (1.0: off)"),
 }
 # rows x beams x (prompt + new tokens) per batch. FLAN-T5-XL keeps ~192 KiB of KV cache per token (24 decoder
 # layers x self and cross attention x keys and values x 2048 x bf16): 32k tokens are ~6 GiB.
@@ -72,7 +77,9 @@ def open_model_dir(model_dir: str | os.PathLike[str], task: str | None = None) -
     path = Path(model_dir).expanduser()
     if not path.is_dir():
         raise ModelDirError(f"{path}: no such model directory")
-    for name in ("config.json", "tokenizer.json"):
+    # A LoRA run's checkpoint holds a PEFT adapter (adapter_config.json, naming its base) instead of a model.
+    model_file = "adapter_config.json" if (path / "adapter_config.json").is_file() else "config.json"
+    for name in (model_file, "tokenizer.json"):
         if not (path / name).is_file():
             raise ModelDirError(f"{path}: not a model directory saved with save_pretrained (no {name})")
     template = load_prompt_template(path)
@@ -95,13 +102,12 @@ def open_model_dir(model_dir: str | os.PathLike[str], task: str | None = None) -
 
 def load_model(model_dir: ModelDir, device: str | None = None):
     """The model of `model_dir` for generation: bf16 on a GPU (fp32 on the CPU, or on a GPU without bf16),
-    eval mode, KV cache on, T5's norms and GELU fused as in training. Raises ModelDirError when the weights
-    cannot be loaded."""
+    eval mode, KV cache on, T5's norms and GELU fused as in training. A LoRA checkpoint's adapter is merged
+    into the base it names. Raises ModelDirError when the weights cannot be loaded."""
     import torch
     from safetensors import SafetensorError
-    from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.model import _dtype_kwarg
+    from trainer.model import _dtype_kwarg, from_pretrained
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
@@ -109,7 +115,12 @@ def load_model(model_dir: ModelDir, device: str | None = None):
     if dev.type != "cpu":
         kwargs["device_map"] = {"": dev}  # straight to the GPU, no CPU copy
     try:
-        model = AutoModelForSeq2SeqLM.from_pretrained(model_dir.path, **kwargs)
+        if not (model_dir.path / "config.json").is_file():  # open_model_dir: then an adapter
+            from trainer.lora import load_merged
+
+            model = load_merged(model_dir.path, **kwargs)
+        else:
+            model = from_pretrained(model_dir.path, **kwargs)
     except (OSError, ValueError, SafetensorError) as e:  # unreadable or truncated weights, a bad config
         raise ModelDirError(f"{model_dir.path}: cannot load the model ({str(e).splitlines()[0]})") from None
     log.info("model: %s on %s in %s", model_dir.path, dev, str(dtype).removeprefix("torch."))
@@ -135,7 +146,7 @@ def decoding_settings(model, template: PromptTemplate, given: dict[str, Any]) ->
         # HF's fallback is max_length=20 tokens: a recipe needs the length it was trained to write.
         kwargs["max_new_tokens"] = template.max_target_length
     said = []
-    for name, (_, hf_default) in DECODING_OPTIONS.items():
+    for name, (_, hf_default, _) in DECODING_OPTIONS.items():
         if name in given:
             value, source = given[name], "given"
         elif name in kwargs:
@@ -168,6 +179,7 @@ def generate_ids(
     pad_id: int = 0,
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
     on_batch: Callable[[int], None] | None = None,
+    streamer: Callable[[list[int]], Any] | None = None,
     **generate_kwargs,
 ) -> list[list[int]]:
     """Generated ids (without the decoder start token, through `</s>`) for each prompt's ids, in input order.
@@ -175,6 +187,8 @@ def generate_ids(
     Prompts are sorted by length and batched so that rows x beams x (prompt + max_new_tokens) stays under
     `max_batch_tokens`; each batch is padded to its longest prompt and decoded with the KV cache.
     `generate_kwargs` go to `model.generate` (Hugging Face names); `on_batch(rows)` follows each batch.
+    `streamer(batch)`: a transformers streamer for a batch whose rows are the prompts `batch` (indices, in
+    row order), given each decoding step's tokens as `model.generate` makes them (not with beam search).
     """
     import torch
 
@@ -196,6 +210,8 @@ def generate_ids(
             for row, i in enumerate(batch):
                 ids[row, : len(prompts[i])] = torch.as_tensor(prompts[i])
                 mask[row, : len(prompts[i])] = 1
+            if streamer is not None:
+                generate_kwargs["streamer"] = streamer(batch)
             seqs = model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True, **generate_kwargs
             )
@@ -319,18 +335,20 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Options `trainer generate` and `trainer evaluate` share: the model, decoding and batching."""
+def add_model_arguments(p: argparse.ArgumentParser, data_format: bool = True) -> None:
+    """Options `trainer generate`, `evaluate` and `serve` share: the model, decoding and batching (and the
+    input files' format, but for serve)."""
     p.add_argument("--model", required=True, help="model directory (final/ or a checkpoint of a run)")
     p.add_argument(
         "--task", choices=TASKS, help=f"for a model without {TEMPLATE_FILE} (default: {DEFAULT_TASK})"
     )
-    p.add_argument(
-        "--data-format",
-        "--data_format",
-        choices=DATA_FORMATS,
-        help="input format, if not by the file extension",
-    )
+    if data_format:
+        p.add_argument(
+            "--data-format",
+            "--data_format",
+            choices=DATA_FORMATS,
+            help="input format, if not by the file extension",
+        )
     p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda when there is one)")
     p.add_argument(
         "--max-batch-tokens",
@@ -343,27 +361,34 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, help="random seed of sampling (and of evaluate's --max-records draw)"
     )
     g = p.add_argument_group("decoding (Hugging Face names; default: the model's generation_config)")
-    for name, (kind, _) in DECODING_OPTIONS.items():
+    for name, (kind, _, text) in DECODING_OPTIONS.items():
         spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         if kind is bool:  # `--do_sample` alone, or `--do_sample false`, as HfArgumentParser reads it
-            g.add_argument(*spellings, dest=name, type=_bool, nargs="?", const=True, metavar="BOOL")
+            g.add_argument(
+                *spellings, dest=name, type=_bool, nargs="?", const=True, metavar="BOOL", help=text
+            )
         else:
-            g.add_argument(*spellings, dest=name, type=kind, metavar=kind.__name__.upper())
+            g.add_argument(*spellings, dest=name, type=kind, metavar=kind.__name__.upper(), help=text)
+
+
+def check_decoding(given: dict[str, Any], flag: str = "--") -> None:
+    """UsageError, naming the option as `{flag}{name}`, for a decoding value `model.generate` refuses."""
+    for name in ("num_beams", "max_new_tokens", "top_k"):
+        if given.get(name, 1) < 1:
+            raise UsageError(f"{flag}{name} must be >= 1, got {given[name]}")
+    for name in ("temperature", "repetition_penalty"):
+        if given.get(name, 1.0) <= 0:
+            raise UsageError(f"{flag}{name} must be > 0, got {given[name]}")
+    if not 0 < given.get("top_p", 1.0) <= 1:
+        raise UsageError(f"{flag}top_p must be in (0, 1], got {given['top_p']}")
+    if given.get("no_repeat_ngram_size", 0) < 0:
+        raise UsageError(f"{flag}no_repeat_ngram_size must be >= 0, got {given['no_repeat_ngram_size']}")
 
 
 def decoding_given(args: argparse.Namespace) -> dict[str, Any]:
     """The decoding options given on the command line, checked."""
     given = {name: getattr(args, name) for name in DECODING_OPTIONS if getattr(args, name) is not None}
-    for name in ("num_beams", "max_new_tokens"):
-        if given.get(name, 1) < 1:
-            raise UsageError(f"--{name} must be >= 1, got {given[name]}")
-    for name in ("temperature", "repetition_penalty"):
-        if given.get(name, 1.0) <= 0:
-            raise UsageError(f"--{name} must be > 0, got {given[name]}")
-    if not 0 < given.get("top_p", 1.0) <= 1:
-        raise UsageError(f"--top_p must be in (0, 1], got {given['top_p']}")
-    if given.get("no_repeat_ngram_size", 0) < 0:
-        raise UsageError(f"--no_repeat_ngram_size must be >= 0, got {given['no_repeat_ngram_size']}")
+    check_decoding(given)
     if args.max_batch_tokens < 1:
         raise UsageError(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
     return given
@@ -400,18 +425,24 @@ def split_ingredients(text: str) -> list[str]:
     return [i.strip() for i in text.split(";") if i.strip()]
 
 
+def prompt_fields(template: PromptTemplate) -> set[str]:
+    """The record fields the model's prompt is rendered from ({"ingredients"}, {"title"}, ...)."""
+    return {name for kind, name in template_parts(template.source_template) if kind == "field"}
+
+
 def cli_record(
-    renderer, template: PromptTemplate, title: str | None, ingredients: str | None
+    renderer, template: PromptTemplate, title: str | None, ingredients: str | None, flag: str = "--"
 ) -> dict[str, Any]:
-    """The prompt typed with --ingredients / --title, rendered and tokenized as training did."""
+    """The prompt typed with --ingredients / --title (`serve`'s request: `flag` ""), rendered and tokenized
+    as training did."""
     items = split_ingredients(ingredients or "")
-    needs = {name for kind, name in template_parts(template.source_template) if kind == "field"}
+    needs = prompt_fields(template)
     for name, value in (("ingredients", items), ("title", title)):
         if name in needs and not value:
-            raise UsageError(f"the model's prompt {template.source_template!r} needs --{name}")
+            raise UsageError(f"the model's prompt {template.source_template!r} needs {flag}{name}")
     if not needs <= {"ingredients", "title"}:
         raise UsageError(
-            f"the model's prompt {template.source_template!r} needs fields only --input can give"
+            f"the model's prompt {template.source_template!r} needs fields only recipe files can give"
         )
     return renderer.render(id="cli:1", title=title or "", ingredients=items)
 

@@ -24,10 +24,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_tokens):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # A frozen head (LoRA, trainer.lora): no head gradient, neither its accumulator nor its matmuls.
+        head_grad = ctx.needs_input_grad[1]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for a float64 model
         loss = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
-        grad_weight = torch.zeros_like(weight, dtype=acc) if need_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if head_grad else None
         fused = hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
         for start in range(0, hidden.size(0), chunk_tokens):
             h = hidden[start : start + chunk_tokens]
@@ -44,16 +46,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_grad:
                 g = g.to(hidden.dtype)
                 grad_hidden[start : start + chunk_tokens] = g @ weight
-                grad_weight += (g.t() @ h).to(acc)
+                if head_grad:
+                    grad_weight += (g.t() @ h).to(acc)
         if need_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if head_grad else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
         g = grad_loss.to(grad_hidden.dtype)
-        return grad_hidden * g, grad_weight * g, None, None
+        return grad_hidden * g, None if grad_weight is None else grad_weight * g, None, None
 
 
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool, acc: torch.dtype):
@@ -104,8 +107,8 @@ class Seq2SeqLMLoss(torch.nn.Module):
     last hidden states to `linear_cross_entropy` with the LM head's weight. A packed batch (one with
     `encoder_segment_ids`: several records per row) goes through trainer.packed_t5 instead, with the same
     result: the sum of its records' losses. Call it with the batch's tensors as keywords,
-    `loss_module(**batch)`. Under DDP or FSDP, wrap this module (not the inner model), so their hooks see
-    the whole step.
+    `loss_module(**batch)`. Under FSDP, wrap this module (not the inner model), so its hooks see the whole
+    step.
     """
 
     def __init__(self, model: torch.nn.Module):

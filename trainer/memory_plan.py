@@ -15,6 +15,12 @@ them: gradients persist across accumulated micro-batches and optimizer states ac
 - the optimizer step: optimizer temporaries (optimi's foreach step reuses the gradients as scratch: none).
 Allocator slack (blocks the caching allocator holds but cannot reuse) is one fraction of the rest.
 
+With LoRA (`adapter: lora`, trainer.lora; `lora`, a LoraShape): the weights are the frozen base in its dtype
+plus the fp32 adapters; gradients and optimizer states are the adapters' alone; the blocks keep each adapted
+group's small down-projection (tokens x rank, and with lora_dropout its input's mask); no gradient of the
+LM head, the embeddings or the position biases is made (no head-gradient accumulator in the loss, no bias
+gradients in the attention's backward).
+
 `plan_run` turns a config into the run's RunPlan: the token budget and the number of decoder blocks left
 un-checkpointed, where the config leaves them to the plan. `trainer plan` prints a plan (trainer.plan_report).
 """
@@ -23,13 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
 from dataclasses import dataclass
 
 from trainer.loss import CHUNK_TOKENS as CE_CHUNK_TOKENS
 from trainer.memory import GIB
 
 # KNOWN_CONFIGS is re-exported: scripts import the model catalogue from here.
-from trainer.model_shape import KNOWN_CONFIGS, ModelShape, load_shape  # noqa: F401
+from trainer.model_shape import KNOWN_CONFIGS, LoraShape, ModelShape, load_shape  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -88,19 +96,39 @@ class MemoryPlan:
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def adafactor_scratch_bytes(shape: ModelShape) -> int:
+def trained_weight_shapes(shape: ModelShape, lora: LoraShape | None = None) -> dict[tuple[int, ...], int]:
+    """How many trained weights of each shape the optimizer updates: the model's, or LoRA's adapters'."""
+    return shape.weight_shapes() if lora is None else shape.lora_weight_shapes(lora)
+
+
+def adafactor_scratch_bytes(shape: ModelShape, lora: LoraShape | None = None) -> int:
     """The largest scratch of trainer.optim.Adafactor's step on a GPU: the fp32 partial sums of the group of
-    same-shape weights with the most (trainer.adafactor_kernels)."""
+    same-shape trained weights with the most (trainer.adafactor_kernels)."""
     from trainer.adafactor_kernels import scratch_bytes
 
-    return max(scratch_bytes(count, dims) for dims, count in shape.weight_shapes().items())
+    return max(scratch_bytes(count, dims) for dims, count in trained_weight_shapes(shape, lora).items())
 
 
 def optimizer_state_bytes(
-    shape: ModelShape, optimizer: str, bf16_update: str, dtype: str = "bfloat16"
+    shape: ModelShape,
+    optimizer: str,
+    bf16_update: str,
+    dtype: str = "bfloat16",
+    lora: LoraShape | None = None,
+    shards: int = 1,
 ) -> int:
-    """Bytes of optimizer state for the whole model."""
-    p, e = shape.num_params(), _DTYPE_BYTES[dtype]
+    """Bytes of optimizer state for the whole model, with `lora` for its fp32 adapters (AdamW's two
+    moments; Adafactor's row and column second moments per matrix; no Kahan buffer for fp32 weights), or on
+    one of `shards` FSDP ranks: what is elementwise (AdamW's moments, Kahan buffers, Adafactor's vector
+    states) is sharded like the weights, Adafactor's factored row and column statistics are whole on every
+    rank (trainer.optim)."""
+    if lora is not None:
+        if optimizer == "adamw":
+            return 2 * 4 * shape.lora_num_params(lora)
+        if optimizer == "adafactor":
+            return 4 * sum((rows + cols) * n for (rows, cols), n in shape.lora_weight_shapes(lora).items())
+        raise ValueError(f"unknown optimizer {optimizer!r}")
+    p, e = shape.sharded_params(shards), _DTYPE_BYTES[dtype]
     kahan = p * e if (bf16_update == "kahan" and e == 2) else 0  # one compensation buffer, param dtype
     if optimizer == "adamw":
         return 2 * p * e + kahan  # optimi: exp_avg and exp_avg_sq in the param dtype
@@ -108,12 +136,13 @@ def optimizer_state_bytes(
         # transformers' Adafactor (T5 settings, no first moment): a factored second moment, a row and a column
         # vector (fp32) per matrix, a full fp32 vector for 1-D weights (layer norms).
         d, f, inner, v = shape.d_model, shape.d_ff, shape.inner, shape.vocab_size
+        d_shard = -(-d // shards)
         ff_mats = (3 if shape.gated else 2) * (d + f)
-        enc = shape.num_layers * (4 * (d + inner) + ff_mats + 2 * d)
-        dec = shape.num_decoder_layers * (8 * (d + inner) + ff_mats + 3 * d)
+        enc = shape.num_layers * (4 * (d + inner) + ff_mats + 2 * d_shard)
+        dec = shape.num_decoder_layers * (8 * (d + inner) + ff_mats + 3 * d_shard)
         embeds = (1 if shape.tie_word_embeddings else 2) * (v + d)
         bias = 2 * (shape.relative_attention_num_buckets + shape.num_heads)  # relative position bias tables
-        final_norms = 2 * d
+        final_norms = 2 * d_shard
         # A 0-d fp32 RMS per weight tensor.
         ff_n = 3 if shape.gated else 2
         tensors = shape.num_layers * (4 + ff_n + 2) + shape.num_decoder_layers * (8 + ff_n + 3) + 2 + 2
@@ -127,24 +156,56 @@ def _acc_bytes(e: int) -> int:
     return max(4, e)
 
 
-def _layer_norm_saved(n: int, d: int, e: int, fused: bool = True) -> int:
+def _layer_norm_saved(n: int, d: int, e: int, fused: bool = True, weight_grad: bool = True) -> int:
     """`nn.RMSNorm` (the trainer's T5 layer norm) on n tokens, beyond its input (the residual stream, counted
     where it is made): the rsqrt (fp32, per token) and the output (saved by the following linear layers).
-    fused: CUDA's fused kernel; without it (CPU) the composite saves two fp32 n x d tensors as well."""
-    return n * 4 + n * d * e + (0 if fused else 2 * n * d * 4)
+    fused: CUDA's fused kernel; without it (CPU) the composite saves two fp32 n x d tensors as well, one of
+    them (the normalised input the weight multiplies) only for the weight's gradient (`weight_grad`: not
+    for LoRA's frozen norms)."""
+    return n * 4 + n * d * e + (0 if fused else (2 if weight_grad else 1) * n * d * 4)
 
 
-def _sublayer_norm_saved(n: int, d: int, e: int, fused: bool = True) -> int:
+def _sublayer_norm_saved(n: int, d: int, e: int, fused: bool = True, weight_grad: bool = True) -> int:
     """A sublayer's layer norm on n tokens, beyond its input. On CUDA (trainer.fused_ops.norm_and_residual)
     it keeps only its input, and the projections of its output keep that input too and make the output again
     in their backward (trainer.projections): nothing more. Elsewhere: `_layer_norm_saved`."""
-    return 0 if fused else _layer_norm_saved(n, d, e, fused=False)
+    return 0 if fused else _layer_norm_saved(n, d, e, fused=False, weight_grad=weight_grad)
+
+
+def _lora_groups(groups, lora: LoraShape | None, e: int) -> tuple[int, int]:
+    """(saved bytes, extra bytes at the backward's widest moment) of a sublayer's adapted projection groups
+    (trainer.projections.low_rank_forward), given as (tokens, input width, projection names): each keeps its
+    down-projection u (tokens x the adapted members' summed rank), with lora dropout its input's mask (bool);
+    its backward adds v (u's shape) and, with dropout, the input dropped again and v's product through the
+    mask (two tokens x width tensors); the widest group's counts."""
+    saved = widest = 0
+    for tokens, width, names in groups if lora is not None else ():
+        rank = lora.r * sum(name in lora.targets for name in names)
+        if rank:
+            dropout = tokens * width if lora.dropout > 0 else 0
+            saved += tokens * rank * e + dropout
+            widest = max(widest, tokens * rank * e + 2 * dropout * e)
+    return saved, widest
 
 
 def _attention_sublayer(
-    b, q_len, kv_len, shape, e, mask, *, attention="eager", bias_rows=None, fused=True, has_bias=True
+    b,
+    q_len,
+    kv_len,
+    shape,
+    e,
+    mask,
+    *,
+    attention="eager",
+    bias_rows=None,
+    fused=True,
+    has_bias=True,
+    cross=False,
+    lora=None,
 ):
-    """(saved bytes, bytes alive at its backward's widest moment) of a T5 attention sublayer.
+    """(saved bytes, bytes alive at its backward's widest moment) of a T5 attention sublayer; `cross`: the
+    decoder's cross-attention (q of the decoder's tokens, k and v of the encoder's); `lora`: its adapters
+    (`_lora_groups`), with a frozen position bias (no gradient for it).
 
     Eager (transformers' eager_attention_forward) saves: the layer norm; bmm-ready copies of q (b x q_len) and
     of k, v (b x kv_len; for cross-attention computed from the encoder output); the softmax output, dropout
@@ -168,7 +229,13 @@ def _attention_sublayer(
     n, m = b * q_len, b * kv_len
     scores = b * h * q_len * kv_len
     drop = mask if p > 0 else 0
-    ln = _sublayer_norm_saved(n, d, e, fused)
+    if cross:
+        projections = [(n, d, ("q",)), (m, d, ("k", "v")), (n, inner, ("o",))]
+    else:
+        projections = [(n, d, ("q", "k", "v")), (n, inner, ("o",))]
+    adapters, adapters_widest = _lora_groups(projections, lora, e)
+    bias_grad = has_bias and lora is None
+    ln = _sublayer_norm_saved(n, d, e, fused, weight_grad=lora is None)
     qkv = n * inner * e + 2 * m * inner * e
     # o's input (with Triton the kernels' (B, T, H, D) output, saved by them too: o reads it as a view, so it
     # is counted once, below), the output dropout's mask (none with Triton: trainer.fused_ops fuses it with
@@ -180,26 +247,28 @@ def _attention_sublayer(
         lse = b * h * q_len * 4
         # The kernels' copy of the bias, rows padded to whole key blocks; its gradient is summed in fp32.
         bias = h * q_len * key_stride(kv_len) * e if has_bias else 0
-        saved = ln + qkv + n * inner * e + lse + bias + tail
-        groups = bias_grad_groups(b, h, kv_len)[0] if has_bias else 0
-        scratch = groups * bias // e * 4 + (h * q_len * kv_len * 4 if has_bias else 0)
+        saved = ln + qkv + n * inner * e + lse + bias + tail + adapters
+        groups = bias_grad_groups(b, h, kv_len)[0] if bias_grad else 0
+        scratch = groups * bias // e * 4 + (h * q_len * kv_len * 4 if bias_grad else 0)
         # + the norm's output, made again for the projections' backward
-        return saved, saved + qkv + lse + scratch + n * d * e
+        return saved, saved + qkv + lse + scratch + n * d * e + adapters_widest
     if attention == "sdpa":
         bias = (b if bias_rows is None else bias_rows) * h * q_len * kv_len * e
         lse = b * h * (-(-q_len // 32) * 32) * 4
-        saved = ln + qkv + bias + n * inner * e + lse + tail
+        saved = ln + qkv + bias + n * inner * e + lse + tail + adapters
         # grad of the bias and the where's gradient for the position bias, both B x H x q x k; q/k/v grads.
-        widest = ln + qkv + bias + n * inner * e + lse + 2 * scores * e + qkv
+        bias_grads = 2 * scores * e if lora is None else 0
+        widest = saved - tail + bias_grads + qkv + adapters_widest
         return saved, widest
     probs = scores * (e + drop + (e if p > 0 else 0))  # softmax out, dropout mask, dropout out
-    saved = ln + qkv + probs + tail
+    saved = ln + qkv + probs + tail + adapters
     widest = ln + n * inner * e + m * inner * e + scores * (3 * e + drop) + m * inner * e
-    return saved, widest
+    return saved, widest + adapters + adapters_widest
 
 
-def _ff_sublayer(n, shape, e, mask, fused=True):
-    """(saved bytes, widest backward moment) of the T5 feed-forward sublayer on n tokens.
+def _ff_sublayer(n, shape, e, mask, fused=True, lora=None):
+    """(saved bytes, widest backward moment) of the T5 feed-forward sublayer on n tokens; `lora`: its
+    adapters (`_lora_groups`).
 
     Saved: the layer norm; wi_0's output (saved by the fused GELU(tanh)), the gelu output and wi_1's output
     (saved by their product), the product's dropout mask and output (saved by wo); wo's output dropout mask
@@ -209,20 +278,22 @@ def _ff_sublayer(n, shape, e, mask, fused=True):
     d, f, p = shape.d_model, shape.d_ff, shape.dropout_rate
     nf = n * f
     drop = mask if p > 0 else 0
+    projections = [(n, d, ("wi_0", "wi_1") if shape.gated else ("wi",)), (n, f, ("wo",))]
+    adapters, adapters_widest = _lora_groups(projections, lora, e)
     # On CUDA the output dropout and the residual sum are one kernel (trainer.fused_ops): no mask kept.
     residual = n * d * e + (0 if fused else n * d * drop)
     if fused and shape.gated:
         # trainer.fused_ops on CUDA (gated_gelu_linear): wi_0's and wi_1's outputs kept, the product not (the
         # backward's kernel makes it again for wo's weight gradient; dropout drawn again, no mask). Widest:
         # that kernel, with a, b, the product's gradient (becoming a's), b's gradient and the product.
-        saved = _sublayer_norm_saved(n, d, e, fused) + 2 * nf * e + residual
-        return saved, 5 * nf * e
-    ln = _layer_norm_saved(n, d, e, fused)
+        saved = _sublayer_norm_saved(n, d, e, fused, lora is None) + 2 * nf * e + residual + adapters
+        return saved, 5 * nf * e + adapters + adapters_widest
+    ln = _layer_norm_saved(n, d, e, fused, weight_grad=lora is None)
     acts = (1 + (2 if shape.gated else 0)) * nf * e  # wi_0 .. wi_1 outputs
     dropped = nf * (drop + e) if p > 0 else (nf * e if shape.gated else 0)  # wo's input (or its dropout)
-    saved = ln + acts + dropped + residual
-    widest = ln + acts + (3 if shape.gated else 2) * nf * e
-    return saved, max(widest, saved + nf * e)
+    saved = ln + acts + dropped + residual + adapters
+    widest = ln + acts + (3 if shape.gated else 2) * nf * e + adapters
+    return saved, max(widest, saved + nf * e) + adapters_widest
 
 
 def _block_saved(
@@ -235,6 +306,7 @@ def _block_saved(
     attention: str = "eager",
     fused: bool = True,
     packed: bool = False,
+    lora: LoraShape | None = None,
 ) -> tuple[int, int]:
     """(saved bytes, backward peak bytes) of one recomputed T5 block on b rows of `length` tokens.
 
@@ -242,7 +314,7 @@ def _block_saved(
     each one's saved tensors, so the peak is the largest (saved by earlier sublayers + this sublayer's widest
     moment). Excludes the block input (a checkpoint) and tensors shared across blocks (position bias, masks,
     encoder output). cross_len: source length for a decoder block (adds cross-attention), None for encoder.
-    packed: packed rows (see plan_memory).
+    packed: packed rows (see plan_memory). lora: the adapters (see plan_memory).
     """
     n = b * length
     # SDPA's decoder self-attention has no padding mask (causal only): its bias mask is 1 x H x T x T; packed
@@ -260,15 +332,26 @@ def _block_saved(
             bias_rows=self_rows,
             fused=fused,
             has_bias=not (packed and attention == "triton"),
+            lora=lora,
         )
     ]
     if cross_len is not None:  # T5's cross-attention has no position bias (the Triton kernels skip its zeros)
         subs.append(
             _attention_sublayer(
-                b, length, cross_len, shape, e, mask, attention=attention, fused=fused, has_bias=False
+                b,
+                length,
+                cross_len,
+                shape,
+                e,
+                mask,
+                attention=attention,
+                fused=fused,
+                has_bias=False,
+                cross=True,
+                lora=lora,
             )
         )
-    subs.append(_ff_sublayer(n, shape, e, mask, fused))
+    subs.append(_ff_sublayer(n, shape, e, mask, fused, lora))
     total = sum(saved for saved, _ in subs)
     peak, before = 0, 0
     for saved, widest in subs:
@@ -277,15 +360,17 @@ def _block_saved(
     return total, peak
 
 
-def _loss_bytes(n_rows: int, d: int, v: int, e: int, fused: bool) -> int:
+def _loss_bytes(n_rows: int, d: int, v: int, e: int, fused: bool, head_grad: bool = True) -> int:
     """Peak bytes of the chunked cross-entropy (trainer.loss) on N = `n_rows` target rows, chunks of C rows:
     the gathered rows (N x d) and their int64 indices, the hidden-state gradient (N x d, kept for backward)
     and the head's fp32 gradient accumulator (V x d); per chunk the logits (C x V), which the GPU's kernel
     overwrites with their gradient, and the head-gradient product in bf16 and fp32 (V x d). Torch's ops
-    (`fused` false: on CPU) first make an fp32 copy of the logits beside them."""
+    (`fused` false: on CPU) first make an fp32 copy of the logits beside them. A frozen head (`head_grad`
+    false: LoRA) has no accumulator and no product."""
     chunk = min(n_rows, CE_CHUNK_TOKENS)
-    kept = n_rows * 8 + n_rows * d * e * 2 + v * d * _acc_bytes(e)
-    per_chunk = chunk * v * e + v * d * (e + _acc_bytes(e))
+    head = v * d if head_grad else 0
+    kept = n_rows * 8 + n_rows * d * e * 2 + head * _acc_bytes(e)
+    per_chunk = chunk * v * e + head * (e + _acc_bytes(e))
     return kept + (per_chunk if fused else max(chunk * v * (4 + e), per_chunk))
 
 
@@ -304,9 +389,15 @@ def plan_memory(
     decoder_blocks_without_checkpointing: int = 0,
     encoder_blocks_without_checkpointing: int = 0,
     packed: bool = False,
+    lora: LoraShape | None = None,
+    strategy: str = "ddp",
+    processes: int = 1,
+    fsdp_reshard_after_forward: bool = True,
+    fsdp_sync_each_micro_batch: bool = True,
 ) -> MemoryPlan:
     """Predicted peak of the trainer's training step (trainer.loss.Seq2SeqLMLoss over the model with
-    trainer.model.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens.
+    trainer.model.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens, on one
+    GPU of a run of `processes`.
 
     device: "cuda" keeps dropout masks as bool (fused dropout) and runs RMSNorm as one kernel; elsewhere
     dropout saves a mask in the compute dtype (`input * noise`) and RMSNorm is a composite, which is how the
@@ -323,6 +414,10 @@ def plan_memory(
     (trainer.packed_attention), so the bias copies, the shared biases and their gradients are gone.
     With `cuda_graphs` the same: the captured update reuses the captured micro-step's memory pool
     (trainer.cuda_graphs).
+    lora: LoRA adapters over the frozen base (trainer.lora; the module docstring says what changes).
+    strategy, processes: `ddp` is one process's plan on every GPU (its gradients are summed in place; NCCL's
+    own buffers live outside PyTorch's allocator, in the card's margin); `fsdp` over several processes is
+    `_sharded_state` below, the activations as in one process (bf16 compute). (LoRA trains without fsdp.)
     """
     e = _DTYPE_BYTES[dtype]
     b, s, t = rows, src_len, tgt_len
@@ -332,7 +427,24 @@ def plan_memory(
     params = shape.num_params()
     weights = params * e
     gradients = params * e  # .grad in the param dtype, kept between accumulated micro-batches
-    states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype)
+    if lora is not None:  # fp32 adapters (PEFT's autocast_adapter_dtype) and their gradients only
+        weights += 4 * shape.lora_num_params(lora)
+        gradients = 4 * shape.lora_num_params(lora)
+    states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype, lora)
+    # Alive from the forward to the end of the backward only (not at the optimizer step): FSDP's gathered
+    # weights and unsharded gradients.
+    gathered = unsharded_gradients = 0
+    sharded = strategy == "fsdp" and processes > 1 and lora is None
+    if sharded:
+        weights, gathered, gradients, unsharded_gradients, states = _sharded_state(
+            shape,
+            dtype,
+            optimizer,
+            bf16_update,
+            processes,
+            fsdp_reshard_after_forward,
+            fsdp_sync_each_micro_batch,
+        )
 
     mask_bytes = (1 if device == "cuda" else e) if p_drop > 0 else 0
     if attn_implementation not in ("eager", "sdpa", "triton"):
@@ -340,8 +452,8 @@ def plan_memory(
     # The Triton kernels run on CUDA only; elsewhere the trainer keeps eager attention.
     attention = "eager" if (attn_implementation == "triton" and device != "cuda") else attn_implementation
     fused = device == "cuda"
-    enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, attention, fused, packed)
-    dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, attention, fused, packed)
+    enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, attention, fused, packed, lora)
+    dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, attention, fused, packed, lora)
     # Relative position biases shared by a stack's blocks (1 x H x q x k), and their gradients: none with the
     # packed kernels.
     shared_bias = 0 if (packed and attention == "triton") else e
@@ -355,7 +467,7 @@ def plan_memory(
     # passed to every block), the padding mask (B x 1 x S x S), the final layer norm's saved tensors (its
     # output goes to dropout, which saves only its mask), the final dropout's mask and output (the encoder
     # output every cross-attention reads).
-    final_norm_s = _layer_norm_saved(b * s, d, e, fused) - b * s * d * e
+    final_norm_s = _layer_norm_saved(b * s, d, e, fused, weight_grad=lora is None) - b * s * d * e
     enc_shared = b * s * d * mask_bytes + h * s * s * shared_bias + b * s * s * mask_e + final_norm_s
     enc_shared += b * s * d * (mask_bytes + e)
     # decoder: embedding dropout mask, relative position bias (1 x H x T x T), the cross-attention's zero bias
@@ -365,7 +477,8 @@ def plan_memory(
     causal_mask = b * t * t * e if attention == "eager" else 0
     dec_shared = b * t * d * mask_bytes + (h * t * t + h * t * s) * shared_bias + causal_mask
     dec_shared += b * t * s * mask_e
-    dec_shared += _layer_norm_saved(b * t, d, e, fused) - b * t * d * e + b * t * d * mask_bytes
+    dec_norm = _layer_norm_saved(b * t, d, e, fused, weight_grad=lora is None)
+    dec_shared += dec_norm - b * t * d * e + b * t * d * mask_bytes
 
     if gradient_checkpointing:
         enc_keep = le * b * s * d * e  # each encoder block's input hidden states
@@ -385,13 +498,14 @@ def plan_memory(
         dec_keep = ld * (b * t * d * e + dec_block)
         enc_bwd, dec_bwd = enc_bwd - enc_block, dec_bwd - dec_block  # only the backward scratch is new
 
-    logits_peak = _loss_bytes(b * t, d, v, e, fused and e == 2)
+    logits_peak = _loss_bytes(b * t, d, v, e, fused and e == 2, head_grad=lora is None)
 
     # Gradients flowing between blocks: the hidden-state gradient (two alive at a block boundary) and, during
     # the decoder's backward, the accumulated gradients of the encoder output and of the shared position
-    # biases.
-    flow_dec = 2 * b * t * d * e + b * s * d * e + (h * t * t + h * t * s) * shared_bias
-    flow_enc = 2 * b * s * d * e + h * s * s * shared_bias
+    # biases (none for LoRA's frozen ones).
+    bias_grad = shared_bias if lora is None else 0
+    flow_dec = 2 * b * t * d * e + b * s * d * e + (h * t * t + h * t * s) * bias_grad
+    flow_enc = 2 * b * s * d * e + h * s * s * bias_grad
 
     moments = {
         "loss": (enc_keep + enc_shared + dec_keep + dec_shared + b * t * d * e, logits_peak),
@@ -402,13 +516,18 @@ def plan_memory(
         "encoder block backward": (enc_keep + enc_shared + flow_enc + enc_bwd, 0),
     }
     # trainer.optim.Adafactor's kernels keep fp32 partial sums per group of same-shape weights (~0.3 GB for
-    # FLAN-T5-XL); optimi's foreach step uses the gradients as its scratch buffer.
-    opt_temp = adafactor_scratch_bytes(shape) if optimizer == "adafactor" else 0
+    # FLAN-T5-XL); optimi's foreach step uses the gradients as its scratch buffer. On FSDP's shards Adafactor
+    # works one weight at a time in torch ops: a few fp32 copies of the largest shard.
+    opt_temp = 0
+    if optimizer == "adafactor":
+        largest = max(-(-dims[0] // processes) * math.prod(dims[1:]) for dims in shape.weight_shapes())
+        opt_temp = 3 * 4 * largest if sharded else adafactor_scratch_bytes(shape, lora)
     moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
-    if opt_temp > acts + logits:
+    if opt_temp > acts + logits + gathered + unsharded_gradients:
         moment, acts, logits = "optimizer step", 0, 0
     else:
         opt_temp = 0
+        weights, gradients = weights + gathered, gradients + unsharded_gradients
     allocated = weights + gradients + states + acts + logits + opt_temp
     return MemoryPlan(
         weights=weights,
@@ -420,6 +539,40 @@ def plan_memory(
         allocator_slack=int(allocated * ALLOCATOR_SLACK),
         peak_moment=moment,
     )
+
+
+def _sharded_state(
+    shape: ModelShape,
+    dtype: str,
+    optimizer: str,
+    bf16_update: str,
+    processes: int,
+    reshard_after_forward: bool,
+    sync_each_micro_batch: bool,
+) -> tuple[int, int, int, int, int]:
+    """One GPU's (sharded weights, gathered weights, sharded gradients, unsharded gradients, optimizer states)
+    under FSDP2 (trainer.distributed.wrap) over `processes` ranks.
+
+    Sharded: each weight's ceil(rows / processes) rows (FSDP2 pads the shards to one size), in `dtype`, and
+    its gradient likewise; the optimizer states as `optimizer_state_bytes` shards them. Gathered (bf16, from
+    the forward to the end of the backward): the root's weights (embeddings, LM head, final norms; kept
+    gathered through the step) and two blocks' (the one running and the next, prefetched), or every block's
+    with `reshard_after_forward` false. Unsharded gradients (during the backward): a block's bf16 gradients
+    as the backward makes them and the fp32 reduce-scatter inputs of two blocks (one reducing while the next
+    runs) and of the root, whose bf16 gradients live through the whole backward; without
+    `sync_each_micro_batch` every weight's fp32 gradient, accumulated over the micro-batches."""
+    e = _DTYPE_BYTES[dtype]
+    block = max(shape.block_params(decoder=True), shape.block_params(decoder=False))
+    root = shape.root_params()
+    all_blocks = shape.num_params() - root
+    weights = shape.sharded_params(processes) * e
+    gathered = 2 * root + 2 * (2 * block if reshard_after_forward else all_blocks)
+    gradients = shape.sharded_params(processes) * e
+    unsharded = 2 * block + 2 * root + 4 * max(2 * block, root)
+    if not sync_each_micro_batch:
+        unsharded += 4 * shape.num_params()
+    states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype, shards=processes)
+    return weights, gathered, gradients, unsharded, states
 
 
 def _budget_shapes(
@@ -499,9 +652,9 @@ def largest_batch_size(
     return rows
 
 
-def _plan_kwargs(cfg, blocks: tuple[int, int] | None = None) -> dict:
-    """plan_memory's keyword arguments for `cfg` (the un-checkpointed (decoder, encoder) blocks: the given
-    numbers, else the config's)."""
+def _plan_kwargs(cfg, blocks: tuple[int, int] | None = None, processes: int = 1) -> dict:
+    """plan_memory's keyword arguments for `cfg` on one GPU of a run of `processes` (the un-checkpointed
+    (decoder, encoder) blocks: the given numbers, else the config's)."""
     # Triton runs only on CUDA (eager elsewhere); other kernels transformers offers are planned like SDPA.
     attn = cfg.attn_implementation if cfg.attn_implementation in ("eager", "triton") else "sdpa"
     if blocks is None:
@@ -518,6 +671,11 @@ def _plan_kwargs(cfg, blocks: tuple[int, int] | None = None) -> dict:
         decoder_blocks_without_checkpointing=blocks[0],
         encoder_blocks_without_checkpointing=blocks[1],
         packed=cfg.packing,
+        lora=LoraShape.of(cfg),
+        strategy=cfg.distributed_strategy,
+        processes=processes,
+        fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward,
+        fsdp_sync_each_micro_batch=cfg.fsdp_sync_each_micro_batch,
     )
 
 
@@ -534,11 +692,12 @@ def row_lengths(cfg) -> tuple[int, int]:
     )
 
 
-def choose_max_tokens(cfg, gpu_bytes: int) -> int:
+def choose_max_tokens(cfg, gpu_bytes: int, processes: int = 1) -> int:
     """Starting token budget for the loop when the config sets neither batch size nor max_tokens."""
     shape = load_shape(cfg.model_name_or_path)
     src, tgt = row_lengths(cfg)
-    tokens = largest_token_budget(shape, gpu_bytes, src_cap=src, tgt_cap=tgt, **_plan_kwargs(cfg))
+    kw = _plan_kwargs(cfg, processes=processes)
+    tokens = largest_token_budget(shape, gpu_bytes, src_cap=src, tgt_cap=tgt, **kw)
     # Never below one row at the maximum lengths: the loader must be able to yield its longest row alone.
     floor = src + tgt
     if tokens < floor:
@@ -559,13 +718,18 @@ def choose_max_tokens(cfg, gpu_bytes: int) -> int:
 
 
 def micro_batch_peak(
-    shape: ModelShape, cfg, max_tokens: int | None, blocks: tuple[int, int], packed_rows: tuple | None = None
+    shape: ModelShape,
+    cfg,
+    max_tokens: int | None,
+    blocks: tuple[int, int],
+    packed_rows: tuple | None = None,
+    processes: int = 1,
 ) -> MemoryPlan:
-    """The predicted peak of `cfg`'s largest micro-batch, `blocks` (decoder, encoder) the numbers of each
-    stack's last blocks without checkpointing:
+    """The predicted peak of `cfg`'s largest micro-batch on one GPU of `processes`, `blocks` (decoder,
+    encoder) the numbers of each stack's last blocks without checkpointing:
     the loader's packed rows (rows, source length, target length) when given, else
     per_device_train_batch_size rows of the longest lengths, else the worst the budget `max_tokens` yields."""
-    kw = _plan_kwargs(cfg, blocks)
+    kw = _plan_kwargs(cfg, blocks, processes)
     if packed_rows is not None:
         rows, src, tgt = packed_rows
         return plan_memory(shape, rows=rows, src_len=src, tgt_len=tgt, **kw)
@@ -577,14 +741,23 @@ def micro_batch_peak(
 
 def planned_peak_bytes(cfg, plan: RunPlan) -> int:
     """The predicted peak of the run `plan` makes of `cfg` (its micro-batch, blocks and packed rows)."""
+    return planned_peak(cfg, plan).peak
+
+
+def planned_peak(cfg, plan: RunPlan) -> MemoryPlan:
+    """The predicted peak, by component, of the run `plan` makes of `cfg` on one of its GPUs."""
     shape = load_shape(cfg.model_name_or_path)
     return micro_batch_peak(
-        shape, cfg, plan.max_tokens, plan.blocks_without_checkpointing, plan.packed_rows
-    ).peak
+        shape, cfg, plan.max_tokens, plan.blocks_without_checkpointing, plan.packed_rows, plan.processes
+    )
 
 
 def choose_blocks_without_checkpointing(
-    cfg, gpu_bytes: int, max_tokens: int | None = None, packed_rows: tuple | None = None
+    cfg,
+    gpu_bytes: int,
+    max_tokens: int | None = None,
+    packed_rows: tuple | None = None,
+    processes: int = 1,
 ) -> tuple[int, int]:
     """How many of the last (decoder, encoder) blocks can skip checkpointing (keeping their activations,
     saving their recompute) with the micro-batch (`max_tokens`, default the config's; or the loader's
@@ -596,7 +769,7 @@ def choose_blocks_without_checkpointing(
     tokens = max_tokens if max_tokens is not None else cfg.max_tokens
 
     def fits(decoder: int, encoder: int) -> bool:
-        peak = micro_batch_peak(shape, cfg, tokens, (decoder, encoder), packed_rows).peak
+        peak = micro_batch_peak(shape, cfg, tokens, (decoder, encoder), packed_rows, processes).peak
         return peak <= SAFETY_MARGIN * gpu_bytes
 
     decoder, encoder = cfg.decoder_blocks_without_checkpointing, cfg.encoder_blocks_without_checkpointing
@@ -637,6 +810,7 @@ class RunPlan:
     # Packing: the loader's rows (rows, source length, target length), which it chooses from the data once
     # it is indexed (plan_packed_rows); until then None, and the plan assumes rows of the maximum lengths.
     packed_rows: tuple[int, int, int] | None = None
+    processes: int = 1  # the run's processes (torchrun's WORLD_SIZE): the plan is one GPU's
 
     @property
     def blocks_without_checkpointing(self) -> tuple[int, int]:
@@ -662,14 +836,16 @@ class RunPlan:
         )
 
 
-def plan_run(cfg, gpu_bytes: int | None = None) -> RunPlan:
-    """The memory plan's choices for `cfg` on a card of `gpu_bytes` (default: this process's GPU): a token
-    budget when the config sets neither max_tokens nor per_device_train_batch_size, and how many decoder and
-    encoder blocks skip checkpointing where decoder_blocks_without_checkpointing or
-    encoder_blocks_without_checkpointing is null. Without a GPU: two rows of the maximum lengths, and every
-    block checkpointed where the config leaves it open."""
+def plan_run(cfg, gpu_bytes: int | None = None, processes: int | None = None) -> RunPlan:
+    """The memory plan's choices for `cfg` on a card of `gpu_bytes` (default: this process's GPU), one of
+    `processes` (default: torchrun's WORLD_SIZE, else 1): a token budget when the config sets neither
+    max_tokens nor per_device_train_batch_size, and how many decoder and encoder blocks skip checkpointing
+    where decoder_blocks_without_checkpointing or encoder_blocks_without_checkpointing is null. Without a GPU:
+    two rows of the maximum lengths, and every block checkpointed where the config leaves it open."""
     if gpu_bytes is None:
         gpu_bytes = gpu_bytes_for(cfg)
+    if processes is None:
+        processes = int(os.environ.get("WORLD_SIZE", 1))
     max_tokens = cfg.max_tokens
     if cfg.per_device_train_batch_size is None and max_tokens is None:
         if gpu_bytes is None:
@@ -680,15 +856,15 @@ def plan_run(cfg, gpu_bytes: int | None = None) -> RunPlan:
                 max_tokens,
             )
         else:
-            max_tokens = choose_max_tokens(cfg, gpu_bytes)
+            max_tokens = choose_max_tokens(cfg, gpu_bytes, processes)
     if gpu_bytes is not None:
-        blocks = choose_blocks_without_checkpointing(cfg, gpu_bytes, max_tokens)
+        blocks = choose_blocks_without_checkpointing(cfg, gpu_bytes, max_tokens, processes=processes)
     else:
         blocks = (
             cfg.decoder_blocks_without_checkpointing or 0,
             cfg.encoder_blocks_without_checkpointing or 0,
         )
-    return RunPlan(cfg.per_device_train_batch_size, max_tokens, *blocks)
+    return RunPlan(cfg.per_device_train_batch_size, max_tokens, *blocks, processes=processes)
 
 
 def plan_packed_rows(plan: RunPlan, cfg, packed_shape: dict, gpu_bytes: int | None = None) -> RunPlan:
@@ -701,7 +877,9 @@ def plan_packed_rows(plan: RunPlan, cfg, packed_shape: dict, gpu_bytes: int | No
         gpu_bytes = gpu_bytes_for(cfg)
     if gpu_bytes is None:
         return plan
-    decoder, encoder = choose_blocks_without_checkpointing(cfg, gpu_bytes, plan.max_tokens, rows)
+    decoder, encoder = choose_blocks_without_checkpointing(
+        cfg, gpu_bytes, plan.max_tokens, rows, plan.processes
+    )
     plan = dataclasses.replace(
         plan, decoder_blocks_without_checkpointing=decoder, encoder_blocks_without_checkpointing=encoder
     )

@@ -50,6 +50,8 @@ MODEL_FILE_PATTERNS = (
     "spiece.model",
     "recipe_template.json",
     "README.md",
+    "adapter_config.json",  # a LoRA checkpoint's adapter (trainer.lora)
+    "adapter/*",  # a LoRA run's final/adapter/
 )
 # Set (with WANDB_MODE=offline) by the test suite to skip wandb's system-metrics sampler and machine
 # metadata, which cost seconds per run. Real runs keep system metrics: they are what the user watches.
@@ -260,7 +262,7 @@ class WandbLogger:
         try:
             artifact = self._wandb.Artifact(name=name, type="model", metadata=redact_obj(metadata))
             for path in model_files(model_dir):
-                artifact.add_file(str(path), name=path.name)
+                artifact.add_file(str(path), name=path.relative_to(model_dir).as_posix())
             self.run.log_artifact(artifact, aliases=aliases)
             return True
         except Exception as e:

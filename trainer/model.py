@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from pathlib import Path
 
@@ -47,6 +48,16 @@ def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: 
     kwargs = {_dtype_kwarg(): dtype, "attn_implementation": attn}
     if device.type != "cpu":
         kwargs["device_map"] = {"": device}  # weights go straight to the GPU, no CPU copy of the model
+    return from_pretrained(path, **kwargs)
+
+
+def from_pretrained(path: str | Path, **kwargs):
+    """`AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)`, without transformers 5's warning about
+    FLAN-T5's LM head: transformers 5 forces T5's tie_word_embeddings on, then warns that the head, FLAN-T5's
+    own, is not tied to the embedding and that the config should say tie_word_embeddings=False, which it does
+    (`write_config`): nothing for the user to do."""
+    from transformers import AutoModelForSeq2SeqLM
+
     hf_log = logging.getLogger("transformers.modeling_utils")
     hf_log.addFilter(_untied_head_warning)
     try:
@@ -56,10 +67,22 @@ def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: 
 
 
 def _untied_head_warning(record: logging.LogRecord) -> bool:
-    """transformers 5 forces T5's tie_word_embeddings on, then warns that FLAN-T5's own LM head is not tied to
-    the embedding and that the config should say tie_word_embeddings=False, which it does: nothing for the
-    user to do, so the warning is dropped."""
     return "NOT tie them" not in record.getMessage()
+
+
+def write_config(model, path: str | Path) -> None:
+    """Make the config.json save_pretrained wrote for `model` into `path` say how its LM head is: a head of
+    its own (FLAN-T5's) as `"tie_word_embeddings": false`, as google/flan-t5-xl's config.json says it.
+    transformers 5 writes true for every T5 and keeps the real tie in `scale_decoder_outputs`, which
+    transformers 4 does not read: it would tie the trained head to the embedding and scale the decoder's
+    outputs, another model."""
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        return
+    file = Path(path) / "config.json"
+    config = json.loads(file.read_text(encoding="utf-8"))
+    config["tie_word_embeddings"] = False
+    config.pop("scale_decoder_outputs", None)  # transformers 5 derives it from the tie again
+    file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def load_model(

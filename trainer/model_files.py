@@ -1,20 +1,28 @@
-"""Check a model directory before anything heavy runs: config.json, the weights' headers, the tokenizer.
+"""Check a model directory before anything heavy runs: config.json, the weights' headers, the tokenizer; and
+find the model's tokenizer.json (`resolve_tokenizer_file`), in the local Hugging Face cache first.
 
 A missing or truncated `model.safetensors` otherwise fails inside `from_pretrained` with a long traceback,
 and only after the data is indexed (minutes on millions of recipes). `check_model_dir` reads the small files
-and the weights' headers, never the weights, and raises ConfigError in one line naming the file and what is
-wrong with it.
+and the weights' headers, never the weights, and raises ModelFilesError in one line naming the file and what
+is wrong with it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import ConfigError
+
+
+class ModelFilesError(ConfigError):
+    """model_name_or_path's files: missing, damaged, or not to be had (not in the Hugging Face cache, and the
+    Hub out of reach). The CLI says "model error"."""
+
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -42,8 +50,8 @@ class ModelFiles:
 
 
 def check_model_dir(name: str, *, weights: bool = True) -> ModelFiles | None:
-    """Check the model `name` (a local directory, or a Hub id) without loading it; ConfigError in one line
-    for a missing or damaged file.
+    """Check the model `name` (a local directory, or a Hub id) without loading it; ModelFilesError in one
+    line for a missing or damaged file.
 
     A local directory needs config.json, whole weights (`weights=False`: none needed, e.g. random_init) and
     tokenizer.json. A Hub id is checked only as far as it is in the local Hugging Face cache (files not
@@ -52,9 +60,9 @@ def check_model_dir(name: str, *, weights: bool = True) -> ModelFiles | None:
     cached = False
     if not path.is_dir():
         if path.exists():
-            raise ConfigError(f"model_name_or_path {name}: is a file, not a model directory")
-        if name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a local path, not a Hub id (org/name)
-            raise ConfigError(f"model_name_or_path {name}: no such directory")
+            raise ModelFilesError(f"model_name_or_path {_shown(name)}: is a file, not a model directory")
+        if _is_local_path(name):
+            raise ModelFilesError(f"model_name_or_path {_shown(name)}: no such directory")
         path = _cached_snapshot(name)
         if path is None:
             return None
@@ -63,13 +71,72 @@ def check_model_dir(name: str, *, weights: bool = True) -> ModelFiles | None:
     n_params = None
     present = [f for f in WEIGHT_FILES if (path / f).is_file()]
     if weights and not present and not cached:
-        raise ConfigError(f"model {path}: no weights (none of {', '.join(WEIGHT_FILES)})")
+        raise ModelFilesError(f"{path}: no weights (none of {', '.join(WEIGHT_FILES)})")
     if present:  # transformers' order: safetensors first
         n_params = _check_weights(path, present[0])
     tokenizer = path / "tokenizer.json"
     if tokenizer.is_file() or not cached:
         _check_json(tokenizer, required=True)
     return ModelFiles(path, n_params)
+
+
+def resolve_tokenizer_file(name: str) -> Path:
+    """tokenizer.json of the model `name`: a file, a local directory holding one, or a Hub model id: from the
+    local Hugging Face cache, else downloaded (one try when the Hub cannot be reached, not a minute of
+    retries). ModelFilesError in one line, saying how to get it, when there is none."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return path / "tokenizer.json"
+        raise ModelFilesError(f"{path}: directory has no tokenizer.json")
+    if _is_local_path(name):
+        raise ModelFilesError(f"model_name_or_path {_shown(name)}: no such file or directory")
+    from huggingface_hub import (
+        constants,
+        get_hf_file_metadata,
+        hf_hub_download,
+        hf_hub_url,
+        try_to_load_from_cache,
+    )
+
+    try:
+        cached = try_to_load_from_cache(name, "tokenizer.json")
+    except Exception as e:  # a malformed id
+        raise ModelFilesError(
+            f"model_name_or_path {name}: not a Hub model id nor a directory ({e})"
+        ) from None
+    if isinstance(cached, str):
+        return Path(cached)
+    missing = f"{name}: its tokenizer.json is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    get_it = (
+        f"download the model once where the Hub is reachable (`hf download {name}`), or mount a Hugging Face "
+        "cache that holds it (HF_HOME)"
+    )
+    if constants.HF_HUB_OFFLINE:
+        raise ModelFilesError(f"{missing} and HF_HUB_OFFLINE is set: {get_it}")
+    try:
+        # One request, not retried: hf_hub_download retries a connection error for half a minute.
+        get_hf_file_metadata(hf_hub_url(name, "tokenizer.json"), timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        return Path(hf_hub_download(name, "tokenizer.json"))
+    except Exception as e:  # unreachable, no such repository, gated, no tokenizer.json: one line
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelFilesError(
+            f"{missing}, and the Hub did not give it ({type(e).__name__}: {reason}): {get_it}"
+        ) from None
+
+
+def _is_local_path(name: str) -> bool:
+    """Whether `name` can only be a local path, not a Hub id (org/name)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
+
+
+def _shown(name: str) -> str:
+    """`name` with the directory a relative path was resolved against, as the data loader says it."""
+    if os.path.isabs(os.path.expanduser(name)):
+        return name
+    return f"{name} (resolved against {os.getcwd()})"
 
 
 def _cached_snapshot(repo_id: str) -> Path | None:
@@ -85,16 +152,16 @@ def _cached_snapshot(repo_id: str) -> Path | None:
 def _check_json(path: Path, *, required: bool) -> None:
     if not path.is_file():
         if required:
-            raise ConfigError(f"model: {path} is missing")
+            raise ModelFilesError(f"{path} is missing")
         return
     try:
         value = json.loads(path.read_bytes())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"model: {path} is not valid JSON (line {e.lineno}: {e.msg}); truncated?") from None
+        raise ModelFilesError(f"{path} is not valid JSON (line {e.lineno}: {e.msg}); truncated?") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"model: cannot read {path}: {e}") from None
+        raise ModelFilesError(f"cannot read {path}: {e}") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"model: {path} holds a {type(value).__name__}, not a JSON object")
+        raise ModelFilesError(f"{path} holds a {type(value).__name__}, not a JSON object")
 
 
 def _check_weights(path: Path, name: str) -> int | None:
@@ -108,18 +175,18 @@ def _check_weights(path: Path, name: str) -> int | None:
     _check_json(index, required=True)
     weight_map = json.loads(index.read_bytes()).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise ConfigError(f"model: {index} has no weight_map")
+        raise ModelFilesError(f"{index} has no weight_map")
     n_params = 0
     for shard in sorted(set(weight_map.values())):
         shard_path = path / shard
         if not shard_path.is_file():
-            raise ConfigError(f"model: {shard_path} is missing (a shard listed in {index.name})")
+            raise ModelFilesError(f"{shard_path} is missing (a shard listed in {index.name})")
         if name.startswith("model.safetensors"):
             tensors = check_safetensors(shard_path)
             wanted = [k for k, v in weight_map.items() if v == shard and k not in tensors]
             if wanted:
-                raise ConfigError(
-                    f"model: {shard_path} lacks {len(wanted)} tensor(s) that {index.name} puts there, "
+                raise ModelFilesError(
+                    f"{shard_path} lacks {len(wanted)} tensor(s) that {index.name} puts there, "
                     f"e.g. {wanted[0]!r}"
                 )
             n_params += sum(tensors.values())
@@ -135,19 +202,19 @@ def check_safetensors(path: Path) -> dict[str, int]:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ConfigError(f"model: {path} is truncated ({size} bytes, not even a safetensors header)")
+            raise ModelFilesError(f"{path} is truncated ({size} bytes, not even a safetensors header)")
         header_len = int.from_bytes(head, "little")
         if header_len > min(size - 8, _MAX_HEADER):
-            raise ConfigError(
-                f"model: {path} is truncated or not a safetensors file (header of {header_len} bytes, "
+            raise ModelFilesError(
+                f"{path} is truncated or not a safetensors file (header of {header_len} bytes, "
                 f"file of {size})"
             )
         try:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ConfigError(f"model: {path} has a damaged safetensors header") from None
+            raise ModelFilesError(f"{path} has a damaged safetensors header") from None
     if not isinstance(header, dict):
-        raise ConfigError(f"model: {path} has a damaged safetensors header")
+        raise ModelFilesError(f"{path} has a damaged safetensors header")
     data_size = size - 8 - header_len
     elements = {}
     for key, info in header.items():
@@ -158,15 +225,15 @@ def check_safetensors(path: Path) -> dict[str, int]:
             shape = [int(d) for d in info["shape"]]
             dtype = info["dtype"]
         except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"model: {path} has a damaged safetensors header (tensor {key!r})") from None
+            raise ModelFilesError(f"{path} has a damaged safetensors header (tensor {key!r})") from None
         if end > data_size:
-            raise ConfigError(
-                f"model: {path} is truncated: tensor {key!r} ends at byte {end:,} of the data, the file "
+            raise ModelFilesError(
+                f"{path} is truncated: tensor {key!r} ends at byte {end:,} of the data, the file "
                 f"holds {max(data_size, 0):,} ({size:,} bytes; expected at least {8 + header_len + end:,})"
             )
         n = math.prod(shape)
         if not 0 <= begin <= end or (dtype in _ITEMSIZE and end - begin != n * _ITEMSIZE[dtype]):
-            raise ConfigError(f"model: {path} has a damaged safetensors header (tensor {key!r}: offsets)")
+            raise ModelFilesError(f"{path} has a damaged safetensors header (tensor {key!r}: offsets)")
         elements[key] = n
     return elements
 
@@ -176,8 +243,8 @@ def _check_bin(path: Path) -> None:
     central directory, at the end of the file, is read)."""
     size = path.stat().st_size
     if size == 0:
-        raise ConfigError(f"model: {path} is empty")
+        raise ModelFilesError(f"{path} is empty")
     with open(path, "rb") as f:
         zipped = f.read(2) == b"PK"
     if zipped and not zipfile.is_zipfile(path):
-        raise ConfigError(f"model: {path} is truncated (its zip directory is missing; {size:,} bytes)")
+        raise ModelFilesError(f"{path} is truncated (its zip directory is missing; {size:,} bytes)")

@@ -1,5 +1,6 @@
 """The model shapes the memory plan works from: a T5 config's sizes, read from a local model directory, a
-built-in table of the public FLAN-T5 / T5 v1.1 checkpoints (no download needed), or the Hugging Face cache."""
+built-in table of the public FLAN-T5 / T5 v1.1 checkpoints (no download needed), or the Hugging Face cache;
+and LoRA's adapters over them (`LoraShape`, `ModelShape.lora_weight_shapes`)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,54 @@ class ModelShape:
             counts[shape] = counts.get(shape, 0) + n
         return counts
 
+    def projections(self) -> dict[str, tuple[int, int, int]]:
+        """T5's projections by PEFT's module name: (in features, out features, how many the model has)."""
+        d, f, inner = self.d_model, self.d_ff, self.inner
+        blocks = self.num_layers + self.num_decoder_layers
+        attentions = self.num_layers + 2 * self.num_decoder_layers
+        feed_forward = (f, blocks) if self.gated else (f, 0)
+        return {
+            "q": (d, inner, attentions),
+            "k": (d, inner, attentions),
+            "v": (d, inner, attentions),
+            "o": (inner, d, attentions),
+            "wi_0": (d, feed_forward[0], feed_forward[1]),
+            "wi_1": (d, feed_forward[0], feed_forward[1]),
+            "wi": (d, f, 0 if self.gated else blocks),
+            "wo": (f, d, blocks),
+        }
+
+    def lora_weight_shapes(self, lora: LoraShape) -> dict[tuple[int, ...], int]:
+        """How many adapter matrices of each shape LoRA adds: lora_A (r, in) and lora_B (out, r) per adapted
+        projection (trainer.lora)."""
+        counts: dict[tuple[int, ...], int] = {}
+        for name in lora.targets:
+            n_in, n_out, n = self.projections()[name]
+            for dims in ((lora.r, n_in), (n_out, lora.r)):
+                counts[dims] = counts.get(dims, 0) + n
+        return {dims: n for dims, n in counts.items() if n}
+
+    def lora_num_params(self, lora: LoraShape) -> int:
+        return sum(math.prod(dims) * n for dims, n in self.lora_weight_shapes(lora).items())
+
+    def block_params(self, decoder: bool) -> int:
+        """Parameters of one T5 block (without the first block's relative position bias table)."""
+        d, inner = self.d_model, self.inner
+        feed_forward = ((2 if self.gated else 1) + 1) * d * self.d_ff
+        attentions = 2 if decoder else 1
+        return attentions * 4 * d * inner + feed_forward + (attentions + 1) * d
+
+    def root_params(self) -> int:
+        """Parameters outside the blocks: the embedding, the LM head (when untied) and the final norms."""
+        return (1 if self.tie_word_embeddings else 2) * self.vocab_size * self.d_model + 2 * self.d_model
+
+    def sharded_params(self, shards: int) -> int:
+        """Parameters one of `shards` ranks holds when each weight is split along its first dimension into
+        `shards` parts of ceil(rows / shards) rows (FSDP2's padded shards)."""
+        return sum(
+            n * -(-dims[0] // shards) * math.prod(dims[1:]) for dims, n in self.weight_shapes().items()
+        )
+
     @classmethod
     def from_config(cls, config) -> ModelShape:
         """From a `transformers.T5Config` (or anything with its attribute names)."""
@@ -67,6 +116,23 @@ class ModelShape:
             dropout_rate=float(getattr(config, "dropout_rate", 0.1)),
             relative_attention_num_buckets=getattr(config, "relative_attention_num_buckets", 32),
         )
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """The numbers of `adapter: lora` that decide memory and FLOPs (trainer.lora): the rank, the adapted
+    projections (PEFT's module names) and the adapters' dropout."""
+
+    r: int
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+
+    @classmethod
+    def of(cls, cfg) -> LoraShape | None:
+        """The config's adapters; None for full fine-tuning."""
+        if cfg.adapter != "lora":
+            return None
+        return cls(cfg.lora_r, tuple(cfg.lora_target_modules), cfg.lora_dropout)
 
 
 def _t5(d: int, f: int, h: int, n: int) -> dict:

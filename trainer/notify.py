@@ -54,6 +54,8 @@ COLORS = {
     "crashed": 0xE74C3C,
     "signal": 0xF1C40F,
     "finished": 0x2ECC71,
+    "hub": 0x2ECC71,
+    "hub_failed": 0xE67E22,
 }
 
 

@@ -8,6 +8,9 @@ error into the next step (Kahan summation), so the effective weight is accurate 
   same compensation. torch-optimi has no Adafactor.
 `bf16_update: naive` uses torch's AdamW (fused on CUDA) / Adafactor without compensation, for comparison.
 fp32 weights need no compensation and use torch's AdamW.
+
+The learning-rate schedules are transformers.get_scheduler's, over a horizon of optimizer steps that the loop
+may move (set_horizon: a run with a time budget ends its schedule where the budget ends).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ class Adafactor(torch.optim.Optimizer):
     the bf16 weight cannot represent is kept in a bf16 buffer and added back on the next step.
 
     On a GPU the weights of one shape are updated together by trainer.adafactor_kernels (four launches per
-    shape, each weight read where it lies); elsewhere (CPU, FSDP's sharded weights) one at a time by
-    `adafactor_update`.
+    shape, each weight read where it lies); on the CPU one at a time by `adafactor_update`; FSDP's sharded
+    weights (DTensors) by `sharded_adafactor_update`, on each rank's shards, with two all-reduces per step.
     """
 
     def __init__(
@@ -66,11 +69,15 @@ class Adafactor(torch.optim.Optimizer):
         # tensors stay put.
         self._weight_groups: dict[tuple, WeightGroup] = {}
         self._work: list[tuple[list[torch.Tensor], torch.Tensor, dict, WeightGroup | None]] = []
+        self._advanced = False  # `advance` prepared a step that `apply` has not run yet
 
     @torch.no_grad()
     def step(self, closure=None):
+        """The update: the step `advance` prepared (advanced here when it was not), applied. The loop calls
+        this rather than `apply`, so that torch's schedulers see the optimizer step before theirs."""
         loss = closure() if closure is not None else None
-        self.advance()
+        if not self._advanced:
+            self.advance()
         self.apply()
         return loss
 
@@ -81,7 +88,7 @@ class Adafactor(torch.optim.Optimizer):
         make equal `apply` calls (the same tensors at the same addresses), which a captured `apply` needs.
         `grad_scale`: a one-element device tensor the update multiplies every gradient by as it reads it
         (gradient clipping's coefficient, `clip_coefficient`), so the gradients are not written over first."""
-        self._work = []
+        self._work, self._advanced = [], True
         for gi, group in enumerate(self.param_groups):
             # Same-shape weights at the same step count, updated together.
             batches: dict[tuple, list[torch.Tensor]] = {}
@@ -112,15 +119,22 @@ class Adafactor(torch.optim.Optimizer):
         for params, *_ in self._work:
             for p in params:
                 self.state[p]["step"] -= 1
-        self._work = []
+        self._work, self._advanced = [], False
 
     @torch.no_grad()
     def apply(self) -> None:
         """The device's part of the step `advance` prepared: every weight's update; the host only launches."""
+        self._advanced = False
+        from torch.distributed.tensor import DTensor
+
+        sharded = []
         for params, scalars, group, weight_group in self._work:
             eps, clip_threshold = group["eps"][0], group["clip_threshold"]
             if weight_group is not None:
                 weight_group.update(scalars, eps, clip_threshold)
+                continue
+            if isinstance(params[0], DTensor):
+                sharded += [(p, self.state[p], scalars, eps, clip_threshold) for p in params]
                 continue
             for p in params:
                 state = self.state[p]
@@ -135,6 +149,8 @@ class Adafactor(torch.optim.Optimizer):
                     eps,
                     clip_threshold,
                 )
+        if sharded:
+            sharded_adafactor_update(sharded)
 
     def _weight_group(self, key: tuple, params: list[torch.Tensor]) -> WeightGroup:
         """The kernels' tables for `params`, made again only when a tensor moved (new gradients, loaded
@@ -171,10 +187,19 @@ class Adafactor(torch.optim.Optimizer):
         return scalars
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import zeros as dtensor_zeros
+
         state["step"] = 0
         if p.dim() >= 2:
-            state["exp_avg_sq_row"] = p.new_zeros(p.shape[:-1], dtype=torch.float32)
-            state["exp_avg_sq_col"] = p.new_zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32)
+            rows, cols = p.shape[:-1], p.shape[:-2] + p.shape[-1:]
+            if isinstance(p, DTensor):  # FSDP's shard: the statistics whole on every rank
+                whole = dict(dtype=torch.float32, device_mesh=p.device_mesh, placements=[Replicate()])
+                state["exp_avg_sq_row"] = dtensor_zeros(rows, **whole)
+                state["exp_avg_sq_col"] = dtensor_zeros(cols, **whole)
+            else:
+                state["exp_avg_sq_row"] = p.new_zeros(rows, dtype=torch.float32)
+                state["exp_avg_sq_col"] = p.new_zeros(cols, dtype=torch.float32)
         else:
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         if self.kahan and p.dtype != torch.float32:
@@ -195,7 +220,7 @@ def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_thre
     for matrices, `sq` otherwise), the weight `p` and its Kahan buffer `comp` (or None). scalars: [lr,
     beta2t, weight decay, gradient scale] as a float32 tensor on p's device. What trainer.adafactor_kernels
     computes on a GPU."""
-    lr, beta2t, weight_decay, grad_scale = scalars[0], scalars[1], scalars[2], scalars[3]
+    beta2t, grad_scale = scalars[1], scalars[3]
     grad = grad.float() * grad_scale
     update = grad.square() + eps
     if row is not None:
@@ -206,7 +231,14 @@ def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_thre
     else:
         sq.mul_(beta2t).add_(update * (1.0 - beta2t))
         update = sq.rsqrt() * grad
-    rms = update.square().mean().sqrt()
+    write_update(p, comp, update, update.square().mean().sqrt(), scalars, clip_threshold)
+
+
+def write_update(p, comp, update, rms, scalars, clip_threshold: float) -> None:
+    """The end of an Adafactor step: `update` (fp32, unclipped) clipped by its `rms`, times the learning
+    rate, weight decay, and the weight `p` written in place; with a Kahan buffer `comp` (16-bit weights) the
+    part of the new weight its dtype cannot hold is kept there for the next step."""
+    lr, weight_decay = scalars[0], scalars[2]
     update = update / (rms / clip_threshold).clamp(min=1.0) * lr
     w = p.float()
     if comp is not None:
@@ -218,6 +250,84 @@ def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_thre
         rounded = w.to(p.dtype)
         p.copy_(rounded)
         comp.copy_(w - rounded.float())  # what the weight's dtype could not hold this step
+
+
+def sharded_adafactor_update(weights: list[tuple]) -> None:
+    """`adafactor_update` of FSDP's sharded weights, all at once: `weights` are (p, its state, scalars, eps,
+    clip_threshold), p a DTensor split by rows (FSDP2's Shard(0)) whose gradient is split the same way.
+
+    Each rank works on its own rows (`to_local`), as a DTensor op would, but with two all-reduces for all the
+    weights instead of collectives per weight and op: one for what the factored statistics need from every
+    rank (each row's mean over its columns, which fills in the whole row state every rank keeps, and each
+    column's partial sum over this rank's rows), one for each update's sum of squares (its RMS). The row and
+    column states are whole on every rank (Replicate), the vector states and the Kahan buffer split like the
+    weight. The update is computed again in the last pass rather than kept: no fp32 copy of the shards."""
+    import torch.distributed as dist
+
+    if any(p.dim() > 2 for p, *_ in weights):
+        raise ValueError("Adafactor on FSDP's shards updates weights of one or two dimensions (T5's)")
+    mesh = weights[0][0].device_mesh
+    group, rank, ranks = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    device = weights[0][0].to_local().device
+
+    def local(t):
+        return t.to_local() if t is not None else None
+
+    def rows_of(p) -> tuple[int, int]:  # this rank's rows of p: torch.chunk's split of dim 0
+        per_rank = -(-p.shape[0] // ranks)
+        start = min(p.shape[0], rank * per_rank)
+        return start, min(p.shape[0], start + per_rank)
+
+    def factored_update(p, state, grad):
+        start, end = rows_of(p)
+        assert grad.shape[0] == end - start, "FSDP2 splits a weight's rows as torch.chunk does"
+        row, col = local(state["exp_avg_sq_row"]), local(state["exp_avg_sq_col"])
+        r_factor = (row[start:end] / row.mean()).rsqrt().unsqueeze(-1)
+        return r_factor * col.unsqueeze(-2).rsqrt() * grad
+
+    def scaled_grad(p, scalars):
+        return local(p.grad).float() * scalars[3]
+
+    # 1. Row means and column partial sums of (grad^2 + eps), every weight's in one buffer; vector states.
+    sizes = [p.shape[0] + p.shape[1] if p.dim() == 2 else 0 for p, *_ in weights]
+    stats = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    offset = 0
+    for (p, state, scalars, eps, _), size in zip(weights, sizes, strict=True):
+        update = scaled_grad(p, scalars).square() + eps
+        beta2t = scalars[1]
+        if p.dim() == 2:
+            start, end = rows_of(p)
+            stats[offset + start : offset + end] = update.mean(dim=-1)
+            stats[offset + p.shape[0] : offset + size] = update.sum(dim=-2)
+        else:
+            local(state["exp_avg_sq"]).mul_(beta2t).add_(update * (1.0 - beta2t))
+        offset += size
+    dist.all_reduce(stats, group=group)
+    # 2. The factored states (whole on every rank), and each update's sum of squares over this rank's part.
+    squares = torch.zeros(len(weights), dtype=torch.float32, device=device)
+    offset = 0
+    for i, ((p, state, scalars, _, _), size) in enumerate(zip(weights, sizes, strict=True)):
+        grad, beta2t = scaled_grad(p, scalars), scalars[1]
+        if p.dim() == 2:
+            rows = p.shape[0]
+            local(state["exp_avg_sq_row"]).mul_(beta2t).add_(stats[offset : offset + rows] * (1.0 - beta2t))
+            col_mean = stats[offset + rows : offset + size] / rows
+            local(state["exp_avg_sq_col"]).mul_(beta2t).add_(col_mean * (1.0 - beta2t))
+            update = factored_update(p, state, grad)
+        else:
+            update = local(state["exp_avg_sq"]).rsqrt() * grad
+        squares[i] = update.square().sum()
+        offset += size
+    dist.all_reduce(squares, group=group)
+    # 3. The update again, clipped by its RMS over the whole weight, written into this rank's shard.
+    for i, (p, state, scalars, _, clip_threshold) in enumerate(weights):
+        grad = scaled_grad(p, scalars)
+        if p.dim() == 2:
+            update = factored_update(p, state, grad)
+        else:
+            update = local(state["exp_avg_sq"]).rsqrt() * grad
+        rms = (squares[i] / p.numel()).sqrt()
+        write_update(local(p), local(state.get("kahan_comp")), update, rms, scalars, clip_threshold)
 
 
 def clip_coefficient(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
@@ -267,27 +377,55 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
     return opt
 
 
-def lr_lambda(step: int, *, kind: str, warmup_steps: int, total_steps: int) -> float:
-    """Multiplier of the peak learning rate at optimizer step `step` (0-based): warmup, then decay to 0."""
-    if warmup_steps > 0 and step < warmup_steps and kind != "constant":
-        return (step + 1) / warmup_steps
-    if kind in ("constant", "constant_with_warmup"):
-        return 1.0
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    if kind == "linear":
-        return max(0.0, 1.0 - progress)
-    if kind == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"unknown lr_scheduler_type {kind!r}")
+def warmup_steps(cfg, total_steps: int) -> int:
+    """The warm-up's optimizer steps: cfg.warmup_steps, or below 1 that ratio of `total_steps`, rounded up (as
+    transformers' TrainingArguments.get_warmup_steps)."""
+    if cfg.warmup_steps >= 1:
+        return int(cfg.warmup_steps)
+    return math.ceil(total_steps * cfg.warmup_steps)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
-    """LambdaLR with cfg's warmup and decay; its state_dict goes into checkpoints."""
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """`transformers.get_scheduler`'s cfg.lr_scheduler_type schedule of `optimizer` over `total_steps`
+    optimizer steps (its horizon: the run's steps, or where its time budget ends), with cfg's warm-up and
+    lr_scheduler_kwargs; its state_dict goes into checkpoints. ConfigError for kwargs the schedule does not
+    take or needs."""
+    from transformers import get_scheduler
 
-    def fn(step: int) -> float:
-        return lr_lambda(
-            step, kind=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps, total_steps=total_steps
+    from trainer.config import ConfigError
+
+    try:
+        return get_scheduler(
+            cfg.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=warmup_steps(cfg, total_steps),
+            num_training_steps=total_steps,
+            scheduler_specific_kwargs=dict(cfg.lr_scheduler_kwargs),
         )
+    # A kwarg the schedule does not take, or one it needs (min_lr, num_decay_steps).
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"lr_scheduler_type {cfg.lr_scheduler_type}, lr_scheduler_kwargs {cfg.lr_scheduler_kwargs}: {e}",
+            key=("lr_scheduler_type", "lr_scheduler_kwargs"),
+        ) from None
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+def check_scheduler(cfg, horizon: int) -> None:
+    """Build cfg's schedule once: a bad lr_scheduler_kwargs is a ConfigError before the model loads."""
+    _stand_in_schedule(cfg, horizon, cfg.learning_rate)
+
+
+def set_horizon(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg, horizon: int) -> None:
+    """Make `scheduler` (build_scheduler's) end at `horizon`: its next `step()` and those after follow the
+    schedule built for `horizon` (a warm-up ratio included), from the step it is at."""
+    built = _stand_in_schedule(cfg, horizon, scheduler.optimizer.defaults["lr"])
+    scheduler.lr_lambdas = [built.lr_lambdas[0] for _ in scheduler.lr_lambdas]
+
+
+def _stand_in_schedule(cfg, horizon: int, lr: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """cfg's schedule over `horizon` steps of a stand-in optimizer with peak learning rate `lr`: a real
+    optimizer's learning rates are left as they are."""
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    return build_scheduler(stand_in, cfg, horizon)

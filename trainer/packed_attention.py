@@ -115,7 +115,6 @@ def block_ranges(block_segments: torch.Tensor, other_segments: torch.Tensor) -> 
     return ranges.to(torch.int32).contiguous()
 
 
-@dataclass(eq=False)
 class PackedAttentionLayout:
     """Which keys each query of a packed batch attends, for one attention kind (encoder self-, decoder self-
     or cross-attention): what the kernels need besides q, k, v. Passed to transformers' T5 blocks as their
@@ -125,17 +124,33 @@ class PackedAttentionLayout:
     The position-bias table belongs to the first block of each stack: that block's attention sets it
     (`use_bias_table`), the later blocks read it, as T5 shares the first block's bias. (Under FSDP the first
     block's weight exists only during that block's forward; what is kept here is a copy derived from it.)
+
+    A plain class, not a dataclass: FSDP2 copies a dataclass passed to a module's forward and casts its float
+    tensors to the compute dtype, which would give each block a bf16 copy of the fp32 tables and leave the
+    first block's table on a copy the later blocks never see.
     """
 
-    query_segments: torch.Tensor  # (R, T) int32, 0 = padding
-    key_segments: torch.Tensor  # (R, S) int32
-    key_ranges: torch.Tensor  # (R, cdiv(T, BLOCK), 2) int32: keys [lo, hi) of each query block
-    query_ranges: torch.Tensor  # (R, cdiv(S, BLOCK), 2) int32: queries [lo, hi) of each key block
-    causal: bool
-    position_bias: RelativeBias | None  # None: no position bias (T5's cross-attention)
-    bias_table: torch.Tensor | None = None  # fp32 (buckets, H), differentiable: set by the first block
-    distance_bias: torch.Tensor | None = None  # fp32 (H, 2 x max_distance + 1): bias of each clamped distance
-    gradient_buckets: torch.Tensor | None = None  # fp32 (accumulator entries, buckets): each entry's bucket
+    def __init__(
+        self,
+        query_segments: torch.Tensor,
+        key_segments: torch.Tensor,
+        key_ranges: torch.Tensor,
+        query_ranges: torch.Tensor,
+        causal: bool,
+        position_bias: RelativeBias | None,
+    ):
+        self.query_segments = query_segments  # (R, T) int32, 0 = padding
+        self.key_segments = key_segments  # (R, S) int32
+        self.key_ranges = key_ranges  # (R, cdiv(T, BLOCK), 2) int32: keys [lo, hi) of each query block
+        self.query_ranges = query_ranges  # (R, cdiv(S, BLOCK), 2) int32: queries [lo, hi) of each key block
+        self.causal = causal
+        self.position_bias = position_bias  # None: no position bias (T5's cross-attention)
+        # fp32 (buckets, H), differentiable: set by the first block
+        self.bias_table: torch.Tensor | None = None
+        # fp32 (H, 2 x max_distance + 1): bias of each clamped distance
+        self.distance_bias: torch.Tensor | None = None
+        # fp32 (accumulator entries, buckets): each entry's bucket
+        self.gradient_buckets: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -326,9 +341,11 @@ def _bwd_kv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
 ):
-    """dK, dV of one key block of one head, for the rows of one group; with a position bias, the bias
-    gradient of those tiles by distance, written to this program's own slice of DBias (module docstring)."""
+    """dK, dV of one key block of one head, for the rows of one group; with BIAS_GRAD (a position bias that
+    is trained: not LoRA's frozen base), the bias gradient of those tiles by distance, written to this
+    program's own slice of DBias (module docstring)."""
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.program_id(2)
@@ -384,7 +401,7 @@ def _bwd_kv_kernel(
             dv += tl.dot(tl.trans(p_kept.to(do.dtype)), do)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            if HAS_BIAS:
+            if BIAS_GRAD:
                 t = (pid_n * BLOCK_N - start_m) // BLOCK_M  # exact: both are whole tiles
                 if (t >= FAR_TILES) | (t <= -FAR_TILES):
                     far_row = tl.where(t > 0, 2 * FAR_TILES + 1, 2 * FAR_TILES)
@@ -408,7 +425,7 @@ def _bwd_kv_kernel(
             dv.to(DV.dtype.element_ty),
             mask=cols[:, None] < S,
         )
-    if HAS_BIAS:
+    if BIAS_GRAD:
         slice_ = DBias + ((g * key_blocks + pid_n) * H + h) * (GRADIENT_ROWS * BLOCK_N)
         tl.store(slice_ + grad_rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], dbias)
 
@@ -548,6 +565,7 @@ class _PackedAttention(torch.autograd.Function):
         R, H, T, D = q.shape
         S = k.shape[2]
         has_bias = distance_bias is not None
+        bias_grad = has_bias and ctx.needs_input_grad[3]
         max_distance = layout.position_bias.max_distance if has_bias else 0
         grad_out = grad_out.contiguous()
         delta = softmax_delta(out, grad_out)  # rowsum(dO * O), dropout included (O is the dropped output)
@@ -555,11 +573,11 @@ class _PackedAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         assert dk.stride() == k.stride() and dv.stride() == v.stride() and dq.stride() == q.stride()
         key_blocks = triton.cdiv(S, BLOCK)
-        groups, rows_per_group = bias_grad_groups(R, H, S) if has_bias else (R, 1)
-        rows = gradient_rows(max_distance) if has_bias else 1
+        groups, rows_per_group = bias_grad_groups(R, H, S) if bias_grad else (R, 1)
+        rows = gradient_rows(max_distance) if bias_grad else 1
         # Every program writes its whole slice (zeros where it saw no tile): no initialisation needed.
         shape = (groups, key_blocks, H, rows * BLOCK)
-        dbias = torch.empty(shape, dtype=torch.float32, device=q.device) if has_bias else q
+        dbias = torch.empty(shape, dtype=torch.float32, device=q.device) if bias_grad else q
         strides = _strides(q, k, v, do)
         flags = dict(
             HAS_BIAS=has_bias,
@@ -596,6 +614,7 @@ class _PackedAttention(torch.autograd.Function):
             rows_per_group,
             FAR_TILES=far_tiles(max_distance) if has_bias else 1,
             GRADIENT_ROWS=rows,
+            BIAS_GRAD=bias_grad,
             **flags,
         )
         _bwd_q_kernel[(triton.cdiv(T, BLOCK), R * H)](
@@ -619,7 +638,7 @@ class _PackedAttention(torch.autograd.Function):
             **flags,
         )
         grad_table = None
-        if has_bias:
+        if bias_grad:
             # Fixed-order sums (no index_add_: its CUDA atomics would add in a varying order)
             grad_table = (dbias.sum((0, 1)) @ layout.gradient_buckets).t()
         return dq, dk, dv, grad_table, None, None, None

@@ -9,7 +9,9 @@ can be read; otherwise typical recipes, and the output says so).
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -32,9 +34,10 @@ from trainer.memory_plan import (
     micro_batch_peak,
     plan_packed_rows,
     plan_run,
+    planned_peak,
     row_lengths,
 )
-from trainer.model_shape import ModelShape, load_shape
+from trainer.model_shape import LoraShape, ModelShape, load_shape
 from trainer.step_meter import format_duration
 
 
@@ -85,14 +88,18 @@ def parse_size(text: str) -> int:
     return size
 
 
-def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
-    """Print the predicted peak by component for `cfg` on a card of `gpu_memory` (e.g. "32GiB"), then the
-    predicted time for an epoch and for the run on each named GPU (and what `hours` hours cover, if given).
+def print_plan(cfg, gpu_memory: str, hours: float | None = None, processes: int = 1) -> int:
+    """Print the predicted peak by component for `cfg` on a card of `gpu_memory` (e.g. "32GiB"), one of the
+    `processes` GPUs a torchrun run starts, then the predicted time for an epoch and for the run on each named
+    GPU (and what `hours` hours cover, if given).
 
     Returns the exit code: 0 if the configured micro-batch fits, 1 if not (with a suggestion), 2 if the card
-    size or the model's config cannot be read."""
+    size, the process count or the model's config cannot be read."""
     if hours is not None and not (math.isfinite(hours) and hours > 0):
         print(f"trainer plan: --hours must be a positive number, got {hours}", file=sys.stderr)
+        return 2
+    if processes < 1:
+        print(f"trainer plan: --processes must be at least 1, got {processes}", file=sys.stderr)
         return 2
     try:
         gpu_bytes = parse_size(gpu_memory)
@@ -102,14 +109,14 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
         return 2
     src_cap, tgt_cap = row_lengths(cfg)
     source = "max_tokens" if cfg.max_tokens else "chosen by the plan"
-    plan = plan_run(cfg, gpu_bytes)  # what the trainer would choose on this card
+    plan = plan_run(cfg, gpu_bytes, processes)  # what the trainer would choose on this card
     epoch = epoch_data(cfg, plan)
     if epoch.packed_shape:  # the trainer plans again on the rows the loader chose from the data
         plan = plan_packed_rows(plan, cfg, epoch.packed_shape, gpu_bytes)
     blocks = plan.blocks_without_checkpointing
     # The trainer picks the budget with every block checkpointed, then skips checkpointing where room is left.
-    kw_all = _plan_kwargs(cfg, (0, 0))
-    peak = micro_batch_peak(shape, cfg, plan.max_tokens, blocks, plan.packed_rows)
+    kw_all = _plan_kwargs(cfg, (0, 0), processes)
+    peak = micro_batch_peak(shape, cfg, plan.max_tokens, blocks, plan.packed_rows, processes)
     if plan.packed_rows is not None:
         rows, src, tgt = plan.packed_rows
         batch = f"{rows} rows x ({src} + {tgt}) tokens (packed rows, as the loader chose them from the data)"
@@ -123,8 +130,17 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
             shapes = f"packed: {rows} rows x ({src_cap} + {tgt_cap}), the data not read"
         batch = f"token budget {plan.max_tokens} ({source}; {shapes})"
     print(f"model: {cfg.model_name_or_path} ({shape.num_params() / 1e9:.2f}B parameters)")
+    print(f"processes: {processes_line(cfg, processes)}")
+    lora = kw_all["lora"]
+    if lora is not None:
+        print(
+            f"adapter: LoRA r {lora.r}, alpha {cfg.lora_alpha:g}, dropout {lora.dropout:g} on "
+            f"{', '.join(lora.targets)}: {shape.lora_num_params(lora) / 1e6:.1f}M fp32 parameters trained "
+            f"(their gradients and optimizer states alone), the base frozen in {cfg.dtype}"
+        )
+    update = "fp32 adapters" if lora is not None else f"{cfg.bf16_update} bf16 update"
     print(
-        f"optimizer: {cfg.optimizer} ({cfg.bf16_update} bf16 update), "
+        f"optimizer: {cfg.optimizer} ({update}), "
         f"checkpointing: {cfg.gradient_checkpointing}, attention: {kw_all['attn_implementation']}"
     )
     if cfg.gradient_checkpointing:
@@ -160,28 +176,66 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None) -> int:
         else:
             advice = (
                 "no micro-batch fits, not even one row: use a bigger card, optimizer: adafactor, shorter "
-                "max_source_length/max_target_length, or FSDP over several GPUs (docs/distributed.md)"
+                "max_source_length/max_target_length, or FSDP over several GPUs (`--processes N --set "
+                "distributed_strategy=fsdp`, docs/distributed.md)"
             )
         print(f"does not fit: the predicted peak exceeds {SAFETY_MARGIN:.0%} of the card; {advice}")
         return 1
     return 0
 
 
+def processes_line(cfg, processes: int) -> str:
+    """What one GPU holds in a run of `processes`, in words (the plan below is that GPU's)."""
+    if processes == 1:
+        return "1 (one GPU; under torchrun give --processes, its nnodes x nproc_per_node)"
+    if cfg.distributed_strategy == "ddp":
+        return f"{processes}, ddp: every GPU holds what one process does (the plan below is each GPU's)"
+    how = [
+        "each block's gathered weights freed after its forward"
+        if cfg.fsdp_reshard_after_forward
+        else "every block's gathered weights kept from forward to backward",
+        "gradients reduce-scattered after every micro-batch"
+        if cfg.fsdp_sync_each_micro_batch
+        else "fp32 gradients of the whole model kept until the step's last micro-batch",
+    ]
+    split = f"{processes}, fsdp: weights, gradients and optimizer states split {processes} ways"
+    return "; ".join([split, *how])
+
+
+def memory_plan_line(cfg, plan: RunPlan, gpu_bytes: int) -> str:
+    """One line: the micro-batch, the predicted peak of one GPU and its components (what the dry run logs)."""
+    peak = planned_peak(cfg, plan)
+    parts = ", ".join(f"{name} {value / GIB:.2f}" for name, value in peak.components().items() if value)
+    return (
+        f"memory plan per GPU ({processes_line(cfg, plan.processes)}): micro-batch {plan.micro_batch()}, "
+        f"peak at {peak.peak_moment}, predicted {peak.peak / GIB:.1f} GiB of {gpu_bytes / GIB:.1f} "
+        f"({parts} GiB)"
+    )
+
+
 def epoch_data(cfg, plan: RunPlan) -> EpochData:
     """The training split of `cfg`'s data, read through the loader (its per-record token lengths, after
-    truncation, and its batches); typical recipes of ASSUMED_RECORDS when the data or tokenizer cannot be
-    read."""
-    from trainer.data import RecipeDataError, RecipeFileError, resolve_tokenizer_file, stream_for
+    truncation, and its batches); typical recipes of ASSUMED_RECORDS when the data or the model's tokenizer
+    cannot be had (files that match nothing are said so; the tokenizer comes from the local Hugging Face
+    cache, else one try at the Hub), with the reason in `source`."""
+    from trainer import hf_datasets
+    from trainer.config import source_path
+    from trainer.data import RecipeDataError, RecipeFileError, stream_for
+    from trainer.model_files import ModelFilesError, resolve_tokenizer_file
 
-    accum = cfg.gradient_accumulation_steps
-    try:
-        if not cfg.train_files:
-            raise RecipeFileError("train_files is empty")
-        named = ", ".join(map(str, cfg.train_files))
-        print(f"reading the token lengths of {named} ...", file=sys.stderr, flush=True)
-        stream = stream_for(plan.applied_to(cfg), resolve_tokenizer_file(cfg.model_name_or_path), "train")
-        sources, targets = stream.lengths()
-    except (RecipeDataError, RecipeFileError) as e:
+    accum = cfg.gradient_accumulation_steps * plan.processes  # loader batches per optimizer step, all GPUs
+    named = ", ".join(map(str, cfg.train_files))
+    files = [source_path(e) for e in cfg.train_files if not hf_datasets.is_dataset(source_path(e))]
+    why = unmatched_files(files) if cfg.train_files else "train_files is empty"
+    if not why:
+        try:
+            tokenizer = resolve_tokenizer_file(cfg.model_name_or_path)
+            print(f"reading the token lengths of {named} ...", file=sys.stderr, flush=True)
+            stream = stream_for(plan.applied_to(cfg), tokenizer, "train")
+            sources, targets = stream.lengths()
+        except (ModelFilesError, RecipeDataError, RecipeFileError) as e:
+            why = str(e)
+    if why:
         src, tgt = min(cfg.max_source_length, TYPICAL_SOURCE), min(cfg.max_target_length, TYPICAL_TARGET)
         rows = cfg.per_device_train_batch_size or max(1, (plan.max_tokens or 0) // (src + tgt))
         steps = ASSUMED_RECORDS / (rows * accum)
@@ -192,7 +246,7 @@ def epoch_data(cfg, plan: RunPlan) -> EpochData:
             ASSUMED_RECORDS * tgt,
             steps,
             total,
-            f"no data read ({e}): assuming {ASSUMED_RECORDS:,} records of {src} + {tgt} tokens (typical "
+            f"no data read ({why}): assuming {ASSUMED_RECORDS:,} records of {src} + {tgt} tokens (typical "
             f"recipes) in about {rows} rows per micro-batch; times scale with the number of records",
         )
     records = len(sources)
@@ -211,6 +265,26 @@ def epoch_data(cfg, plan: RunPlan) -> EpochData:
     )
 
 
+def unmatched_files(patterns: list[str]) -> str | None:
+    """Which of `patterns` (train_files' paths and globs) name no file, in words: `/data/*.csv matches no
+    file (/data does not exist)`; None when each names one. The loader says the same when it opens them; the
+    plan says it without the tokenizer the loader needs first."""
+    said = []
+    for pattern in patterns:
+        path = os.path.expanduser(pattern)
+        if os.path.exists(path) or glob.glob(path, recursive=True):
+            continue
+        # The deepest directory before the first wildcard: where the files were looked for.
+        literal = re.split(r"[*?[]", path, maxsplit=1)[0]
+        directory = os.path.dirname(literal) or "."
+        where = "" if os.path.isabs(path) else f", resolved against {os.getcwd()}"
+        if not os.path.isdir(directory):
+            said.append(f"{pattern} matches no file ({directory} does not exist{where})")
+        else:
+            said.append(f"{pattern} matches no file{f' ({where[2:]})' if where else ''}")
+    return "; ".join(said) or None
+
+
 def time_report(
     cfg, plan: RunPlan, shape: ModelShape, peak_bytes: float, epoch: EpochData, hours: float | None
 ) -> list[str]:
@@ -218,18 +292,29 @@ def time_report(
     at MEASURED_MFU; a card with less memory than the micro-batch's predicted peak says so instead."""
     records = max(epoch.records, 1)
     mean_src, mean_tgt = epoch.source_tokens / records, epoch.target_tokens / records
-    per_token = flops_per_real_token(shape, mean_src, mean_tgt)
+    lora = LoraShape.of(cfg)
+    per_token = flops_per_real_token(shape, mean_src, mean_tgt, lora)
     mfu = MEASURED_MFU.mfu
     run_epochs = epoch.total_steps / max(epoch.steps, 1e-9)
+    gpus = plan.processes
+    where = "one GPU"
+    per_step = f"{plan.micro_batch()} x {cfg.gradient_accumulation_steps}"
+    if gpus > 1:
+        where = f"{gpus} GPUs, each as fast as one alone (docs/distributed.md: how close each strategy comes)"
+        per_step += f" x {gpus} GPUs"
     lines = [
-        f"time on one GPU, at {mfu:.1%} MFU (measured with {MEASURED_MFU.how}; assumed the same on every "
+        f"time on {where}, at {mfu:.1%} MFU (measured with {MEASURED_MFU.how}; assumed the same on every "
         "card, closer between cards of one design than across designs):",
         f"  data: {epoch.source}",
-        f"  one epoch: {epoch.records:,} records, {epoch.steps:,.0f} optimizer steps of {plan.micro_batch()} "
-        f"x {cfg.gradient_accumulation_steps}; mean record {mean_src:.0f} + {mean_tgt:.0f} tokens, "
-        f"{per_token / 1e9:.3g} GFLOP per real token",
+        f"  one epoch: {epoch.records:,} records, {epoch.steps:,.0f} optimizer steps of {per_step}; mean "
+        f"record {mean_src:.0f} + {mean_tgt:.0f} tokens, {per_token / 1e9:.3g} GFLOP per real token",
         f"  this run: {epoch.total_steps:,} optimizer steps ({run_epochs:.2f} epochs)",
     ]
+    if lora is not None:
+        lines.append(
+            "  LoRA: no weight gradients for the frozen base, 4 FLOPs per parameter and token instead of 6 "
+            "(the MFU is full fine-tuning's)"
+        )
     for spec in GPUS.values():
         rate = f"{spec.bf16_tflops:g} TFLOP/s dense bf16"
         if spec.spec_sheet_tflops != spec.bf16_tflops:  # GeForce: training's fp32 accumulation runs at half
@@ -242,8 +327,10 @@ def time_report(
                 "lower, see `trainer plan --gpu-memory`)"
             )
             continue
-        tokens_per_s = predicted_tokens_per_s(spec, mfu, per_token)
-        epoch_s = predicted_epoch_seconds(spec, mfu, shape, epoch.source_tokens, epoch.target_tokens)
+        tokens_per_s = gpus * predicted_tokens_per_s(spec, mfu, per_token)
+        epoch_s = (
+            predicted_epoch_seconds(spec, mfu, shape, epoch.source_tokens, epoch.target_tokens, lora) / gpus
+        )
         line = (
             f"  {spec.name} ({rate}): {tokens_per_s:,.0f} real tokens/s; "
             f"one epoch {format_duration(epoch_s)}; this run {format_duration(epoch_s * run_epochs)}"

@@ -345,6 +345,24 @@ class Reporter:
             logger.info("W&B: logged %s as model artifact %s (%s)", path, name, ", ".join(aliases))
 
     @_never_raise
+    def hub_pushed(self, *, url: str, step: int) -> None:
+        """final/ is on the Hugging Face Hub (push_to_hub; called from the upload thread)."""
+        fields = [("Repository", url, False), ("Step", f"{step:,}", True)]
+        self._notify("hub", "Model pushed to the Hugging Face Hub", "", fields, priority=Priority.NORMAL)
+        if self._wandb is not None:
+            self._wandb.set_summary({"hub_url": url})
+
+    @_never_raise
+    def hub_push_failed(self, *, what: str, error: str, pending: str) -> None:
+        """An upload to the Hub failed (said once per run; called from the upload thread)."""
+        fields = [("Upload", what, True), ("Error", error, False), ("Waiting in", pending, False)]
+        text = (
+            "Training goes on. The upload is tried again with the next save and at the end; a later run of "
+            "the same command uploads what is still waiting."
+        )
+        self._notify("hub_failed", "Hub upload failed", text, fields, priority=Priority.NORMAL)
+
+    @_never_raise
     def oom_backoff(self, *, step: int, micro_batch: str, accumulation: int) -> None:
         self._oom_backoffs += 1
         self._wandb_log({"train/oom_backoffs": self._oom_backoffs}, step)

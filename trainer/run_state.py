@@ -59,6 +59,10 @@ class RunState:
     num_input_tokens_seen: int = 0
     train_seconds: float = 0.0
     tokens_before: int = 0
+    # With max_time: the optimizer step the learning-rate schedule ends at, where the time budget will (None:
+    # the planned total steps), and the training seconds per optimizer step it was estimated from (rank 0's).
+    schedule_horizon: int | None = None
+    seconds_per_step: float | None = None
 
     @classmethod
     def from_trainer_state(cls, saved: dict[str, Any]) -> RunState:
@@ -87,6 +91,8 @@ class RunState:
             world_size=int(saved.get("world_size", 1)),
             wandb_run_id=saved.get("wandb_run_id"),
             last_loss=saved.get("last_loss"),
+            schedule_horizon=saved.get("schedule_horizon"),
+            seconds_per_step=saved.get("seconds_per_step"),
         )
 
     def trainer_state(self, config: dict[str, Any], micro_batch: str) -> dict[str, Any]:
@@ -106,6 +112,8 @@ class RunState:
             "last_loss": self.last_loss,
             "num_input_tokens_seen": self.num_input_tokens_seen,
             "train_seconds": self.train_seconds,
+            "schedule_horizon": self.schedule_horizon,
+            "seconds_per_step": self.seconds_per_step,
         }
 
     def count_progress(self, tokens: int, train_seconds: float) -> None:

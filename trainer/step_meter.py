@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 TRAIN_LOG = "train_log.jsonl"
 SUMMARY = "run_summary.json"
+# Optimizer steps a process measures before its time per step is used; its first step, which compiles and
+# warms the allocator up, is not among them.
+MEASURED_STEPS = 5
 
 
 def format_duration(seconds: float | None) -> str:
@@ -142,8 +145,14 @@ class StepMeter:
         self.started = self._window_started = clock()
         self.window = StepCounts()  # since the last logged step
         self.run = StepCounts()  # since this process started training
+        self._steps_done = 0
+        self._first_done = self._last_done = self.started
 
     def step_done(self, step: int, loss: float, lr: float, counts: StepCounts) -> None:
+        self._steps_done += 1
+        self._last_done = self._clock()
+        if self._steps_done == 1:
+            self._first_done = self._last_done
         self.window.add(counts)
         self.run.add(counts)
         self._append({"step": step, "loss": loss, "lr": lr, "time": time.time(), **counts.row()})
@@ -168,6 +177,14 @@ class StepMeter:
     def train_seconds(self) -> float:
         """The run's training time so far: earlier processes' (from the checkpoint) and this one's."""
         return self.seconds_before + self.elapsed_s
+
+    def seconds_per_step(self) -> float | None:
+        """This process's training seconds per optimizer step after its first, evaluations and checkpoints
+        included; None until MEASURED_STEPS steps are measured."""
+        measured = self._steps_done - 1
+        if measured < MEASURED_STEPS:
+            return None
+        return (self._last_done - self._first_done) / measured
 
     def time_left_s(self) -> float | None:
         """Seconds of the max_time budget left (0 when spent), or None without a budget."""

@@ -161,6 +161,8 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import GenerationConfig, T5ForConditionalGeneration
 
+    from trainer.model import write_config
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
@@ -187,12 +189,9 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
         decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, no_repeat_ngram_size=3
     )
     model.save_pretrained(out, safe_serialization=True)
-    # Write config.json as flan-t5-xl's reads ("tie_word_embeddings": false, no output scaling key), so
-    # loading this model goes down the same code path as loading the real one.
-    model_config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    model_config["tie_word_embeddings"] = False
-    model_config.pop("scale_decoder_outputs", None)
-    (out / "config.json").write_text(json.dumps(model_config, indent=2) + "\n", encoding="utf-8")
+    # config.json as flan-t5-xl's reads ("tie_word_embeddings": false), so that loading this model goes down
+    # the same code path as loading the real one, and as every checkpoint of it is written.
+    write_config(model, out)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("wrote a tiny FLAN-T5 (%d parameters, vocab %d) to %s", n_params, vocab_size, out)
     return out

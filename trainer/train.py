@@ -6,11 +6,11 @@ optimizer step computes is trainer.step; the numbers the loop reports go through
 (trainer.step_meter) to the console, the train log, W&B and Discord (trainer.report).
 
 Under torchrun (`torchrun --nproc_per_node=N -m trainer train --config ...`) every process runs this loop on
-its own shard of the data (the loader's rank/world_size; equal batch counts), with the model in DDP or FSDP2
-(trainer/distributed.py). The loss is still the global one: the target-token count and the loss sum are
-summed over ranks, so the gradients equal those of one process over the same global batch. Rank 0 alone
-writes the train log, the console progress, W&B and Discord; checkpoints are collective
-(trainer/checkpoint.py).
+its own shard of the data (the loader's rank/world_size; equal batch counts), with the whole model (`ddp`,
+its gradients summed over ranks once per step) or FSDP2 (`fsdp`) (trainer/distributed.py). The loss is still
+the global one: the target-token count and the loss sum are summed over ranks, so the gradients equal those
+of one process over the same global batch. Rank 0 alone writes the train log, the console progress, W&B and
+Discord; checkpoints are collective (trainer/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import logging
 import math
 import os
 import random
-import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,10 +43,12 @@ from trainer.data import (
 )
 from trainer.evaluation import EvalResult, eval_batch_tokens, evaluate, load_generation_records, metrics_line
 from trainer.healthcheck import Heartbeat
+from trainer.hub import HubUploader, check_hub_config, upload_pending
 from trainer.jsonl import fsync_file
-from trainer.memory_plan import RunPlan, plan_packed_rows, plan_run, planned_peak_bytes
-from trainer.model_files import ModelFiles, check_model_dir
-from trainer.optim import Adafactor, clip_coefficient
+from trainer.library_logs import route_library_output
+from trainer.memory_plan import RunPlan, gpu_bytes_for, plan_packed_rows, plan_run, planned_peak_bytes
+from trainer.model_files import ModelFiles, check_model_dir, resolve_tokenizer_file
+from trainer.optim import check_scheduler, set_horizon, warmup_steps
 from trainer.profiling import StepProfiler
 from trainer.prompt import PromptTemplate
 from trainer.report import Reporter
@@ -55,7 +57,12 @@ from trainer.run_state import RunState, count_start, read_wandb_run_id, write_wa
 from trainer.sample import ensure_demo_data
 
 # SUMMARY, TRAIN_LOG and token_loss_sum are re-exported: scripts import them from here.
-from trainer.step import accumulate_with_oom_backoff, probe_memory, token_loss_sum  # noqa: F401
+from trainer.step import (  # noqa: F401
+    accumulate_with_oom_backoff,
+    optimizer_step,
+    probe_memory,
+    token_loss_sum,
+)
 from trainer.step_meter import (  # noqa: F401
     SUMMARY,
     TRAIN_LOG,
@@ -98,7 +105,7 @@ class Data:
     template: PromptTemplate
     train_stream: Any
     eval_stream: Any | None
-    generation_records: list[dict]  # empty on ranks that do not generate (DDP: all but rank 0)
+    generation_records: list[dict]  # empty on ranks that do not generate (ddp: all but rank 0)
     total_steps: int
     records: int  # usable records, held-out ones included
     eval_records: int  # of them, held out (from eval_files, or train_files' eval_fraction)
@@ -117,8 +124,9 @@ class Run:
     device: torch.device
     output_dir: Path
     is_main: bool
-    model: Any  # the HF model (checkpoints, generation)
-    train_module: Any  # what the loss is computed through: the model, or DDP/FSDP2 around it
+    model: Any  # the HF model (checkpoints, generation); with LoRA PEFT's model around it (trainer.lora)
+    train_module: Any  # what the loss is computed through: the model, or FSDP2 around it
+    replicated: Any  # trainer.distributed.ReplicatedGradients (ddp over several ranks), or None
     optimizer: Any
     scheduler: Any
     reporter: Reporter
@@ -129,15 +137,17 @@ class Run:
     meter: StepMeter
     intact: ModelIntact
     graph: Any  # trainer.cuda_graphs.MicroStepGraph running the micro-steps (cuda_graphs), or None
+    hub: HubUploader | None  # push_to_hub's uploads (rank 0), or None
 
 
-def train(cfg: TrainConfig, dry_run: bool = False) -> int:
+def train(cfg: TrainConfig, dry_run: bool = False, *, clock: Callable[[], float] = time.monotonic) -> int:
     """Train as `cfg` says; returns the process exit code (0, or 128 + the signal that stopped the run).
     dry_run: check the config, the model files, the data and the plan, without loading the model or writing
-    anything. Under torchrun every process calls this; the process group lives for the call."""
+    anything. `clock`: the monotonic clock the training time is measured with (max_time, tokens/s, the ETA).
+    Under torchrun every process calls this; the process group lives for the call."""
     try:
         try:
-            code = _train(cfg, dry_run)
+            code = _train(cfg, dry_run, clock)
         except StopBeforeTraining as stopped:  # no barrier: the other ranks may be anywhere in their setup
             log.warning("stopped by %s before training started; nothing to save", stopped.signal_name)
             return stopped.exit_code
@@ -149,17 +159,19 @@ def train(cfg: TrainConfig, dry_run: bool = False) -> int:
         distributed.destroy()
 
 
-def _train(cfg: TrainConfig, dry_run: bool) -> int:
+def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
     # 1. Setup. Allocator settings before anything can initialise CUDA; then everything that can fail on a
     # bad config, model directory, output_dir or data file, before the model is loaded.
     memory.set_alloc_conf(cfg.cuda_alloc_conf)
     rank, world_size, local_rank = distributed.env()
-    if cfg.cuda_graphs and world_size > 1:
+    if cfg.cuda_graphs and world_size > 1 and cfg.distributed_strategy == "fsdp":
         raise ConfigError(
-            "cuda_graphs works in one process: set it to false under torchrun", key="cuda_graphs"
+            "cuda_graphs with distributed_strategy fsdp: FSDP2 gathers and reduces inside every micro-step, "
+            "which a CUDA graph cannot replay; use distributed_strategy ddp or cuda_graphs false",
+            key=("cuda_graphs", "distributed_strategy"),
         )
     distributed.quiet_other_ranks()
-    quiet_library_output()
+    route_library_output()
     # One way out: leaving this block (finished, stopped by a signal, or by an error) closes, in this order,
     # the console progress, the profiler, the heartbeat, the reporter (which reports an error or a stop),
     # the signal handlers and, last, the output_dir lock.
@@ -167,6 +179,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         # Until the loop starts, SIGTERM or Ctrl-C stop the setup at once (StopBeforeTraining).
         stop = exits.enter_context(StopRequested())
         check_paths(cfg)
+        check_hub_config(cfg)
         if cfg.make_demo_data:
             ensure_demo_data(
                 [source_path(f) for f in cfg.train_files],
@@ -192,16 +205,23 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
         data = open_data(cfg, plan, rank, world_size)
         if cfg.packing:  # the loader chose the rows' lengths from the data: the plan's blocks fit those
             plan = plan_packed_rows(plan, cfg, data.train_stream.stats()["packed_shape"])
+        check_scheduler(cfg, data.total_steps)
         if dry_run:
+            log_memory_plan(cfg, plan, world_size)
             log.info("dry run: the config, the model files and the data are fine; the model is not loaded")
             return 0
         state = RunState(world_size=world_size)
         if resume_from:
             saved = ckpt.load_trainer_state(resume_from)
-            ckpt.warn_config_changes(saved.get("config", {}), ckpt.saved_config(plan.applied_to(cfg)))
+            now = ckpt.saved_config(plan.applied_to(cfg))
+            ckpt.check_resume_config(resume_from, saved.get("config", {}), now)
+            ckpt.warn_config_changes(saved.get("config", {}), now)
             state = RunState.from_trainer_state(saved)
             if already_finished(cfg, data, state, resume_from):
+                if rank == 0:  # what an earlier run of it did not get onto the Hub
+                    upload_pending(cfg, output_dir)
                 return 0
+            state.schedule_horizon = resumed_schedule_horizon(cfg, data.total_steps, state)
         if rank == 0:
             start_train_log(cfg, output_dir, resume_from, state)
             warn_if_the_disk_is_small(cfg, output_dir, model_files, data.total_steps)
@@ -209,7 +229,13 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
 
         reporter = exits.enter_context(start_reporting(cfg, data, state, output_dir, is_main=rank == 0))
         heartbeat = exits.enter_context(Heartbeat(output_dir, state.step, enabled=rank == 0))
-        model, train_module, optimizer, scheduler = build_model(cfg, plan, data, device, state, resume_from)
+        hub = None
+        if cfg.push_to_hub and rank == 0:  # closed before the reporter: its last message can still go out
+            hub = HubUploader(cfg, output_dir, reporter)
+            exits.callback(hub.close)
+        model, train_module, replicated, optimizer, scheduler = build_model(
+            cfg, plan, data, device, state, resume_from
+        )
         run = Run(
             cfg=cfg,
             plan=plan,
@@ -219,6 +245,7 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
             is_main=rank == 0,
             model=model,
             train_module=train_module,
+            replicated=replicated,
             optimizer=optimizer,
             scheduler=scheduler,
             reporter=reporter,
@@ -234,11 +261,13 @@ def _train(cfg: TrainConfig, dry_run: bool) -> int:
                 data.total_steps,
                 state.step,
                 output_dir if rank == 0 else None,
+                clock,
                 seconds_before=state.train_seconds,
                 max_time_s=cfg.max_time_s,
             ),
             intact=ModelIntact(),
             graph=micro_step_graph(cfg, device, model, train_module),
+            hub=hub,
         )
         # 2. The loop. From here a signal asks for a checkpoint at the next micro-batch boundary.
         stop.training_started()
@@ -283,8 +312,6 @@ def open_stream(
 def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Data:
     """The tokenizer and the train and held-out streams (data indexed, skipped records counted and reported),
     and the number of optimizer steps."""
-    from trainer.data import resolve_tokenizer_file
-
     tokenizer_file = str(resolve_tokenizer_file(cfg.model_name_or_path))
     train_stream = open_stream(cfg, plan, tokenizer_file, "train", rank, world_size)
     eval_stream = None
@@ -329,9 +356,9 @@ def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Da
         total_steps = cfg.max_steps
     else:
         total_steps = max(1, math.ceil(batches_per_epoch * cfg.num_train_epochs / accum))
-    if cfg.warmup_steps >= total_steps:
+    if warmup_steps(cfg, total_steps) >= total_steps:
         log.warning(
-            "warmup_steps %d >= the run's %d optimizer steps: the learning rate never reaches %g",
+            "warmup_steps %g >= the run's %d optimizer steps: the learning rate never reaches %g",
             cfg.warmup_steps,
             total_steps,
             cfg.learning_rate,
@@ -374,7 +401,10 @@ def already_finished(cfg: TrainConfig, data: Data, state: RunState, resume_from:
     elif state.early_stopping_due(cfg.early_stopping_patience):
         why = f"stopped early at step {state.step} of {data.total_steps} (early_stopping_patience)"
         how = "raise early_stopping_patience to train on"
-    elif budget is not None and state.train_seconds >= budget:
+    elif (
+        budget is not None
+        and time_budget_end(state.step, budget - state.train_seconds, state.seconds_per_step) <= state.step
+    ):
         why = (
             f"is at step {state.step} of {data.total_steps}, its time budget (max_time {cfg.max_time}) spent"
         )
@@ -406,19 +436,38 @@ def warn_if_the_disk_is_small(
     checkpoint's size, else an estimate from the parameter count."""
     one = disk.checkpoint_bytes(output_dir)
     if one is None:
-        n_params = model_files.n_params if model_files is not None else None
-        if n_params is None:  # pytorch_model.bin weights, random_init, or a Hub model not downloaded yet
-            from trainer.model_shape import load_shape
+        from trainer.model_shape import LoraShape, load_shape
 
-            try:
+        n_params = model_files.n_params if model_files is not None else None
+        dtype, lora = cfg.dtype, LoraShape.of(cfg)
+        try:
+            if lora is not None:  # the checkpoints hold the fp32 adapters and their states
+                n_params, dtype = load_shape(cfg.model_name_or_path).lora_num_params(lora), "float32"
+            elif n_params is None:  # pytorch_model.bin weights, random_init, a Hub model not downloaded yet
                 n_params = load_shape(cfg.model_name_or_path).num_params()
-            except (ValueError, OSError):
-                return
-        one = disk.estimate_checkpoint_bytes(n_params, cfg.dtype, cfg.optimizer, cfg.bf16_update)
+        except (ValueError, OSError):
+            return
+        one = disk.estimate_checkpoint_bytes(n_params, dtype, cfg.optimizer, cfg.bf16_update)
     planned_saves = math.ceil(total_steps / cfg.save_steps)
     warning = disk.free_space_warning(output_dir, one, cfg.save_total_limit, planned_saves)
     if warning:
         log.warning("%s", warning)
+
+
+def log_memory_plan(cfg: TrainConfig, plan: RunPlan, world_size: int) -> None:
+    """The dry run's memory plan: one GPU's predicted peak by component for this run's processes; without a
+    GPU, the command that predicts it."""
+    from trainer.plan_report import memory_plan_line
+
+    gpu_bytes = gpu_bytes_for(cfg)
+    if gpu_bytes is None:
+        log.info(
+            "memory plan: no GPU here; `trainer plan --config CONFIG --processes %d --gpu-memory 32GiB` "
+            "predicts one GPU's peak",
+            world_size,
+        )
+        return
+    log.info("%s", memory_plan_line(cfg, plan, gpu_bytes))
 
 
 def log_time_budget(cfg: TrainConfig, state: RunState) -> None:
@@ -427,22 +476,41 @@ def log_time_budget(cfg: TrainConfig, state: RunState) -> None:
         return
     log.info(
         "max_time %s: %s of training used so far, %s left; when it is spent the run stops at the next step "
-        "boundary, saves, evaluates and writes final/",
+        "boundary, saves, evaluates and writes final/; the learning-rate schedule ends there too",
         cfg.max_time,
         format_duration(state.train_seconds),
         format_duration(max(budget - state.train_seconds, 0.0)),
     )
+    if state.schedule_horizon is not None:
+        log.info(
+            "max_time: the learning-rate schedule ends at step %d, where the time budget does at the %.3g s "
+            "per step measured before",
+            state.schedule_horizon,
+            state.seconds_per_step or float("nan"),
+        )
 
 
-def quiet_library_output() -> None:
-    """Library output through the trainer's own logging; no library progress bars outside a terminal."""
-    from transformers.utils import logging as hf_logging
+def time_budget_end(step: int, seconds_left: float, seconds_per_step: float | None) -> int:
+    """The step a time budget with `seconds_left` ends after, at `seconds_per_step` from `step` on (`step`
+    when spent; with no measured time per step, `step` + 1 while time is left)."""
+    if seconds_left <= 0:
+        return step
+    if seconds_per_step is None or seconds_per_step <= 0:
+        return step + 1
+    return step + int(seconds_left // seconds_per_step)
 
-    # transformers' own stderr handler would bypass the root handler's secret masking (a token in a path).
-    hf_logging.disable_default_handler()
-    hf_logging.enable_propagation()
-    if not sys.stderr.isatty():  # `docker compose logs` would show each bar as one endless line
-        hf_logging.disable_progress_bar()
+
+def resumed_schedule_horizon(cfg: TrainConfig, total_steps: int, state: RunState) -> int | None:
+    """With max_time, where a resumed run's learning-rate schedule ends: where the time left ends at the
+    checkpoint's measured time per step (the checkpoint's horizon when it has none); None without max_time
+    (the planned total steps)."""
+    budget = cfg.max_time_s
+    if budget is None:
+        return None
+    if state.seconds_per_step is None:
+        return None if state.schedule_horizon is None else min(state.schedule_horizon, total_steps)
+    end = time_budget_end(state.step, budget - state.train_seconds, state.seconds_per_step)
+    return min(total_steps, max(end, state.step + 1))
 
 
 def setup_device(cfg: TrainConfig, local_rank: int) -> torch.device:
@@ -452,7 +520,7 @@ def setup_device(cfg: TrainConfig, local_rank: int) -> torch.device:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    distributed.init(device)
+    distributed.init(device, cfg.ddp_timeout)
     if device.type == "cuda":
         log.info("CUDA allocator: %s", memory.alloc_conf_in_force())
         if cfg.gpu_memory_limit_gib:
@@ -500,8 +568,9 @@ def start_reporting(
 def build_model(
     cfg: TrainConfig, plan: RunPlan, data: Data, device, state: RunState, resume_from: Path | None
 ):
-    """Model (loaded once: from the checkpoint when resuming), its DDP/FSDP2 wrapper, optimizer and schedule,
-    with the checkpoint's training state and loader position restored into them and `state`."""
+    """Model (loaded once: from the checkpoint when resuming), what the loss runs through (the model, or FSDP2
+    around it), the all-reduced gradients of ddp over several ranks (or None), optimizer and schedule, with
+    the checkpoint's training state and loader position restored into them and `state`."""
     import numpy as np
 
     from trainer.model import load_model
@@ -511,24 +580,31 @@ def build_model(
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
+    # A LoRA checkpoint holds the adapters: the base is loaded again, and the adapters from the checkpoint.
+    from_checkpoint = resume_from if cfg.adapter is None else None
     model = load_model(
         cfg,
         device,
-        path=resume_from,
-        random_init=False if resume_from else None,
+        path=from_checkpoint,
+        random_init=False if from_checkpoint else None,
         blocks_without_checkpointing=plan.blocks_without_checkpointing,
     )
+    if cfg.adapter is not None:
+        from trainer.lora import add_adapters
+
+        model = add_adapters(model, cfg)
     model.train()
-    train_module = distributed.wrap(model, cfg.distributed_strategy, device)
-    if not distributed.is_distributed():  # DDP and FSDP act on autograd's own gradient accumulation
+    train_module = distributed.wrap(model, cfg, device)
+    replicated = distributed.replicated_gradients(model, cfg)
+    if not distributed.is_sharded(train_module):  # FSDP acts on autograd's own gradient accumulation
         accumulate_weight_grads_in_place(model)
     optimizer = build_optimizer(model, cfg, device)
-    scheduler = build_scheduler(optimizer, cfg, data.total_steps)
+    scheduler = build_scheduler(optimizer, cfg, state.schedule_horizon or data.total_steps)
     if resume_from:
         ckpt.load_training_state(resume_from, model, optimizer, scheduler)
         log.info("resumed from step %d (%s)", state.step, resume_from)
     if cfg.oom_probe and device.type == "cuda" and not resume_from:
-        probe_memory(train_module, cfg, plan, state.oom, device)
+        probe_memory(train_module, cfg, plan, state.oom, device, replicated)
     if state.loader is not None:
         state.loader = ckpt.resume_position(
             resume_from,
@@ -540,7 +616,7 @@ def build_model(
         )
     state.world_size = distributed.world_size()
     state.rng = ckpt.rng_state()  # the RNG states at the step boundary, which a checkpoint stores
-    return model, train_module, optimizer, scheduler
+    return model, train_module, replicated, optimizer, scheduler
 
 
 def micro_step_graph(cfg: TrainConfig, device: torch.device, model, train_module):
@@ -603,11 +679,17 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
             current = upcoming if upcoming is not None else next_step_batches(batches, run)
             upcoming = None
         # Collective, once per step: all ranks stop, save after a data error on one of them, or end at the
-        # time budget at the same step, never inside a step.
-        stop, failed, out_of_time = (
-            n > 0
-            for n in distributed.all_sum([bool(run.stop), current.error is not None, run.meter.out_of_time()])
+        # time budget at the same step, never inside a step; with max_time, rank 0's estimate of the step the
+        # budget ends at (its clock decides for every rank).
+        *flags, budget_end = distributed.all_sum(
+            [
+                bool(run.stop),
+                current.error is not None,
+                run.meter.out_of_time(),
+                time_budget_estimate(run, state),
+            ]
         )
+        stop, failed, out_of_time = (n > 0 for n in flags)
         if failed:
             save_after_error(run, state, current.error, collective=True)
             raise current.error or RecipeDataError(
@@ -623,6 +705,8 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
                 last_eval = evaluate_and_track(run, state)
                 empty_cache.after_evaluation()
             break
+        if budget_end > 0:
+            follow_time_budget(run, state, int(budget_end) - 1)
         with record_function("forward_backward"):
             # Several ranks stop together at a step boundary (above), never inside a step.
             stop = run.stop if distributed.world_size() == 1 else None
@@ -637,6 +721,7 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
                 stop,
                 n_target=current.counts.target_tokens,
                 graph=run.graph,
+                replicated=run.replicated,
             )
         run.heartbeat.beat(state.step)
         if result is None:  # stop requested mid-step: the partial gradients are dropped
@@ -649,7 +734,15 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
             with record_function("data"):
                 upcoming = next_step_batches(batches, run)
         with record_function("optimizer"), run.intact.changing():
-            loss, grad_norm = optimizer_step(run, *result)
+            loss, grad_norm = optimizer_step(
+                run.model,
+                run.optimizer,
+                run.scheduler,
+                *result,
+                max_grad_norm=cfg.max_grad_norm,
+                graph=run.graph,
+                replicated=run.replicated,
+            )
         state.loader = current.loader_after
         state.step += 1
         run.profiler.after_step(state.step)
@@ -742,35 +835,35 @@ def step_counts(group: list[dict]) -> StepCounts:
     )
 
 
-def optimizer_step(run: Run, loss_sum, n_target: int) -> tuple[float, float]:
-    """Clip, then update unless the loss or the gradient norm is not finite (that step is skipped); the
-    schedule advances either way. Returns the step's loss (token mean over the job) and gradient norm."""
-    params = [p for p in run.model.parameters() if p.grad is not None]
-    grad_norm, max_norm = distributed.grad_norm(params), run.cfg.max_grad_norm
-    adafactor = run.optimizer if isinstance(run.optimizer, Adafactor) else None
-    if adafactor is not None:
-        # The host's part of the update (step counts, the step's scalars, the kernels' tables) while the GPU
-        # is still busy: after the wait below it would idle until the update is launched. Taken back if the
-        # step is skipped. Clipping is a factor the update applies as it reads the gradients.
-        layout = adafactor.advance(grad_scale=clip_coefficient(grad_norm, max_norm))
-    elif max_norm > 0:  # 0: the norm is only measured, as in Hugging Face
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
-    # One wait for the GPU per step, for both numbers the update depends on.
-    loss_sum, grad_norm = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()
-    loss = distributed.all_sum([loss_sum])[0] / max(n_target, 1)  # the same on every rank
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        if adafactor is not None:
-            adafactor.retreat()
-    elif adafactor is None:
-        run.optimizer.step()
-    elif run.graph is not None:
-        run.graph.update(adafactor, layout)
-    else:
-        adafactor.apply()
-    # A CUDA graph adds into the gradients where they are: they stay, zeroed.
-    run.optimizer.zero_grad(set_to_none=run.graph is None)
-    run.scheduler.step()
-    return loss, grad_norm
+def time_budget_estimate(run: Run, state: RunState) -> int:
+    """Rank 0's estimate, plus 1, of the step the max_time budget ends at, from the time per step it measured
+    (0: no estimate: the other ranks, no max_time, too few steps measured)."""
+    seconds_per_step, seconds_left = run.meter.seconds_per_step(), run.meter.time_left_s()
+    if not run.is_main or seconds_per_step is None or seconds_left is None:
+        return 0
+    return time_budget_end(state.step, seconds_left, seconds_per_step) + 1
+
+
+def follow_time_budget(run: Run, state: RunState, budget_end: int) -> None:
+    """Before a step: end the learning-rate schedule at `budget_end`, where the time budget will end (at least
+    the step about to run, at most the planned total steps), so that a run stopped by max_time decays to the
+    schedule's end. The first estimate is applied, later ones when they move the end by more than 2% of the
+    steps left (a step's time varies). Every change is logged."""
+    state.seconds_per_step = run.meter.seconds_per_step()
+    horizon = min(run.data.total_steps, max(budget_end, state.step + 1))
+    current = state.schedule_horizon
+    if current is not None and abs(horizon - current) <= 0.02 * (current - state.step):
+        return
+    set_horizon(run.scheduler, run.cfg, horizon)
+    state.schedule_horizon = horizon
+    per_step = f"{state.seconds_per_step:.3g} s" if state.seconds_per_step else "n/a"
+    log.info(
+        "max_time: the learning-rate schedule ends at step %d (%s), where the time budget does at %s per "
+        "step",
+        horizon,
+        "first estimate" if current is None else f"was {current}",
+        per_step,
+    )
 
 
 def count_nan_step(run: Run, state: RunState, loss: float, grad_norm: float) -> None:
@@ -810,7 +903,7 @@ def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
         cfg,
         run.data.template,
         run.data.tokenizer_file,
-        distributed.unwrap(run.train_module),
+        run.train_module,
         max_batch_tokens=eval_batch_tokens(run.plan.applied_to(cfg), state.oom.split),
     )
     log.info("step %d: %s", state.step, metrics_line(result.metrics))
@@ -872,6 +965,8 @@ def save(run: Run, state: RunState) -> Path:
             prompt_config=run.plan.applied_to(cfg),
         )
     state.saved_step = state.step
+    if run.hub is not None:  # staged before the rotation below may remove the checkpoint
+        run.hub.checkpoint_saved(path, state.step)
     if run.is_main:
         best = Path(state.best["path"]) if state.best else None
         removed = ckpt.rotate_checkpoints(run.output_dir, cfg.save_total_limit, best)
@@ -916,15 +1011,18 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         if state.saved_step != state.step:
             save(run, state)
         state.count_progress(run.meter.run.tokens, run.meter.train_seconds)
+        card = model_card_info(run, state, final, last_eval, final_step)
         ckpt.save_final_model(
             run.model,
             cfg.model_name_or_path,
             run.data.tokenizer_file,
             final,
             prompt_config=run.plan.applied_to(cfg),
-            card=model_card_info(run, state, final, last_eval, final_step),
+            card=card,
             weights_from=best_weights,
         )
+        if run.hub is not None:
+            run.hub.final_saved(final, final_step, card)
         final_is_best = state.best is not None and state.best["step"] == final_step
         run.reporter.model_saved(step=final_step, path=str(final), best=state.best if final_is_best else None)
     from trainer.model import LAST_LOAD
@@ -943,6 +1041,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         "best_global_step": state.best["step"] if state.best else None,
         "best_model_checkpoint": state.best["path"] if state.best else None,
         "final_model_step": final_step if cfg.save_final else None,
+        "adapter": cfg.adapter,
     }
     if run.device.type == "cuda":
         summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(run.device) / memory.GIB
@@ -980,6 +1079,8 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         steps=f"{state.step:,} of {run.data.total_steps:,}",
         best=state.best,
     )
+    if run.hub is not None:  # the last upload, for at most hub_upload_timeout; what is left waits on disk
+        run.hub.wait(cfg.hub_upload_timeout_s)
     return 0
 
 
@@ -1000,7 +1101,7 @@ def best_checkpoint_for_final(cfg: TrainConfig, state: RunState) -> Path | None:
 
 def model_card_info(run: Run, state: RunState, final: Path, last_eval: EvalResult | None, final_step: int):
     """What final/'s model card says about this run (trainer.model_card)."""
-    from trainer.model_card import ModelCardInfo
+    from trainer.model_card import LoraSettings, ModelCardInfo
 
     cfg = run.cfg
     if run.device.type == "cuda":
@@ -1015,6 +1116,12 @@ def model_card_info(run: Run, state: RunState, final: Path, last_eval: EvalResul
     if state.last_loss is not None:
         last["train/loss"] = state.last_loss
     best = state.best
+    lora = None
+    if cfg.adapter is not None:
+        trained = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
+        lora = LoraSettings(
+            cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, list(cfg.lora_target_modules), trained
+        )
     return ModelCardInfo(
         model_path=str(final),
         base_model=cfg.model_name_or_path,
@@ -1033,4 +1140,5 @@ def model_card_info(run: Run, state: RunState, final: Path, last_eval: EvalResul
         best_step=best["step"] if best else None,
         metric_for_best_model=cfg.best_metric_key,
         weights_step=final_step,
+        lora=lora,
     )
