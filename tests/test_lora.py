@@ -178,7 +178,7 @@ def test_a_step_changes_only_the_adapters_over_a_frozen_bf16_base(tiny_model_dir
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for _ in range(2):  # lora_B starts at zero: lora_A's gradient is zero until B has moved
-        token_loss_sum(model, _batch()).backward()
+        token_loss_sum(model, _batch("cpu")).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
@@ -241,7 +241,7 @@ def test_a_lora_run_checkpoints_its_adapters_resumes_exactly_and_ends_with_one_m
     merged = AutoModelForSeq2SeqLM.from_pretrained(final).eval()
     base = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir)
     with_adapter = PeftModel.from_pretrained(base, final / "adapter").eval()
-    batch = _batch()
+    batch = _batch("cpu")
     with torch.no_grad():
         logits = merged(**batch).logits
         want = with_adapter(**batch).logits
