@@ -2,7 +2,7 @@
 
     python3 bench/dropout_rng.py [--rows 68 --query 352 --key 352 --causal] [--dropout 0.1]
 
-trainer.attention draws one 16-bit number per attention probability from `uniform16` (a hash of the
+trainer.kernels.attention draws one 16-bit number per attention probability from `uniform16` (a hash of the
 probability's index). The alternatives swapped in here for comparison, in separate processes (a Triton kernel
 compiles against the `_keep` it finds first):
 - philox10: Triton's Philox4x32 with its default 10 rounds, eight 16-bit numbers per call, moved into the
@@ -67,7 +67,7 @@ def main() -> int:
     shape = ["--rows", str(args.rows), "--query", str(args.query), "--key", str(args.key)]
     shape += ["--causal"] if args.causal else []
     if args.one:
-        from trainer import attention
+        from trainer.kernels import attention
 
         if VARIANTS[args.one] is not None:
             attention._keep = VARIANTS[args.one]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
 
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import store as ckpt
 from trainer.config import ConfigError
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from trainer import _loader
 from trainer.config import TrainConfig
-from trainer.data import (
+from trainer.data.loader import (
     LOADER_OPTIONS,
     RecipeConfigError,
     RecipeDataError,
@@ -24,7 +24,7 @@ from trainer.data import (
     RecipeStream,
     loader_options,
 )
-from trainer.sample import write_sample
+from trainer.data.sample import write_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 STUB = ast.parse((ROOT / "trainer" / "_loader.pyi").read_text())
@@ -110,7 +110,7 @@ def test_config_fields_reach_the_loader():
     # What the config does not set is set per stream (split, rank, ...) or left to the loader's default. A new
     # loader option with a config field of another name fails here until it is mapped.
     not_from_config = {o["name"] for o in LOADER_OPTIONS} - set(opts)
-    # weights come from train_files' entries (trainer.data.stream_for).
+    # weights come from train_files' entries (trainer.data.loader.stream_for).
     assert not_from_config == {"epoch", "rank", "world_size", "split", "prefetch", "cache_dir", "weights"}
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     assert set(opts) - fields == {"batch_size", "strict", "num_threads"}
@@ -155,10 +155,10 @@ def test_warnings_reach_python_logging(tmp_path, tiny_model_dir, caplog):
     # A file name so long that no index cache can be named after it, beside it or in the cache directory.
     data = tmp_path / ("r" * 240 + ".jsonl")
     write_sample(data, 20, seed=1, fmt="jsonl")
-    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="trainer.data.loader"):
         s = RecipeStream(data, tiny_model_dir, batch_size=4, cache_dir=tmp_path / "cache")
     assert s.stats()["records"] == 20
-    [record] = [r for r in caplog.records if r.name == "trainer.data"]
+    [record] = [r for r in caplog.records if r.name == "trainer.data.loader"]
     assert record.levelno == logging.WARNING
     assert "could not write the index cache of" in record.getMessage() and "rrrr.jsonl" in record.getMessage()
 

@@ -1,4 +1,4 @@
-"""The packed-row attention kernels (trainer.packed_attention) against the dense math in fp64.
+"""The packed-row attention kernels (trainer.kernels.packed_attention) against the dense math in fp64.
 
 On a machine without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), whose
 tl.dot mishandles bfloat16: CPU runs use float16, the kernels' code paths are the same.
@@ -10,7 +10,7 @@ import pytest
 import torch
 from packed_batches import segments
 
-from trainer.packed_attention import (
+from trainer.kernels.packed_attention import (
     BLOCK,
     PackedAttentionLayout,
     RelativeBias,
@@ -18,7 +18,7 @@ from trainer.packed_attention import (
     packed_attention,
     reference_attention,
 )
-from trainer.packed_t5 import segment_mask
+from trainer.model.packed_t5 import segment_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16

@@ -17,8 +17,8 @@ import pytest
 from serve_process import ServeProcess
 
 from trainer.config import TrainConfig
-from trainer.generate import generate_ids, load_model, open_model_dir
-from trainer.prompt import save_prompt_template
+from trainer.data.prompt import save_prompt_template
+from trainer.eval.generate import generate_ids, load_model, open_model_dir
 
 LENGTHS = {"max_source_length": 64, "max_target_length": 24}
 GREEDY = {"max_new_tokens": 16, "do_sample": False}

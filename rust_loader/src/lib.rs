@@ -58,7 +58,7 @@ fn to_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
     Ok(Value::String(v.repr()?.to_string()))
 }
 
-/// Logs what the loader gathered as warnings through Python's `logging` (logger `trainer.data`), so they get
+/// Logs what the loader gathered as warnings through Python's `logging` (logger `trainer.data.loader`), so they get
 /// the application's handlers and secret masking.
 fn log_warnings(py: Python<'_>, warnings: Vec<String>) -> PyResult<()> {
     if warnings.is_empty() {
@@ -66,14 +66,14 @@ fn log_warnings(py: Python<'_>, warnings: Vec<String>) -> PyResult<()> {
     }
     let log = py
         .import("logging")?
-        .call_method1("getLogger", ("trainer.data",))?;
+        .call_method1("getLogger", ("trainer.data.loader",))?;
     for w in warnings {
         log.call_method1("warning", ("%s", w))?;
     }
     Ok(())
 }
 
-/// Streams padded batches of recipe data; see `trainer.data.RecipeStream` for the documented API and
+/// Streams padded batches of recipe data; see `trainer.data.loader.RecipeStream` for the documented API and
 /// `LOADER_OPTIONS` for the keyword options.
 #[pyclass(module = "trainer._loader")]
 struct RecipeLoader {

@@ -1,0 +1,499 @@
+"""Atomic, resumable checkpoints: `<output_dir>/checkpoint-<step>/`, for one process or several.
+
+A checkpoint is written into `checkpoint-<step>.tmp-<pid of rank 0>` and renamed into place only once
+complete, and its last file is the completion marker `trainer_state.json`; a directory without it (a run
+killed mid-write) is never picked for resume. A write that fails (a full disk: one line, trainer.infra.disk)
+or is interrupted (a second Ctrl-C) removes its temporary directory; one a killed run left behind is removed
+by the next run once it holds output_dir's lock (`remove_stale_temporaries`). Contents:
+
+- `dcp/`: model weights and optimizer states through `torch.distributed.checkpoint` (DCP), keyed by parameter
+  name. Each rank writes its own part (with FSDP, its shards) and DCP re-splits on load, so a checkpoint saved
+  by 2 ranks resumes on 1, 4, or with the other strategy. This is what resume loads the optimizer from.
+- `model.safetensors` + `config.json`: the whole model via save_pretrained (rank 0, FSDP shards gathered), so
+  any checkpoint loads with `from_pretrained` (the best one, for evaluation); resume builds the model from it.
+  A LoRA run (trainer.model.lora) saves its adapter instead, in PEFT's format (`adapter_model.safetensors`,
+  `adapter_config.json` naming the base), and dcp/ holds the adapters and their optimizer states alone: the
+  frozen base is the config's model_name_or_path, which resume loads again.
+- `tokenizer.json` and `recipe_template.json` (the prompt template, trainer.data.prompt): with the two above,
+  the checkpoint generates on its own (`trainer generate --model <output_dir>/checkpoint-<step>`).
+- `scheduler.pt`; `rng.pt` (python, numpy, torch, cuda) and `rng-<rank>.pt` for the other ranks.
+- `trainer_state.json`: step, loader position, world size, config, W&B run id, OOM-adjusted micro-batch, the
+  best evaluation and the early-stopping count (trainer.run.run_state.RunState.trainer_state).
+
+Also here: finding the checkpoint to resume from, where its loader position puts this run's ranks, what in
+the config changed since it was written, and `final/` (the finished model, written whole: weights, tokenizer,
+prompt template and model card, the weights those of the best checkpoint with load_best_model_at_end; a LoRA
+run's merged into the base, its adapter in `final/adapter/`).
+
+Several ranks: every rank calls `save_checkpoint` (it is collective); the output directory must be one shared
+filesystem for all of them (a multi-node run needs a network filesystem there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from trainer.config import ConfigError
+from trainer.data.prompt import save_prompt_template
+from trainer.infra import disk, distributed
+from trainer.infra.redact import redact_obj
+from trainer.model.load import write_config
+
+log = logging.getLogger(__name__)
+
+MARKER = "trainer_state.json"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    *,
+    model,
+    optimizer,
+    scheduler,
+    trainer_state: dict[str, Any],
+    tokenizer_file: str | Path | None = None,
+    rng: dict[str, Any] | None = None,
+    prompt_config=None,
+) -> Path:
+    """Write checkpoint-<step> atomically and return its path (an existing one for `step` is replaced).
+
+    `model` is the HF model (not FSDP's loss module around it: its parameter names are the checkpoint's
+    keys). Under torchrun every rank calls this; rank 0 writes the shared files. `rng`: the RNG states to
+    store (default: the current ones); the loop passes those of the step boundary, since a step interrupted by
+    a signal has already drawn dropout masks. `prompt_config`: the config the model trains with, whose prompt
+    template (`recipe_template.json`) goes beside the tokenizer, so that the checkpoint generates on its
+    own."""
+    output_dir = Path(output_dir)
+    rank = distributed.rank()
+    final = output_dir / f"checkpoint-{step}"
+    tmp = output_dir / f"checkpoint-{step}.tmp-{os.getpid()}"
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    tmp = distributed.broadcast_object(tmp)  # rank 0's directory, made before any rank writes into it
+    # A failure or an interrupt (a second Ctrl-C) removes the partial directory; a full disk is one line
+    # naming the space free and needed. Earlier checkpoints are untouched.
+    needed = disk.checkpoint_bytes(output_dir) or disk.state_bytes(model, optimizer)
+    with disk.removed_on_failure(tmp, needed_bytes=needed, remove=rank == 0):
+        save_pretrained(model, tmp)
+        model_state, optim_state, _ = _states(model, optimizer)
+        with _one_process_is_intended():
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / "dcp")
+        torch.save(rng if rng is not None else rng_state(), tmp / _rng_file(rank))
+        distributed.barrier()  # every rank's files are in place
+        if rank == 0:
+            if tokenizer_file is not None:
+                shutil.copy(tokenizer_file, tmp / "tokenizer.json")
+            if prompt_config is not None:
+                save_prompt_template(tmp, prompt_config)
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            state = dict(trainer_state, step=step)
+            with open(tmp / MARKER, "w", encoding="utf-8") as f:  # written last: the completion marker
+                json.dump(state, f, indent=2, default=str)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            log.info("saved checkpoint %s", final)
+    distributed.barrier()  # no rank reads or rotates checkpoints before the rename
+    return final
+
+
+def is_adapter_model(model) -> bool:
+    """Whether `model` is a PEFT model (trainer.model.lora): it saves, checkpoints and loads its adapters
+    alone."""
+    return hasattr(model, "peft_config")
+
+
+def _states(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
+    """The model and optimizer state dicts DCP saves and loads, and the options to set them with: every
+    weight, or a PEFT model's trained ones (its adapters; DCP's own ignore_frozen_params keeps the tied
+    embedding's other names, e.g. encoder.embed_tokens.weight)."""
+    if not is_adapter_model(model):
+        return *get_state_dict(model, optimizer), StateDictOptions()
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_state.items() if k in trained}, optim_state, options
+
+
+def save_pretrained(model, path: str | Path) -> None:
+    """`model.save_pretrained(path)` of the whole model (a PEFT model's adapter), written by rank 0, its
+    config.json saying how its LM head is (trainer.model.load.write_config). Under FSDP the shards are
+    gathered first (collective: every rank calls this)."""
+    if is_adapter_model(model):  # LoRA (one process or DDP: every rank holds the same adapters)
+        if distributed.rank() == 0:
+            from trainer.model.lora import save_adapter
+
+            save_adapter(model, path)
+        return
+    if not distributed.is_distributed():
+        model.save_pretrained(path, safe_serialization=True)
+        write_config(model, path)
+        return
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if distributed.rank() == 0:  # cpu_offload + full_state_dict: only rank 0 receives the tensors
+        model.save_pretrained(path, state_dict=full, safe_serialization=True)
+        write_config(model, path)
+
+
+@contextlib.contextmanager
+def _one_process_is_intended():
+    """DCP without a process group works in one process, and warns that it assumes so: it is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _rng_file(rank: int) -> str:
+    return "rng.pt" if rank == 0 else f"rng-{rank}.pt"
+
+
+def is_complete(path: Path) -> bool:
+    return path.is_dir() and _NAME.match(path.name) is not None and (path / MARKER).is_file()
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in output_dir, oldest first."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for p in output_dir.iterdir():
+        m = _NAME.match(p.name)
+        if m and is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from (a missing, empty or truncated file), or None.
+
+    Reads only headers and the small files: the trainer state, the safetensors headers, DCP's metadata (every
+    byte range it names must exist), the scheduler and RNG states."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (path / MARKER).is_file():
+        return f"no {MARKER}"
+    try:
+        state = json.loads((path / MARKER).read_text(encoding="utf-8"))
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            return f"{MARKER} holds no step"
+        index = path / "model.safetensors.index.json"
+        if (path / "adapter_config.json").is_file():  # a LoRA run's (trainer.model.lora)
+            weights = ["adapter_model.safetensors"]
+        elif index.is_file():
+            weights = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        else:
+            weights = ["model.safetensors"]
+        for name in weights:
+            with safe_open(path / name, framework="pt"):
+                pass
+        metadata = FileSystemReader(path / "dcp").read_metadata()
+        for item in metadata.storage_data.values():
+            data = path / "dcp" / item.relative_path
+            if data.stat().st_size < item.offset + item.length:
+                return f"dcp/{item.relative_path} is truncated"
+        torch.load(path / "scheduler.pt", weights_only=True)
+        torch.load(path / "rng.pt", weights_only=False)
+    except Exception as e:  # any unreadable part makes the checkpoint unusable; say which
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
+    """resume "auto": the newest usable checkpoint in `output_dir` (None if there is none; damaged ones are
+    skipped with a warning); "never": None; else that checkpoint, which must be usable (else ConfigError)."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        problem = checkpoint_problem(path)
+        if problem:
+            raise ConfigError(f"resume: {path} is not a usable checkpoint ({problem})")
+        return path
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None
+    named = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    for _, path in sorted(named, reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        log.warning("resume: skipping %s, it cannot be resumed from (%s)", path, problem)
+    return None
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))
+
+
+def load_training_state(path: str | Path, model, optimizer, scheduler) -> None:
+    """Restore model weights and optimizer states (DCP, re-split for this run's ranks and strategy), the
+    scheduler and the RNG states from a checkpoint. `model` is the HF model, already wrapped for this run and
+    with `optimizer` built over it. Collective under torchrun.
+
+    RNG: each rank restores its own states; a rank the saving run did not have (more ranks now) takes rank
+    0's."""
+    path = Path(path)
+    model_state, optim_state, options = _states(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with _one_process_is_intended():
+        dcp.load(state, checkpoint_id=path / "dcp")
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+    )
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    rng_file = path / _rng_file(distributed.rank())
+    set_rng_state(torch.load(rng_file if rng_file.exists() else path / "rng.pt", weights_only=False))
+
+
+def remove_stale_temporaries(output_dir: str | Path) -> list[Path]:
+    """Delete what saves of earlier runs left half-written (`checkpoint-<step>.tmp-<pid>`, `final.tmp`: a
+    run killed while saving). Call it only while holding output_dir's lock (trainer.infra.run_lock): then no
+    other trainer is writing them. Returns what was removed."""
+    output_dir = Path(output_dir)
+    stale = [*output_dir.glob("checkpoint-*.tmp-*"), output_dir / "final.tmp"]
+    removed = [p for p in stale if p.is_dir()]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def rotate_checkpoints(output_dir: str | Path, save_total_limit: int, best: Path | None = None) -> list[Path]:
+    """Delete all but the newest `save_total_limit` complete checkpoints, keeping `best`. Returns what was
+    removed."""
+    output_dir = Path(output_dir)
+    removed: list[Path] = []
+    if save_total_limit <= 0:
+        return removed
+    found = [p for _, p in list_checkpoints(output_dir)]
+    keep = set(found[-save_total_limit:])
+    if best is not None:
+        keep.add(Path(best))
+    for p in found:
+        if p not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def resume_position(
+    checkpoint: Path, saved: dict, saved_world_size: int, stream, cfg, tokenizer_file: str
+) -> dict:
+    """This rank's train-stream state for resuming from `checkpoint`, whose loader position `saved` is rank
+    0's in a run of `saved_world_size` ranks.
+
+    Rank r of W reads the epoch's global batches r, r+W, r+2W, ... (rust_loader/core/src/plan.rs), so after
+    k batches per rank the first k*W global batches are consumed, whatever the rank. With the same W every
+    rank continues at k. With another W' every rank continues at floor(k*W / W'): when W' does not divide
+    k*W, up to W'-1 global batches are read a second time, none is skipped. (The epoch's order is the same for
+    every W; only its last few batches, cut so that every rank has as many, differ.)
+
+    The loader's fingerprint covers the data, the loader settings and the rank/world size; rank 0 checks the
+    saved one (against a stream built like the saving run's rank 0 when W changed: its index is cached) and
+    refuses other data or settings (ConfigError). The other ranks read the same files with the same config.
+    `cfg`: the config with the planned batching applied (`RunPlan.applied_to`)."""
+    from trainer.data.loader import RecipeDataError, stream_for
+
+    world_size = distributed.world_size()
+    if distributed.rank() == 0:
+        reference = stream
+        if saved_world_size != world_size:
+            reference = stream_for(cfg, tokenizer_file, "train", rank=0, world_size=saved_world_size)
+        try:
+            reference.load_state_dict(saved)  # raises on other data or settings
+        except RecipeDataError as e:
+            raise ConfigError(
+                f"resume from {checkpoint}: {e}. Train on the same data with the same batching, or start "
+                "over with resume: never or another output_dir"
+            ) from None
+    consumed = int(saved["batches_consumed"]) * saved_world_size // world_size
+    if saved_world_size != world_size:
+        log.info(
+            "resuming on %d ranks from a checkpoint of %d: %d batches per rank consumed in epoch %d -> %d",
+            world_size,
+            saved_world_size,
+            saved["batches_consumed"],
+            saved["epoch"],
+            consumed,
+        )
+    return dict(stream.state_dict(), epoch=int(saved["epoch"]), batches_consumed=consumed)
+
+
+# Keys whose change on resume changes nothing about what was already trained, or is expected.
+_RESUME_FREE_KEYS = {
+    "max_steps",
+    "num_train_epochs",
+    "max_time",
+    "resume",
+    "output_dir",
+    "progress_bar",
+    "run_name",
+    "push_to_hub",
+    "hub_model_id",
+    "hub_strategy",
+    "hub_private_repo",
+    "hub_upload_timeout",
+}
+
+
+# Keys the checkpoint's tensors are shaped by: full weights or LoRA adapters, and the adapters' shapes.
+_RESUME_FIXED_KEYS = ("adapter", "lora_r", "lora_target_modules")
+
+
+def check_resume_config(checkpoint: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """ConfigError naming the keys when the config `now` changes what `checkpoint` (written with the config
+    `saved`) holds: a LoRA run's adapters or a full run's weights, the adapters' rank or projections."""
+    adapter_keys = _RESUME_FIXED_KEYS[1:] if now.get("adapter") or saved.get("adapter") else ()
+
+    def value(config: dict[str, Any], key: str):
+        v = config.get(key)
+        return sorted(v) if isinstance(v, list) else v  # the projections in any order: the same adapters
+
+    changed = [k for k in ("adapter", *adapter_keys) if k in saved and value(saved, k) != value(now, k)]
+    if changed:
+        raise ConfigError(
+            f"resume: {checkpoint} was written with {', '.join(f'{k} {saved[k]!r}' for k in changed)}, which "
+            f"this config changes to {', '.join(repr(now.get(k)) for k in changed)}: its tensors cannot be "
+            "loaded. Set them back, or start over with resume: never or another output_dir",
+            key=tuple(changed),
+        )
+
+
+def warn_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """Warn, naming the keys, where the config `now` (secrets masked, as checkpoints store it) differs from
+    the one the checkpoint was written with. The optimizer and scheduler states come from the checkpoint, so
+    a changed learning_rate does not apply."""
+    changed = sorted(
+        k for k in saved.keys() & now.keys() if k not in _RESUME_FREE_KEYS and saved[k] != now[k]
+    )
+    if changed:
+        log.warning(
+            "resuming with a config that differs from the checkpoint's: %s; the optimizer and learning-rate "
+            "schedule continue from the checkpoint's state (start over in another output_dir to apply them)",
+            ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed),
+        )
+
+
+def saved_config(cfg) -> dict[str, Any]:
+    """The config as checkpoints store it and compare it: a dict, secrets masked."""
+    return redact_obj(cfg.to_dict())
+
+
+def save_final_model(
+    model,
+    model_name_or_path: str,
+    tokenizer_file: str,
+    final: Path,
+    *,
+    prompt_config=None,
+    card=None,
+    weights_from: Path | None = None,
+) -> None:
+    """`final/`: the whole model and its tokenizer, written beside it and renamed into place, so that a run
+    stopped or failing half-way leaves no partial final/ (the next run writes it). Collective under FSDP.
+
+    `weights_from`: a checkpoint whose weights final/ takes instead of `model`'s (load_best_model_at_end),
+    hard-linked (copied on a filesystem without links); the same on every rank. `prompt_config`: the config
+    trained with, for `recipe_template.json`; `card`: a trainer.checkpoint.model_card.ModelCardInfo for
+    README.md.
+
+    A PEFT model (LoRA, trainer.model.lora): final/ holds the base with the adapter (`weights_from`'s, else
+    the model's) merged into its weights, final/adapter/ the adapter; rank 0's model is merged in place."""
+    is_main = distributed.rank() == 0
+    tmp = final.with_name(final.name + ".tmp")
+    if is_main and tmp.exists():
+        shutil.rmtree(tmp)
+    distributed.barrier()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # this rank's, under FSDP
+    with disk.removed_on_failure(tmp, needed_bytes=weights, remove=is_main):
+        if is_adapter_model(model):
+            if is_main:
+                from trainer.model.lora import save_merged
+
+                save_merged(model, tmp, adapter_from=weights_from)
+        elif weights_from is None:
+            save_pretrained(model, tmp)  # rank 0 writes the whole model (FSDP: gathered)
+        elif is_main:
+            _link_weights(Path(weights_from), tmp)
+        if is_main:
+            _copy_tokenizer(model_name_or_path, tokenizer_file, tmp)
+            if prompt_config is not None:
+                save_prompt_template(tmp, prompt_config)
+            if card is not None:
+                from trainer.checkpoint.model_card import write_model_card
+
+                write_model_card(tmp, card)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            log.info("saved the final model and its tokenizer in %s", final)
+
+
+def _link_weights(checkpoint: Path, out: Path) -> None:
+    """The model files save_pretrained wrote into `checkpoint` (config, generation config, safetensors and
+    their index), hard-linked into `out`: no second copy on disk, and rotating the checkpoint away later
+    leaves them."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = ["config.json", "generation_config.json", "model.safetensors.index.json"]
+    files = [checkpoint / n for n in names if (checkpoint / n).is_file()]
+    files += sorted(checkpoint.glob("*.safetensors"))
+    for src in files:
+        try:
+            os.link(src, out / src.name)
+        except OSError:
+            shutil.copy2(src, out / src.name)
+
+
+def _copy_tokenizer(model_name_or_path: str, tokenizer_file: str, out: Path) -> None:
+    src = Path(model_name_or_path)
+    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model"]
+    copied = False
+    if src.is_dir():
+        for name in names:
+            if (src / name).exists():
+                shutil.copy(src / name, out / name)
+                copied = True
+    if not copied:
+        shutil.copy(tokenizer_file, out / "tokenizer.json")

@@ -1,0 +1,256 @@
+"""Loading the model once, in its training dtype, straight onto the training device."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from trainer.infra.memory import GIB
+
+log = logging.getLogger(__name__)
+
+LOAD_PEAK_FACTOR = 1.05  # peak GPU memory while loading, relative to the weights' bytes ...
+# ... plus this much: the allocator rounds every tensor up to whole blocks and loading keeps small transient
+# buffers, which outweigh 5% of a small model's weights (the quickstart's tiny T5 failed a bare 1.05x on a
+# GPU).
+LOAD_PEAK_SLACK = 64 * 2**20
+LAST_LOAD: dict = {}  # what the last load measured (weights and peak bytes), for the run summary
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def _dtype_kwarg() -> str:
+    """transformers 5 takes `dtype=`, 4.5x `torch_dtype=`."""
+    from transformers import PreTrainedModel
+
+    params = inspect.signature(PreTrainedModel.from_pretrained).parameters
+    return "dtype" if _transformers_major() >= 5 or "dtype" in params else "torch_dtype"
+
+
+def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: str, random_init: bool):
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    if random_init:  # architecture only (benchmarks): random weights built on the device in their dtype
+        config = AutoConfig.from_pretrained(path)
+        config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        with torch.device(device):
+            return AutoModelForSeq2SeqLM.from_config(
+                config, attn_implementation=attn, **{_dtype_kwarg(): dtype}
+            )
+    kwargs = {_dtype_kwarg(): dtype, "attn_implementation": attn}
+    if device.type != "cpu":
+        kwargs["device_map"] = {"": device}  # weights go straight to the GPU, no CPU copy of the model
+    return from_pretrained(path, **kwargs)
+
+
+def from_pretrained(path: str | Path, **kwargs):
+    """`AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)`, without transformers 5's warning about
+    FLAN-T5's LM head: transformers 5 forces T5's tie_word_embeddings on, then warns that the head, FLAN-T5's
+    own, is not tied to the embedding and that the config should say tie_word_embeddings=False, which it does
+    (`write_config`): nothing for the user to do."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    hf_log = logging.getLogger("transformers.modeling_utils")
+    hf_log.addFilter(_untied_head_warning)
+    try:
+        return AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)
+    finally:
+        hf_log.removeFilter(_untied_head_warning)
+
+
+def _untied_head_warning(record: logging.LogRecord) -> bool:
+    return "NOT tie them" not in record.getMessage()
+
+
+def write_config(model, path: str | Path) -> None:
+    """Make the config.json save_pretrained wrote for `model` into `path` say how its LM head is: a head of
+    its own (FLAN-T5's) as `"tie_word_embeddings": false`, as google/flan-t5-xl's config.json says it.
+    transformers 5 writes true for every T5 and keeps the real tie in `scale_decoder_outputs`, which
+    transformers 4 does not read: it would tie the trained head to the embedding and scale the decoder's
+    outputs, another model."""
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        return
+    file = Path(path) / "config.json"
+    config = json.loads(file.read_text(encoding="utf-8"))
+    config["tie_word_embeddings"] = False
+    config.pop("scale_decoder_outputs", None)  # transformers 5 derives it from the tie again
+    file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def load_model(
+    cfg,
+    device: torch.device,
+    *,
+    path: str | Path | None = None,
+    random_init: bool | None = None,
+    blocks_without_checkpointing: tuple[int, int] = (0, 0),
+):
+    """Load cfg.model_name_or_path (or `path`, e.g. a checkpoint) once, in cfg.dtype, onto `device`.
+
+    On CUDA, asserts the peak memory during the load is at most 1.05x the weights + 64 MiB (no fp32 copy, no
+    second copy on the device). Attention: cfg.attn_implementation. Gradient checkpointing is non-reentrant,
+    except for the last `blocks_without_checkpointing` (decoder, encoder) blocks (the run's plan decides how
+    many); use_cache is off (turned on for generation).
+    """
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    path = str(path or cfg.model_name_or_path)
+    random_init = cfg.random_init if random_init is None else random_init
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    attn = "eager" if cfg.attn_implementation == "triton" else cfg.attn_implementation
+    model = _from_pretrained(path, dtype, device, attn, random_init)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
+    n_params = sum(p.numel() for p in model.parameters())
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        log.info(
+            "model: %s loaded in %s, %.2f GiB weights, load peak %.2f GiB (%.3fx the weights)",
+            path,
+            cfg.dtype,
+            weight_bytes / GIB,
+            peak / GIB,
+            peak / max(weight_bytes, 1),
+        )
+        LAST_LOAD.update(weight_bytes=weight_bytes, peak_bytes=peak)
+        # Random init (benchmarks) has initialisation temporaries; the check is about loading weight files.
+        if not random_init and peak > LOAD_PEAK_FACTOR * weight_bytes + LOAD_PEAK_SLACK:
+            raise RuntimeError(
+                f"loading {path} peaked at {peak / 2**20:,.0f} MiB on the GPU, more than {LOAD_PEAK_FACTOR}x "
+                f"its {weight_bytes / 2**20:,.0f} MiB of weights (+{LOAD_PEAK_SLACK // 2**20} MiB): it was "
+                "copied twice"
+            )
+    else:
+        LAST_LOAD.update(weight_bytes=weight_bytes, peak_bytes=None)
+        log.info("model: %s loaded in %s on %s, %.1fM parameters", path, cfg.dtype, device, n_params / 1e6)
+    param_device = next(model.parameters()).device
+    if param_device.type != device.type:
+        raise RuntimeError(f"model loaded on {param_device}, expected {device}")
+    if cfg.attn_implementation == "triton":
+        _use_triton_attention(model, device, dtype)
+    attn_used = getattr(model.config, "_attn_implementation", None) or cfg.attn_implementation
+    norms, gelus, gated, residual, shared = use_fused_t5_ops(model)
+    fused = f"{norms} layer norms and {gelus} GELUs in one kernel each"
+    if gated or residual:
+        fused += f", {gated} gated-GELU feed-forwards and {residual} residual dropouts as Triton kernels"
+    fused += f", projections in {shared} groups (input gradients summed in their matmuls)"
+    log.info("attention: %s; fused ops: %s", attn_used, fused)
+    model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        skip_checkpointing(model, *blocks_without_checkpointing)
+    if cfg.torch_compile:
+        compile_blocks(model)
+    return model
+
+
+def _use_triton_attention(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """The fused Triton kernels (trainer.kernels.attention) where they run: CUDA, 16-bit dtype,
+    transformers >= 5."""
+    import transformers
+
+    try:
+        from trainer.kernels import attention
+    except ImportError as e:  # Triton ships with torch's Linux CUDA wheels, not everywhere
+        log.info("attention: triton kernels not used (%s); eager attention instead", e)
+        return
+    if device.type != "cuda":  # the documented default off a GPU: eager attention, nothing to say
+        return
+    why = None
+    if not attention.supported(model.config.d_kv, dtype):
+        why = f"head size {model.config.d_kv} in {dtype} is not supported"
+    elif _transformers_major() < 5:
+        why = f"transformers {transformers.__version__} has no attention interface (needs >= 5)"
+    if why:
+        log.info("attention: triton kernels not used (%s); eager attention instead", why)
+        return
+    attention.use_triton_attention(model)
+
+
+def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int, int, int]:
+    """Swap T5's Python-written layer norm and GELU for fused kernels; returns the counts (norms, GELUs,
+    gated feed-forwards, sublayers with a fused residual dropout, projection groups).
+
+    T5LayerNorm (RMS norm, fp32 statistics) is ~7 elementwise kernels and gelu_new
+    (0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))) ~8, each a full pass over B x T x d_ff in forward and more
+    in backward: at FLAN-T5-XL size they take about as long as the matmuls. `nn.RMSNorm` (same weight
+    Parameter, so state-dict keys and checkpoints are unchanged) and `nn.GELU(approximate="tanh")` compute the
+    same functions in one kernel each; results differ only in bf16 rounding (RMSNorm rounds once, at the end).
+    On CUDA, the gated feed-forward's GELU, product and dropout become one Triton kernel each way, and so do
+    each sublayer's output dropout and residual sum (trainer.kernels.fused_ops); elsewhere they stay torch
+    ops. Projections run in groups by input (trainer.kernels.projections), everywhere.
+    """
+    from trainer.kernels.projections import use_projection_groups
+
+    gated = residual = 0
+    if next(model.parameters()).is_cuda:
+        from trainer.kernels.fused_ops import use_fused_gated_gelu, use_fused_residual_dropout
+
+        gated = use_fused_gated_gelu(model)
+        residual = use_fused_residual_dropout(model)
+    norms = gelus = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            kind = type(child).__name__
+            if kind.endswith("LayerNorm") and hasattr(child, "variance_epsilon"):
+                fused = torch.nn.RMSNorm(child.weight.shape, eps=child.variance_epsilon)
+                fused.weight = child.weight
+                setattr(parent, name, fused)
+                norms += 1
+            elif kind == "NewGELUActivation":
+                setattr(parent, name, torch.nn.GELU(approximate="tanh"))
+                gelus += 1
+    return norms, gelus, gated, residual, use_projection_groups(model)
+
+
+def skip_checkpointing(
+    model: torch.nn.Module, decoder_blocks: int, encoder_blocks: int = 0
+) -> tuple[int, int]:
+    """Turn gradient checkpointing off for the last `decoder_blocks` decoder blocks and the last
+    `encoder_blocks` encoder blocks: they keep their activations and skip the recompute. Their backward runs
+    first in their stack, so the checkpointed blocks' recompute finds their memory freed
+    (trainer.plan.memory_plan counts it so). Returns how many were switched in each; 0 where transformers
+    checkpoints a stack as a whole (no per-block switch)."""
+    switched = []
+    for stack, blocks in ((model.decoder, decoder_blocks), (model.encoder, encoder_blocks)):
+        count = 0
+        for block in list(stack.block)[-blocks:] if blocks > 0 else []:
+            if getattr(block, "gradient_checkpointing", None) is True:
+                block.gradient_checkpointing = False
+                count += 1
+        switched.append(count)
+    if decoder_blocks or encoder_blocks:
+        log.info(
+            "gradient checkpointing: off for the last %d of %d decoder blocks and the last %d of %d encoder "
+            "blocks",
+            switched[0],
+            len(model.decoder.block),
+            switched[1],
+            len(model.encoder.block),
+        )
+    return switched[0], switched[1]
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """torch.compile each encoder and decoder block (dynamic shapes: batches vary in rows and lengths).
+
+    Blocks share their code, so the compiled graphs are reused across blocks; gradient checkpointing stays
+    around each block's forward. Returns the number of blocks compiled.
+    """
+    blocks = [*model.encoder.block, *model.decoder.block]
+    for block in blocks:
+        block.compile(dynamic=True)
+    log.info("torch.compile: %d blocks (compiled on first use)", len(blocks))
+    return len(blocks)
