@@ -276,7 +276,8 @@ def one_candidate(
     from trainer.config import TrainConfig
     from trainer.infra import memory
     from trainer.plan.memory_plan import with_planned_batch
-    from trainer.run.train import SUMMARY, train
+    from trainer.report.step_meter import SUMMARY
+    from trainer.run.train import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     result: dict = {"candidate": name, "conf": conf or "(PyTorch defaults)"}

@@ -77,7 +77,7 @@ def mean_lengths(records) -> tuple[float, float]:
 
 def train_rows(output_dir: Path) -> list[dict]:
     """The per-step rows of a run's train log (evaluation rows, which have eval_loss instead, left out)."""
-    from trainer.run.train import TRAIN_LOG
+    from trainer.report.step_meter import TRAIN_LOG
 
     rows = [json.loads(line) for line in (Path(output_dir) / TRAIN_LOG).read_text().splitlines()]
     return [r for r in rows if "loss" in r]

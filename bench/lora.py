@@ -69,7 +69,8 @@ def run_one(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> dict:
     from trainer.plan.gpu_specs import GPUS, flops_per_token, predicted_epoch_seconds
     from trainer.plan.memory_plan import TYPICAL_SOURCE, TYPICAL_TARGET, micro_batch_peak
     from trainer.plan.plan_report import ASSUMED_RECORDS, MEASURED_MFU
-    from trainer.run.train import SUMMARY, train
+    from trainer.report.step_meter import SUMMARY
+    from trainer.run.train import train
 
     bench = CONFIGS[name]
     cuda = torch.cuda.is_available()

@@ -93,9 +93,10 @@ def train(cfg, groups: list[list[dict]], device, graphs: bool) -> list[float]:
     from trainer.data.loader import to_device
     from trainer.kernels.projections import accumulate_weight_grads_in_place
     from trainer.model.load import load_model
+    from trainer.model.loss import token_loss_sum
     from trainer.run.cuda_graphs import MicroStepGraph
     from trainer.run.optim import build_optimizer, build_scheduler
-    from trainer.run.step import accumulate_gradients, optimizer_step, token_loss_sum
+    from trainer.run.step import accumulate_gradients, optimizer_step
 
     torch.manual_seed(0)
     model = load_model(cfg, device)

@@ -112,8 +112,10 @@ def run_ours(
     import torch
 
     from trainer.config import TrainConfig
-    from trainer.plan.memory_plan import _plan_kwargs, budget_peak, load_shape, row_lengths
-    from trainer.run.train import SUMMARY, train
+    from trainer.model.model_shape import load_shape
+    from trainer.plan.memory_plan import _plan_kwargs, budget_peak, row_lengths
+    from trainer.report.step_meter import SUMMARY
+    from trainer.run.train import train
 
     shape = "tiny" if tiny else "xl"
     records = make_records(n=512 if tiny else 4096)
@@ -200,10 +202,10 @@ def loss_check(tiny: bool) -> dict:
     import torch
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.kernels.attention import use_triton_attention
-    from trainer.model.load import use_fused_t5_ops
+    from trainer.model.fused_t5 import use_triton_attention
+    from trainer.model.loss import token_loss_sum
+    from trainer.model.swaps import use_fused_t5_ops
     from trainer.model.tiny_model import flan_t5_config
-    from trainer.run.train import token_loss_sum
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

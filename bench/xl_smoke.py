@@ -94,7 +94,8 @@ def main() -> int:
     from trainer.config import TrainConfig
     from trainer.data.sample import write_sample
     from trainer.model.tiny_model import build_tiny_model
-    from trainer.run.train import SUMMARY, train
+    from trainer.report.step_meter import SUMMARY
+    from trainer.run.train import train
 
     values = dict(PRESET)
     preset = Path(args.preset)

@@ -538,7 +538,8 @@ def test_no_terminal_for_the_trainer():
 def test_stop_grace_period_covers_a_checkpoint():
     """SIGTERM -> the trainer writes weights and optimizer state; Docker must not SIGKILL it half-way."""
     from trainer.config import TrainConfig
-    from trainer.plan.memory_plan import KNOWN_CONFIGS, ModelShape, optimizer_state_bytes
+    from trainer.model.model_shape import KNOWN_CONFIGS, ModelShape
+    from trainer.plan.memory_plan import optimizer_state_bytes
 
     argv = _exec_form("CMD")
     cfg = TrainConfig.load(REPO / argv[argv.index("--config") + 1])

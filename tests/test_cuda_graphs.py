@@ -17,7 +17,8 @@ from tiny_run import tiny_run_values
 
 from trainer.config import TrainConfig
 from trainer.model.loss import Seq2SeqLMLoss
-from trainer.run.train import TRAIN_LOG, train
+from trainer.report.step_meter import TRAIN_LOG
+from trainer.run.train import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
@@ -43,9 +44,10 @@ def micro_batches(n: int) -> list[dict]:
 def load(model_dir, **config):
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.kernels.attention import use_triton_attention
     from trainer.kernels.projections import accumulate_weight_grads_in_place
-    from trainer.model.load import skip_checkpointing, use_fused_t5_ops
+    from trainer.model.fused_t5 import use_triton_attention
+    from trainer.model.load import skip_checkpointing
+    from trainer.model.swaps import use_fused_t5_ops
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, attn_implementation="eager", **config)
     model = model.to("cuda", torch.bfloat16).train()

@@ -22,7 +22,9 @@ import yaml
 from tiny_run import tiny_run_values
 
 from trainer.config import TrainConfig
-from trainer.run.train import SUMMARY, TRAIN_LOG, token_loss_sum, train
+from trainer.model.loss import token_loss_sum
+from trainer.report.step_meter import SUMMARY, TRAIN_LOG
+from trainer.run.train import train
 
 STEPS = 4
 SAVE_AT = 2
@@ -323,7 +325,7 @@ def test_two_nodes_train_checkpoint_and_resume_on_one(model_dir, sample_csv, tmp
         assert two[s] == pytest.approx(four[s], rel=1e-5), (s, two[s], four[s])
 
 
-# Under torchrun: FSDP2 (trainer.infra.distributed.wrap) around the tiny model, its attention through the
+# Under torchrun: FSDP2 (trainer.run.parallel.wrap) around the tiny model, its attention through the
 # packed Triton kernels in Triton's interpreter, which computes them right in fp16 (not in bf16): FSDP's
 # compute dtype is fp16 here, bf16 on a GPU, the same cast either way. Rank r computes packed batch r of 2,
 # scaled as the loop scales it; rank 0 saves the loss sum and the whole gradients.
@@ -331,16 +333,17 @@ _FSDP_PACKED = """
 import sys
 import torch
 from trainer.infra import distributed
+from trainer.run import parallel
 from trainer.config import TrainConfig
-from trainer.run.step import token_loss_sum
+from trainer.model.loss import token_loss_sum
 from test_distributed import packed_batches
 from test_packed_t5 import load
 
 path, out = sys.argv[1], sys.argv[2]
-distributed.FSDP_COMPUTE_DTYPE = torch.float16  # the interpreter computes fp16 right, not bf16
+parallel.FSDP_COMPUTE_DTYPE = torch.float16  # the interpreter computes fp16 right, not bf16
 distributed.init(torch.device("cpu"), 300)
 model = load(path, torch.float16, triton_attention=True).train()
-module = distributed.wrap(model, TrainConfig(distributed_strategy="fsdp"), torch.device("cpu"))
+module = parallel.wrap(model, TrainConfig(distributed_strategy="fsdp"), torch.device("cpu"))
 batches = packed_batches()
 tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
 loss = token_loss_sum(module, batches[distributed.rank()])

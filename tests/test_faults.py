@@ -387,7 +387,7 @@ def test_the_estimate_of_a_checkpoint_is_close_to_a_real_one(tmp_path, tiny_mode
 
 
 def test_a_disk_too_small_for_the_checkpoints_is_a_warning_at_start(small_fs):
-    from trainer.infra.disk import free_space_warning
+    from trainer.checkpoint.store import free_space_warning
 
     one = 1200 << 10  # 3 MiB free: room for 2 checkpoints of 1.2 MiB, not 3
     warning = free_space_warning(small_fs, one, save_total_limit=2, planned_saves=10)

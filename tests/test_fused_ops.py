@@ -10,14 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.kernels.fused_ops import (
-    BLOCK,
-    gated_gelu_linear,
-    norm_and_residual,
-    residual_dropout,
-    use_fused_gated_gelu,
-    use_fused_residual_dropout,
-)
+from trainer.kernels.fused_ops import BLOCK, gated_gelu_linear, norm_and_residual, residual_dropout
+from trainer.model.fused_t5 import use_fused_gated_gelu, use_fused_residual_dropout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -182,8 +176,8 @@ def test_mismatched_inputs_are_refused():
 def test_tiny_t5_with_the_fused_ops_keeps_its_weights_loss_and_generations(tiny_model_dir):
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.model.load import use_fused_t5_ops
-    from trainer.run.train import token_loss_sum
+    from trainer.model.loss import token_loss_sum
+    from trainer.model.swaps import use_fused_t5_ops
 
     def load():
         model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir, attn_implementation="eager")

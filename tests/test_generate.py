@@ -25,7 +25,7 @@ from trainer.data.loader import RecipeStream
 from trainer.data.prompt import TEMPLATE_FILE, PromptTemplate, save_prompt_template
 from trainer.eval.evaluate import eval_loss, sample_records
 from trainer.eval.generate import generate_ids, plan_batches
-from trainer.run.train import token_loss_sum
+from trainer.model.loss import token_loss_sum
 
 LENGTHS = {"max_source_length": 64, "max_target_length": 96}
 

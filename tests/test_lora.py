@@ -21,8 +21,9 @@ from trainer.checkpoint.store import list_checkpoints
 from trainer.config import ConfigError, TrainConfig
 from trainer.infra.disk import directory_bytes
 from trainer.kernels.projections import GroupedLinear, LowRank, ProjectionGroup
-from trainer.run.step import token_loss_sum
-from trainer.run.train import TRAIN_LOG, train
+from trainer.model.loss import token_loss_sum
+from trainer.report.step_meter import TRAIN_LOG
+from trainer.run.train import train
 
 TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
 CUDA = torch.cuda.is_available()
@@ -54,9 +55,9 @@ def _peft_and_fused(model_dir, device="cpu", dtype=torch.float32, checkpointing=
     from peft import get_peft_model
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.kernels.fused_ops import use_fused_gated_gelu, use_fused_residual_dropout
-    from trainer.model.load import use_fused_t5_ops
+    from trainer.model.fused_t5 import use_fused_gated_gelu, use_fused_residual_dropout
     from trainer.model.lora import add_adapters, lora_config
+    from trainer.model.swaps import use_fused_t5_ops
 
     def load():
         model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, attn_implementation="eager")
@@ -267,7 +268,7 @@ def test_a_lora_run_checkpoints_its_adapters_resumes_exactly_and_ends_with_one_m
 def test_load_best_model_at_end_merges_the_best_checkpoints_adapter(tiny_model_dir, sample_csv, tmp_path):
     from safetensors.torch import load_file
 
-    from trainer.run.train import SUMMARY
+    from trainer.report.step_meter import SUMMARY
 
     out = tmp_path / "best"
     # The highest eval loss is the best: the first evaluation's (the loss falls), not the last step's.
@@ -353,7 +354,7 @@ def test_trainer_plan_counts_the_frozen_base_and_the_adapters(tmp_path, capsys):
 def test_cuda_fused_path_with_triton_attention_gives_peft_modules_loss_and_gradients(
     tiny_model_without_dropout,
 ):
-    from trainer.kernels.attention import use_triton_attention
+    from trainer.model.fused_t5 import use_triton_attention
 
     peft, fused = _peft_and_fused(tiny_model_without_dropout, "cuda", torch.bfloat16, checkpointing=True)
     use_triton_attention(fused.get_base_model())
@@ -369,7 +370,7 @@ def test_cuda_fused_path_with_triton_attention_gives_peft_modules_loss_and_gradi
 def test_cuda_graphs_replay_the_adapters_gradients_and_update(tiny_model_without_dropout):
     from packed_batches import pack
 
-    from trainer.kernels.attention import use_triton_attention
+    from trainer.model.fused_t5 import use_triton_attention
     from trainer.model.loss import Seq2SeqLMLoss
     from trainer.run.cuda_graphs import WARMUP, MicroStepGraph
     from trainer.run.optim import Adafactor

@@ -23,8 +23,10 @@ from transformers.optimization import Adafactor
 from trainer.cli import main as cli_main
 from trainer.config import TrainConfig
 from trainer.infra.memory import GIB
-from trainer.model.load import skip_checkpointing, use_fused_t5_ops
+from trainer.model.load import skip_checkpointing
+from trainer.model.loss import token_loss_sum
 from trainer.model.model_shape import KNOWN_CONFIGS, LoraShape, ModelShape, load_shape
+from trainer.model.swaps import use_fused_t5_ops
 from trainer.plan.memory_plan import (
     SAFETY_MARGIN,
     _sharded_state,
@@ -39,7 +41,6 @@ from trainer.plan.memory_plan import (
     probe_shapes,
 )
 from trainer.plan.plan_report import parse_size
-from trainer.run.train import token_loss_sum
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -696,15 +697,16 @@ def test_trainer_plan_is_one_gpu_of_several_processes(tmp_path, capsys):
 
 
 # Under torchrun (2 gloo ranks): one training step of a small bf16 T5 under FSDP2
-# (trainer.infra.distributed.wrap) with the trainer's Adafactor (Kahan), then rank 0's bytes of weights,
+# (trainer.run.parallel.wrap) with the trainer's Adafactor (Kahan), then rank 0's bytes of weights,
 # gradients and optimizer states.
 _FSDP_STEP = """
 import json, sys, torch
 from test_memory_plan import batch, build_bf16, tiny_config
 from trainer.infra import distributed
+from trainer.run import parallel
 from trainer.config import TrainConfig
 from trainer.run.optim import Adafactor
-from trainer.run.step import token_loss_sum
+from trainer.model.loss import token_loss_sum
 
 
 def storage_bytes(tensors):
@@ -718,7 +720,7 @@ def storage_bytes(tensors):
 distributed.init(torch.device("cpu"), 300)
 config = tiny_config(dropout_rate=0.0)
 model = build_bf16(config, checkpointing=False)
-module = distributed.wrap(model, TrainConfig(distributed_strategy="fsdp"), torch.device("cpu"))
+module = parallel.wrap(model, TrainConfig(distributed_strategy="fsdp"), torch.device("cpu"))
 opt = Adafactor(list(model.parameters()), lr=1e-3, kahan=True)
 token_loss_sum(module, batch(config, 2, 8, 8)).backward()
 opt.step()

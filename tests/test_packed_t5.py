@@ -34,8 +34,8 @@ def records(lengths, seed: int = 0) -> list[tuple[list[int], list[int]]]:
 def load(model_dir, dtype=torch.float32, *, triton_attention=False):
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.kernels.attention import use_triton_attention
-    from trainer.model.load import use_fused_t5_ops
+    from trainer.model.fused_t5 import use_triton_attention
+    from trainer.model.swaps import use_fused_t5_ops
 
     # Loaded in fp32, then cast: in fp16 transformers keeps T5's `wo` in fp32 (mixed dtypes on CPU).
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, attn_implementation="eager").to(DEVICE, dtype)

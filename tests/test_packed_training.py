@@ -23,10 +23,12 @@ from trainer.data.loader import (
 from trainer.infra import memory
 from trainer.kernels.projections import accumulate_weight_grads_in_place
 from trainer.model.load import load_model
+from trainer.model.loss import token_loss_sum
 from trainer.model.model_files import resolve_tokenizer_file
+from trainer.report.step_meter import TRAIN_LOG
 from trainer.run.optim import build_optimizer, build_scheduler
-from trainer.run.step import accumulate_gradients, optimizer_step, token_loss_sum
-from trainer.run.train import TRAIN_LOG, train
+from trainer.run.step import accumulate_gradients, optimizer_step
+from trainer.run.train import train
 
 ACCUMULATION = 2
 

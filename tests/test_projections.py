@@ -13,9 +13,9 @@ from trainer.kernels.projections import (
     ProjectionGroup,
     accumulate_weight_grads_in_place,
     mark_rms_norm_output,
-    use_projection_groups,
 )
-from trainer.run.step import token_loss_sum
+from trainer.model.loss import token_loss_sum
+from trainer.model.swaps import use_projection_groups
 
 
 def _batch():

@@ -17,7 +17,8 @@ from tiny_run import tiny_run_values
 
 from trainer.checkpoint.store import find_resume_checkpoint, load_trainer_state
 from trainer.config import TrainConfig
-from trainer.run.train import SUMMARY, TRAIN_LOG, train
+from trainer.report.step_meter import SUMMARY, TRAIN_LOG
+from trainer.run.train import train
 
 STEPS = 8
 

@@ -12,7 +12,8 @@ from tiny_run import tiny_run_values
 from trainer.cli import main
 from trainer.config import ConfigError, TrainConfig
 from trainer.data.prompt import TEMPLATE_FILE
-from trainer.run.train import SUMMARY, TRAIN_LOG, train
+from trainer.report.step_meter import SUMMARY, TRAIN_LOG
+from trainer.run.train import train
 
 
 def _cfg(tiny_model_dir, sample_csv, out, **kw) -> TrainConfig:

@@ -111,7 +111,7 @@ def save_checkpoint(
     tmp = distributed.broadcast_object(tmp)  # rank 0's directory, made before any rank writes into it
     # A failure or an interrupt (a second Ctrl-C) removes the partial directory; a full disk is one line
     # naming the space free and needed. Earlier checkpoints are untouched.
-    needed = disk.checkpoint_bytes(output_dir) or disk.state_bytes(model, optimizer)
+    needed = checkpoint_bytes(output_dir) or disk.state_bytes(model, optimizer)
     with disk.removed_on_failure(tmp, needed_bytes=needed, remove=rank == 0):
         save_pretrained(model, tmp)
         model_state, optim_state, _ = _states(model, optimizer)
@@ -203,6 +203,34 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
         if m and is_complete(p):
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def checkpoint_bytes(output_dir: str | Path) -> int | None:
+    """The size of the newest complete checkpoint in `output_dir`, or None when there is none."""
+    found = list_checkpoints(output_dir)
+    return disk.directory_bytes(found[-1][1]) if found else None
+
+
+def free_space_warning(
+    output_dir: str | Path, one_checkpoint_bytes: int, save_total_limit: int, planned_saves: int
+) -> str | None:
+    """A warning when `output_dir`'s disk cannot hold the checkpoints the run will keep at its peak: the
+    `save_total_limit` kept ones plus the one written before the oldest is removed (all `planned_saves`
+    when the limit is 0 or not reached), counting those already there. None when they fit. (The best
+    checkpoint by eval loss, when older than the kept ones, is one more.)"""
+    at_peak = min(save_total_limit + 1, planned_saves) if save_total_limit > 0 else planned_saves
+    existing = len(list_checkpoints(output_dir))
+    needed = max(0, at_peak - existing) * one_checkpoint_bytes
+    free = disk.free_bytes(output_dir)
+    if free is None or free >= needed:
+        return None
+    return (
+        f"output_dir {output_dir}: {disk.format_bytes(free)} free, but the run keeps up to {at_peak} "
+        f"checkpoints of about {disk.format_bytes(one_checkpoint_bytes)} each (save_total_limit "
+        f"{save_total_limit}, {existing} already there): about {disk.format_bytes(needed)} more are needed. "
+        "The run will stop with a full disk at a checkpoint; free space, lower save_total_limit, or set "
+        "output_dir on a bigger disk"
+    )
 
 
 def checkpoint_problem(path: Path) -> str | None:

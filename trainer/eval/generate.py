@@ -129,7 +129,7 @@ def load_model(model_dir: ModelDir, device: str | None = None):
 
 def prepare_for_generation(model):
     """Eval mode, the KV cache on, and T5's layer norms and GELU fused as in training (trainer.model.load)."""
-    from trainer.model.load import use_fused_t5_ops
+    from trainer.model.swaps import use_fused_t5_ops
 
     model.eval()
     model.config.use_cache = True

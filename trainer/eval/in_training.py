@@ -27,7 +27,7 @@ from trainer.config import TrainConfig
 from trainer.data.loader import to_device
 from trainer.data.prompt import PromptTemplate
 from trainer.infra import distributed
-from trainer.run.step import token_loss_sum
+from trainer.model.loss import token_loss_sum
 
 log = logging.getLogger(__name__)
 

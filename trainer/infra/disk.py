@@ -199,37 +199,6 @@ def state_bytes(model, optimizer) -> int:
     return 2 * weights + states
 
 
-def checkpoint_bytes(output_dir: str | Path) -> int | None:
-    """The size of the newest complete checkpoint in `output_dir`, or None when there is none."""
-    from trainer.checkpoint.store import list_checkpoints
-
-    found = list_checkpoints(output_dir)
-    return directory_bytes(found[-1][1]) if found else None
-
-
-def free_space_warning(
-    output_dir: str | Path, one_checkpoint_bytes: int, save_total_limit: int, planned_saves: int
-) -> str | None:
-    """A warning when `output_dir`'s disk cannot hold the checkpoints the run will keep at its peak: the
-    `save_total_limit` kept ones plus the one written before the oldest is removed (all `planned_saves`
-    when the limit is 0 or not reached), counting those already there. None when they fit. (The best
-    checkpoint by eval loss, when older than the kept ones, is one more.)"""
-    from trainer.checkpoint.store import list_checkpoints
-
-    at_peak = min(save_total_limit + 1, planned_saves) if save_total_limit > 0 else planned_saves
-    existing = len(list_checkpoints(output_dir))
-    needed = max(0, at_peak - existing) * one_checkpoint_bytes
-    free = free_bytes(output_dir)
-    if free is None or free >= needed:
-        return None
-    return (
-        f"output_dir {output_dir}: {format_bytes(free)} free, but the run keeps up to {at_peak} checkpoints "
-        f"of about {format_bytes(one_checkpoint_bytes)} each (save_total_limit {save_total_limit}, "
-        f"{existing} already there): about {format_bytes(needed)} more are needed. The run will stop with a "
-        "full disk at a checkpoint; free space, lower save_total_limit, or set output_dir on a bigger disk"
-    )
-
-
 def format_bytes(n: float) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:

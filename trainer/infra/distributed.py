@@ -46,9 +46,6 @@ log = logging.getLogger(__name__)
 # that the matmuls writing into them and the Adafactor kernels (16-byte vector loads) see what they would see
 # for gradients of their own.
 GRADIENT_ALIGNMENT_BYTES = 512
-# FSDP2's compute dtype: the weights are all-gathered in it. (The CPU tests run the packed Triton kernels in
-# Triton's interpreter, which computes fp16 right but not bf16: they set fp16 here.)
-FSDP_COMPUTE_DTYPE = torch.bfloat16
 
 
 class PeerLost(RuntimeError):
@@ -162,44 +159,6 @@ def ranks_where(flag: bool) -> list[int]:
     marks = [0.0] * world_size()
     marks[rank()] = 1.0 if flag else 0.0
     return [r for r, mark in enumerate(all_sum(marks)) if mark > 0]
-
-
-def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
-    """The module the loop computes the loss through: `model` itself for one process and for `ddp` (whose
-    ranks start from rank 0's weights: broadcast here), FSDP2 around `Seq2SeqLMLoss(model)` for `fsdp`. Build
-    the optimizer afterwards (FSDP replaces the parameters by shards)."""
-    if not is_distributed():
-        return model
-    if cfg.distributed_strategy == "ddp":
-        with collective("broadcasting rank 0's weights"), torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor, src=0)
-        log.info(
-            "distributed: ddp over %d ranks (the whole model on each, gradients summed by one all-reduce "
-            "per optimizer step)",
-            world_size(),
-        )
-        return model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from trainer.model.loss import Seq2SeqLMLoss
-
-    loss_module = Seq2SeqLMLoss(model)
-    mp = MixedPrecisionPolicy(param_dtype=FSDP_COMPUTE_DTYPE, reduce_dtype=torch.float32)
-    blocks = [*model.encoder.block, *model.decoder.block]
-    for block in blocks:
-        fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.fsdp_reshard_after_forward)
-    fully_shard(loss_module, mp_policy=mp)
-    log.info(
-        "distributed: FSDP2 over %d ranks, %d T5 blocks + root, bf16 compute, fp32 gradient reduction %s, "
-        "%s sharded weights and optimizer states%s",
-        world_size(),
-        len(blocks),
-        "after every micro-batch" if cfg.fsdp_sync_each_micro_batch else "once per optimizer step",
-        next(model.parameters()).dtype,
-        "" if cfg.fsdp_reshard_after_forward else ", gathered weights kept from forward to backward",
-    )
-    return loss_module
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from trainer.kernels.dropout import attention_keep, dropout_resolution, dropout_seed
+
 log = logging.getLogger(__name__)
 
-NAME = "triton"  # the attn_implementation name this module registers with transformers
 MASKED = -1e30  # score added for a padded key: exp() of it is 0, yet a fully padded row stays finite
 # Backward key-block programs to aim for (16 per H100 SM); sets how many row groups each sum a bias gradient.
 # 2112 beat 528 by 5-7% (more parallel work, a larger fp32 bias-gradient buffer: ~0.3 GB at 512 x 512).
@@ -67,54 +68,6 @@ def _scores(
     if CAUSAL:
         valid = valid & (cols[None, :] <= rows[:, None])
     return tl.where(valid, s, float("-inf"))
-
-
-@triton.jit
-def _mix32(x):
-    """lowbias32 (C. Wellons, "hash prospector"): a bijective mix of a uint32, every input bit flipping each
-    output bit with probability ~1/2."""
-    x ^= x >> 16
-    x *= 0x7FEB352D
-    x ^= x >> 15
-    x *= 0x846CA68B
-    x ^= x >> 16
-    return x
-
-
-@triton.jit
-def uniform16(seed, index):
-    """A uniform 16-bit random number (as uint32) for each element index, keyed by `seed`: the mixed index
-    plus the mixed seed, mixed again. Distinct indices below 2**32 get distinct hashes (the mix is a
-    bijection). One hash per number, computed where the number is used: the kernels' tiles need no
-    reshaping, which made Philox (eight 16-bit numbers per call) ~2x dearer here (bench/dropout_rng.py)."""
-    return _mix32(index.to(tl.uint32) + _mix32(seed.to(tl.uint32))) >> 16
-
-
-def dropout_resolution(dropout_p: float) -> float:
-    """dropout_p rounded to a multiple of 2**-16 (0.1 -> 0.100006), the resolution of uniform16: what the
-    kernels drop with, so that dropout_keep keeps each element with probability exactly 1 - p."""
-    return round(dropout_p * 65536) / 65536
-
-
-@triton.jit
-def dropout_keep(seed, index, dropout_p):
-    """Which elements survive dropout: those whose uniform16 number u has u >= p * 2**16 (p from
-    dropout_resolution)."""
-    return uniform16(seed, index).to(tl.float32) >= dropout_p * 65536.0
-
-
-def dropout_seed(device: torch.device) -> torch.Tensor:
-    """A dropout seed (for uniform16) from torch's generator on `device`, as a 1-element tensor the kernels
-    read: gradient checkpointing's recompute, which restores that generator, draws the same one."""
-    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
-
-
-@triton.jit
-def _keep(seed, bh, rows, cols, T, S, dropout_p):
-    """Which attention probabilities of the tile (rows x cols) of batch-head bh survive dropout: probability
-    (bh, i, j) is element (bh x T + i) x S + j of dropout_keep."""
-    index = (bh * T + rows[:, None]).to(tl.uint32) * S + cols[None, :]
-    return dropout_keep(seed, index, dropout_p)
 
 
 # Triton compiles a variant per value class (== 1, divisible by 16) of each int argument; lengths and rows
@@ -203,7 +156,7 @@ def _fwd_kernel(
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(_keep(seed, bh, rows, cols, T, S, dropout_p), p, 0.0)
+            p = tl.where(attention_keep(seed, bh, rows, cols, T, S, dropout_p), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     acc = acc / l_i[:, None]
@@ -316,7 +269,7 @@ def _bwd_kv_kernel(
             p = tl.where(rows[:, None] < T, p, 0.0)
             dp = tl.dot(do, tl.trans(v).to(do.dtype))
             if DROPOUT:
-                keep = _keep(seed, bh, rows, cols, T, S, dropout_p)
+                keep = attention_keep(seed, bh, rows, cols, T, S, dropout_p)
                 p_kept = tl.where(keep, p / (1.0 - dropout_p), 0.0)
                 dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
             else:
@@ -424,7 +377,7 @@ def _bwd_q_kernel(
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, v.to(do.dtype))
         if DROPOUT:
-            keep = _keep(seed, bh, rows, cols, T, S, dropout_p)
+            keep = attention_keep(seed, bh, rows, cols, T, S, dropout_p)
             dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), tl.trans(k))
@@ -619,72 +572,3 @@ def t5_attention(
 def supported(head_dim: int, dtype: torch.dtype) -> bool:
     """Tile shapes need a power-of-two head size >= 16; bf16/fp16 (fp32 would run tl.dot in TF32)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and dtype in (torch.bfloat16, torch.float16)
-
-
-@torch.compiler.disable  # a compiled block calls the kernels as they are (graph break around attention)
-def transformers_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_bias=None, **kwargs
-):
-    """transformers' attention-interface signature, as T5Attention calls it (transformers >= 5). A packed
-    batch (trainer.model.packed_t5) passes its attention layout as the position bias:
-    trainer.kernels.packed_attention."""
-    from trainer.kernels.packed_attention import PackedAttentionLayout, transformers_packed_attention
-
-    if isinstance(position_bias, PackedAttentionLayout):
-        return transformers_packed_attention(module, query, key, value, position_bias, dropout, scaling)
-    if getattr(module, "trainer_zero_bias", False):
-        position_bias = None  # T5's cross-attention passes an all-zero bias; nothing to add or differentiate
-    bias = None
-    if position_bias is not None:
-        if position_bias.dim() != 4 or position_bias.size(0) != 1:
-            raise ValueError(f"expected a (1, H, T, S) position bias, got {tuple(position_bias.shape)}")
-        bias = position_bias[0]
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(f"expected a (batch, keys) padding mask, got shape {tuple(attention_mask.shape)}")
-    out = t5_attention(
-        query,
-        key,
-        value,
-        bias,
-        attention_mask,
-        scale=1.0 if scaling is None else scaling,
-        dropout_p=dropout,
-        # The mask is padding only (key_padding_mask): causality is this flag. With a cache (generation) the
-        # queries are the newest positions and may see every cached key, so it stays off there.
-        causal=bool(getattr(module, "is_causal", False)) and query.size(2) == key.size(2),
-    )
-    return out, None
-
-
-def key_padding_mask(
-    batch_size,
-    q_length,
-    kv_length,
-    q_offset=0,
-    kv_offset=0,
-    mask_function=None,
-    attention_mask=None,
-    **kwargs,
-):
-    """transformers' mask hook: the 2D padding mask as it is (causality is the kernel's `causal` flag), as for
-    flash attention, but without its `.all()` check, which would synchronise with the GPU on every call."""
-    return None if attention_mask is None else attention_mask[:, -kv_length:]
-
-
-def use_triton_attention(model: torch.nn.Module) -> None:
-    """Route `model`'s T5 attention (transformers >= 5) through these kernels; weights, masks unchanged.
-
-    The caller checks `supported` and the device: the kernels need a GPU (or TRITON_INTERPRET=1 on CPU).
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(NAME, transformers_attention)
-    AttentionMaskInterface.register(NAME, key_padding_mask)
-    for module in model.modules():
-        if type(module).__name__.endswith("LayerCrossAttention") and hasattr(module, "EncDecAttention"):
-            module.EncDecAttention.trainer_zero_bias = True
-    # The encoder and decoder stacks hold their own copies of the config.
-    for sub in (model, getattr(model, "encoder", None), getattr(model, "decoder", None)):
-        if sub is not None:
-            sub.config._attn_implementation = NAME

@@ -8,7 +8,7 @@ forward reads a and b once and writes the result once, which the output projecti
 keeps; the backward reads the gradient, a and b and writes both gradients and the result again, for wo's
 weight gradient (gated_gelu_linear: the kernels and wo are one autograd function). Dropout keeps no mask:
 the kept set is drawn from a hash of each element's index keyed by a seed from torch's CUDA generator
-(trainer.kernels.attention.uniform16), regenerated in the backward, and reproduced by checkpoint recompute
+(trainer.kernels.dropout.uniform16), regenerated in the backward, and reproduced by checkpoint recompute
 (which restores that generator). Arithmetic is fp32, rounded once at the end.
 
 On CPU (tests) the kernels run under TRITON_INTERPRET=1.
@@ -16,13 +16,11 @@ On CPU (tests) the kernels run under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
 
-from trainer.kernels.attention import dropout_keep, dropout_resolution, dropout_seed
+from trainer.kernels.dropout import dropout_keep, dropout_resolution, dropout_seed
 from trainer.kernels.projections import (
     LowRank,
     low_rank_down_grads,
@@ -330,142 +328,6 @@ def gated_gelu_linear(
     if low_rank is not None:
         update = (low_rank.scaling, low_rank.dropout_p, low_rank.a, low_rank.b)
     return _GatedGeluLinear.apply(a, b, weight, dropout_resolution(dropout_p), weight_grad_in_place, *update)
-
-
-class FusedGatedGelu(torch.nn.Module):
-    """T5DenseGatedActDense with gelu_new (FLAN-T5, T5 v1.1): wo(dropout(gelu_tanh(wi_0 x) * wi_1 x)), the
-    GELU, product, dropout and wo as one autograd function (gated_gelu_linear).
-
-    Holds the original wi_0, wi_1 and wo Linear modules under the same names, so state-dict keys and
-    checkpoints are unchanged. A LoRA layer in wo's place (trainer.model.lora) is read through `wo_low_rank`.
-    """
-
-    def __init__(self, dense: torch.nn.Module):
-        super().__init__()
-        self.wi_0, self.wi_1, self.wo = dense.wi_0, dense.wi_1, dense.wo
-        self.dropout_p = dense.dropout.p
-        self.weight_grads_in_place = False  # trainer.kernels.projections.accumulate_weight_grads_in_place
-        # What gives wo's low-rank update at call time (trainer.model.lora: its LoRA layer's adapter), or
-        # None.
-        self.wo_low_rank: Callable[[], LowRank | None] | None = None
-        self.train(dense.training)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        a, b = self.wi_0(hidden_states), self.wi_1(hidden_states)
-        p = self.dropout_p if self.training else 0.0
-        update = self.wo_low_rank() if self.wo_low_rank is not None else None
-        return gated_gelu_linear(a, b, self.wo.weight, p, self.weight_grads_in_place, update)
-
-
-def use_fused_gated_gelu(model: torch.nn.Module) -> int:
-    """Swap each gated-GELU (gelu_new) T5 feed-forward of `model` for FusedGatedGelu; returns the count.
-
-    The caller checks the device: the kernels need a GPU (or TRITON_INTERPRET=1 on CPU).
-    """
-    swapped = 0
-    for parent in list(model.modules()):
-        dense = getattr(parent, "DenseReluDense", None)
-        if type(dense).__name__ == "T5DenseGatedActDense" and _is_gelu_tanh(dense.act):
-            parent.DenseReluDense = FusedGatedGelu(dense)
-            swapped += 1
-    return swapped
-
-
-class FusedT5LayerFF(torch.nn.Module):
-    """T5LayerFF, x + dropout(DenseReluDense(layer_norm(x))), with the dropout and the sum as one kernel
-    (residual_dropout). Holds the original submodules under the same names (state-dict keys unchanged)."""
-
-    def __init__(self, layer: torch.nn.Module):
-        super().__init__()
-        self.DenseReluDense, self.layer_norm = layer.DenseReluDense, layer.layer_norm
-        self.dropout = layer.dropout
-        self.train(layer.training)
-
-    def forward(self, hidden_states):
-        normed, residual = norm_and_residual(hidden_states, self.layer_norm)
-        return residual_dropout(residual, self.DenseReluDense(normed), _train_p(self.dropout))
-
-
-class FusedT5LayerSelfAttention(torch.nn.Module):
-    """T5LayerSelfAttention (transformers 5) with the output dropout and the residual sum as one kernel."""
-
-    def __init__(self, layer: torch.nn.Module):
-        super().__init__()
-        self.SelfAttention, self.layer_norm = layer.SelfAttention, layer.layer_norm
-        self.dropout = layer.dropout
-        self.train(layer.training)
-
-    def forward(self, hidden_states, attention_mask=None, position_bias=None, past_key_values=None, **kwargs):
-        normed, residual = norm_and_residual(hidden_states, self.layer_norm)
-        out, position_bias, weights = self.SelfAttention(
-            normed,
-            mask=attention_mask,
-            position_bias=position_bias,
-            past_key_values=past_key_values,
-            **kwargs,
-        )
-        return residual_dropout(residual, out, _train_p(self.dropout)), position_bias, weights
-
-
-class FusedT5LayerCrossAttention(torch.nn.Module):
-    """T5LayerCrossAttention (transformers 5) with the output dropout and the residual sum as one kernel."""
-
-    def __init__(self, layer: torch.nn.Module):
-        super().__init__()
-        self.EncDecAttention, self.layer_norm = layer.EncDecAttention, layer.layer_norm
-        self.dropout = layer.dropout
-        self.train(layer.training)
-
-    def forward(
-        self,
-        hidden_states,
-        key_value_states,
-        attention_mask=None,
-        position_bias=None,
-        past_key_values=None,
-        **kwargs,
-    ):
-        normed, residual = norm_and_residual(hidden_states, self.layer_norm)
-        out, position_bias, weights = self.EncDecAttention(
-            normed,
-            mask=attention_mask,
-            key_value_states=key_value_states,
-            position_bias=position_bias,
-            past_key_values=past_key_values,
-            **kwargs,
-        )
-        return residual_dropout(residual, out, _train_p(self.dropout)), position_bias, weights
-
-
-def _train_p(dropout: torch.nn.Dropout) -> float:
-    return dropout.p if dropout.training else 0.0
-
-
-def use_fused_residual_dropout(model: torch.nn.Module) -> int:
-    """Swap T5's sublayers (feed-forward; with transformers >= 5, whose sublayer signatures these follow,
-    self- and cross-attention) for versions whose output dropout and residual sum are one kernel each way;
-    returns the count. The caller checks the device: the kernels need a GPU (or TRITON_INTERPRET=1 on CPU)."""
-    import transformers
-
-    fused = {"T5LayerFF": FusedT5LayerFF}
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        fused.update(
-            T5LayerSelfAttention=FusedT5LayerSelfAttention, T5LayerCrossAttention=FusedT5LayerCrossAttention
-        )
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child).__name__ in fused:
-                setattr(parent, name, fused[type(child).__name__](child))
-                swapped += 1
-    return swapped
-
-
-def _is_gelu_tanh(act: torch.nn.Module) -> bool:
-    """gelu_new, or torch's GELU(tanh) that trainer.model.load.use_fused_t5_ops puts in its place."""
-    if type(act).__name__ == "NewGELUActivation":
-        return True
-    return isinstance(act, torch.nn.GELU) and act.approximate == "tanh"
 
 
 # Vocabulary entries a cross-entropy program holds at a time.

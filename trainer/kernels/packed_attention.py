@@ -25,28 +25,23 @@ self-attention). What differs from trainer.kernels.attention's kernels on padded
   column sums give its 127 diagonal sums, added to the accumulator rows of distance windows t and t - 1. Each
   program writes its (windows, 64) accumulator once; torch sums the programs' slices and folds distances into
   buckets. No atomics, no dense bias gradient: deterministic, and ~2 KiB per program.
-- Dropout as trainer.kernels.attention's (`uniform16` hash of each probability's index, keyed by a seed from
-  torch's CUDA generator): checkpoint recompute drops the same probabilities.
+- Dropout as trainer.kernels.attention's (trainer.kernels.dropout: a `uniform16` hash of each probability's
+  index, keyed by a seed from torch's CUDA generator): checkpoint recompute drops the same probabilities.
 
 No 1/sqrt(d) (T5 folds it into its weights). On CPU (tests) the kernels run under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from trainer.kernels.attention import (
-    VARYING,
-    _keep,
-    bias_grad_groups,
-    dropout_resolution,
-    dropout_seed,
-    softmax_delta,
-)
+from trainer.kernels.attention import VARYING, bias_grad_groups, softmax_delta
+from trainer.kernels.dropout import attention_keep, dropout_resolution, dropout_seed
 
 # Query and key tile size; square tiles: the bias gradient's shear maps a tile's rows onto its columns.
 BLOCK = 64
@@ -64,15 +59,25 @@ class RelativeBias:
     max_distance: int = 128
 
     def buckets(self, distances: torch.Tensor) -> torch.Tensor:
-        """The bucket of each relative position (key - query), exactly as transformers' T5 computes it."""
-        from transformers.models.t5.modeling_t5 import T5Attention
-
-        return T5Attention._relative_position_bucket(
-            distances,
-            bidirectional=self.bidirectional,
-            num_buckets=self.num_buckets,
-            max_distance=self.max_distance,
-        )
+        """The bucket of each relative position (key - query), as T5 buckets them (Raffel et al., 2020;
+        transformers' `T5Attention._relative_position_bucket`, which tests/test_packed_attention.py holds this
+        to): half the buckets (per direction when bidirectional) for exact distances, the rest for
+        logarithmically wider ones up to max_distance, beyond which all share the last bucket."""
+        num_buckets, buckets = self.num_buckets, 0
+        if self.bidirectional:
+            num_buckets //= 2
+            buckets = (distances > 0).to(torch.long) * num_buckets
+            distances = distances.abs()
+        else:
+            distances = -torch.min(distances, torch.zeros_like(distances))
+        max_exact = num_buckets // 2
+        large = max_exact + (
+            torch.log(distances.float() / max_exact)
+            / math.log(self.max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).to(torch.long)
+        large = torch.min(large, torch.full_like(large, num_buckets - 1))
+        return buckets + torch.where(distances < max_exact, distances, large)
 
 
 def far_tiles(max_distance: int) -> int:
@@ -282,7 +287,7 @@ def _fwd_kernel(
         alpha = tl.exp(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(_keep(seed, bh, rows, cols, T, S, dropout_p), p, 0.0)
+            p = tl.where(attention_keep(seed, bh, rows, cols, T, S, dropout_p), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     empty = l_i == 0.0  # padding queries: output 0, log-sum-exp 0 (finite; nothing reads either)
@@ -393,7 +398,7 @@ def _bwd_kv_kernel(
             p = tl.exp(s - lse[:, None])
             dp = tl.dot(do, tl.trans(v).to(do.dtype))
             if DROPOUT:
-                keep = _keep(seed, bh, rows, cols, T, S, dropout_p)
+                keep = attention_keep(seed, bh, rows, cols, T, S, dropout_p)
                 p_kept = tl.where(keep, p / (1.0 - dropout_p), 0.0)
                 dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
             else:
@@ -503,7 +508,7 @@ def _bwd_q_kernel(
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, v.to(do.dtype))
         if DROPOUT:
-            keep = _keep(seed, bh, rows, cols, T, S, dropout_p)
+            keep = attention_keep(seed, bh, rows, cols, T, S, dropout_p)
             dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), tl.trans(k))
@@ -656,34 +661,6 @@ def packed_attention(q, k, v, layout: PackedAttentionLayout, dropout_p: float = 
     table = layout.bias_table if layout.position_bias is not None else None
     distance_bias = layout.distance_bias if layout.position_bias is not None else None
     return _PackedAttention.apply(q, k, v, table, distance_bias, layout, dropout_resolution(dropout_p))
-
-
-def transformers_packed_attention(module, query, key, value, layout: PackedAttentionLayout, dropout, scaling):
-    """transformers' T5Attention calling in with a packed layout as its position bias
-    (trainer.kernels.attention dispatches here). The first block of a stack holds the bias table and hands it
-    to the layout."""
-    if scaling not in (None, 1.0):
-        raise ValueError(f"packed T5 attention takes no score scaling, got {scaling}")
-    if layout.position_bias is not None and getattr(module, "has_relative_attention_bias", False):
-        layout.use_bias_table(module.relative_attention_bias.weight)
-    return packed_attention(query, key, value, layout, dropout_p=dropout), None
-
-
-def reference_attention(q, k, v, query_segments, key_segments, *, causal, bias=None, dropped=None, p=0.0):
-    """What the kernels compute, in plain torch (in q's dtype; use fp32/fp64 copies): q, k, v as for
-    `packed_attention`, bias (H, T, S) or None, `dropped` (R, H, T, S) marks the probabilities dropout
-    removed. A query with no key (padding) gets 0."""
-    from trainer.model.packed_t5 import segment_mask
-
-    allowed = segment_mask(query_segments, key_segments, causal)[:, None]  # (R, 1, T, S)
-    s = q @ k.transpose(-1, -2)
-    if bias is not None:
-        s = s + bias[None]
-    s = s.masked_fill(~allowed, float("-inf"))
-    probs = torch.nan_to_num(s.softmax(-1), nan=0.0)  # a row of -inf only: 0, as the kernels give
-    if dropped is not None:
-        probs = probs.masked_fill(dropped, 0.0) / (1 - p)
-    return (probs @ v).transpose(1, 2)
 
 
 def dense_position_bias(table: torch.Tensor, bias: RelativeBias, queries: int, keys: int) -> torch.Tensor:

@@ -255,35 +255,6 @@ class GroupedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}{shared}"
 
 
-def use_projection_groups(model: torch.nn.Module) -> int:
-    """Put each T5 block's projections of `model` in ProjectionGroups (self-attention's q, k, v and its o;
-    the cross-attention's q, its k and v, and its o; the feed-forward's wi_0 and wi_1 (or wi), and its wo);
-    returns the number of groups. A gated feed-forward whose wo trainer.kernels.fused_ops runs
-    (FusedGatedGelu, with its `wo_low_rank`) keeps that wo."""
-    groups_of = []
-    for module in model.modules():
-        if hasattr(module, "SelfAttention"):  # T5LayerSelfAttention, or its fused version
-            groups_of += [(module.SelfAttention, ("q", "k", "v")), (module.SelfAttention, ("o",))]
-        if hasattr(module, "EncDecAttention"):
-            attention = module.EncDecAttention
-            groups_of += [(attention, ("q",)), (attention, ("k", "v")), (attention, ("o",))]
-        if hasattr(module, "wi_0") and hasattr(module, "wi_1"):
-            groups_of.append((module, ("wi_0", "wi_1")))
-        if hasattr(module, "wi"):  # a feed-forward without the gate
-            groups_of.append((module, ("wi",)))
-        if hasattr(module, "wo") and not hasattr(module, "wo_low_rank"):
-            groups_of.append((module, ("wo",)))
-    groups = 0
-    for module, names in groups_of:
-        linears = [getattr(module, name) for name in names]
-        if all(type(linear) is torch.nn.Linear and linear.bias is None for linear in linears):
-            group = ProjectionGroup()
-            for name, linear in zip(names, linears, strict=True):
-                setattr(module, name, GroupedLinear(linear, group))
-            groups += 1
-    return groups
-
-
 def accumulate_weight_grads_in_place(model: torch.nn.Module) -> int:
     """Let `model`'s projection groups (and trainer.kernels.fused_ops' feed-forward output projections) add
     their weights' gradients into `.grad` in the matmuls. Not under FSDP: it acts on autograd's gradient

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from trainer.infra.memory import GIB
+from trainer.model.model_shape import transformers_major
+from trainer.model.swaps import use_fused_t5_ops, use_triton_attention_where_it_runs
 
 log = logging.getLogger(__name__)
 
@@ -21,18 +23,12 @@ LOAD_PEAK_SLACK = 64 * 2**20
 LAST_LOAD: dict = {}  # what the last load measured (weights and peak bytes), for the run summary
 
 
-def _transformers_major() -> int:
-    import transformers
-
-    return int(transformers.__version__.split(".")[0])
-
-
 def _dtype_kwarg() -> str:
     """transformers 5 takes `dtype=`, 4.5x `torch_dtype=`."""
     from transformers import PreTrainedModel
 
     params = inspect.signature(PreTrainedModel.from_pretrained).parameters
-    return "dtype" if _transformers_major() >= 5 or "dtype" in params else "torch_dtype"
+    return "dtype" if transformers_major() >= 5 or "dtype" in params else "torch_dtype"
 
 
 def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: str, random_init: bool):
@@ -139,7 +135,7 @@ def load_model(
     if param_device.type != device.type:
         raise RuntimeError(f"model loaded on {param_device}, expected {device}")
     if cfg.attn_implementation == "triton":
-        _use_triton_attention(model, device, dtype)
+        use_triton_attention_where_it_runs(model, device, dtype)
     attn_used = getattr(model.config, "_attn_implementation", None) or cfg.attn_implementation
     norms, gelus, gated, residual, shared = use_fused_t5_ops(model)
     fused = f"{norms} layer norms and {gelus} GELUs in one kernel each"
@@ -154,65 +150,6 @@ def load_model(
     if cfg.torch_compile:
         compile_blocks(model)
     return model
-
-
-def _use_triton_attention(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """The fused Triton kernels (trainer.kernels.attention) where they run: CUDA, 16-bit dtype,
-    transformers >= 5."""
-    import transformers
-
-    try:
-        from trainer.kernels import attention
-    except ImportError as e:  # Triton ships with torch's Linux CUDA wheels, not everywhere
-        log.info("attention: triton kernels not used (%s); eager attention instead", e)
-        return
-    if device.type != "cuda":  # the documented default off a GPU: eager attention, nothing to say
-        return
-    why = None
-    if not attention.supported(model.config.d_kv, dtype):
-        why = f"head size {model.config.d_kv} in {dtype} is not supported"
-    elif _transformers_major() < 5:
-        why = f"transformers {transformers.__version__} has no attention interface (needs >= 5)"
-    if why:
-        log.info("attention: triton kernels not used (%s); eager attention instead", why)
-        return
-    attention.use_triton_attention(model)
-
-
-def use_fused_t5_ops(model: torch.nn.Module) -> tuple[int, int, int, int, int]:
-    """Swap T5's Python-written layer norm and GELU for fused kernels; returns the counts (norms, GELUs,
-    gated feed-forwards, sublayers with a fused residual dropout, projection groups).
-
-    T5LayerNorm (RMS norm, fp32 statistics) is ~7 elementwise kernels and gelu_new
-    (0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))) ~8, each a full pass over B x T x d_ff in forward and more
-    in backward: at FLAN-T5-XL size they take about as long as the matmuls. `nn.RMSNorm` (same weight
-    Parameter, so state-dict keys and checkpoints are unchanged) and `nn.GELU(approximate="tanh")` compute the
-    same functions in one kernel each; results differ only in bf16 rounding (RMSNorm rounds once, at the end).
-    On CUDA, the gated feed-forward's GELU, product and dropout become one Triton kernel each way, and so do
-    each sublayer's output dropout and residual sum (trainer.kernels.fused_ops); elsewhere they stay torch
-    ops. Projections run in groups by input (trainer.kernels.projections), everywhere.
-    """
-    from trainer.kernels.projections import use_projection_groups
-
-    gated = residual = 0
-    if next(model.parameters()).is_cuda:
-        from trainer.kernels.fused_ops import use_fused_gated_gelu, use_fused_residual_dropout
-
-        gated = use_fused_gated_gelu(model)
-        residual = use_fused_residual_dropout(model)
-    norms = gelus = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            kind = type(child).__name__
-            if kind.endswith("LayerNorm") and hasattr(child, "variance_epsilon"):
-                fused = torch.nn.RMSNorm(child.weight.shape, eps=child.variance_epsilon)
-                fused.weight = child.weight
-                setattr(parent, name, fused)
-                norms += 1
-            elif kind == "NewGELUActivation":
-                setattr(parent, name, torch.nn.GELU(approximate="tanh"))
-                gelus += 1
-    return norms, gelus, gated, residual, use_projection_groups(model)
 
 
 def skip_checkpointing(

@@ -126,7 +126,7 @@ def low_rank_of(layer: LoraLayer) -> LowRank | None:
 
 def connect_fused_paths(model) -> int:
     """Point the fused functions at the LoRA layers PEFT put in place: each grouped projection's group reads
-    its member's adapter, the fused gated feed-forward (trainer.kernels.fused_ops.FusedGatedGelu, which has
+    its member's adapter, the fused gated feed-forward (trainer.model.fused_t5.FusedGatedGelu, which has
     `wo_low_rank`) its wo's. Returns how many were connected."""
     connected = 0
     for module in model.modules():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -158,15 +159,16 @@ KNOWN_CONFIGS: dict[str, dict] = {
 }
 
 
-def _transformers_ties_t5_head() -> bool:
-    """transformers 5 ties T5's LM head to the shared embedding whatever `tie_word_embeddings` says (the flag
-    only decides the decoder-output scaling); 4.x keeps v1.1/FLAN's head separate."""
-    from importlib.metadata import PackageNotFoundError, version
+def transformers_version() -> str:
+    """The installed transformers' version, read without importing it (which takes seconds)."""
+    return version("transformers")
 
-    try:
-        return int(version("transformers").split(".")[0]) >= 5
-    except (PackageNotFoundError, ValueError):
-        return True
+
+def transformers_major() -> int:
+    """The installed transformers' major version: 5 has the attention interface and the sublayer signatures
+    the fused modules follow, and ties T5's LM head to the shared embedding whatever `tie_word_embeddings`
+    says (the flag only decides the decoder-output scaling); 4.x keeps v1.1/FLAN's head separate."""
+    return int(transformers_version().split(".")[0])
 
 
 def load_shape(model_name_or_path: str) -> ModelShape:
@@ -178,7 +180,7 @@ def load_shape(model_name_or_path: str) -> ModelShape:
         return ModelShape.from_config(AutoConfig.from_pretrained(str(path)))
     if model_name_or_path in KNOWN_CONFIGS:
         values = dict(KNOWN_CONFIGS[model_name_or_path])
-        values["tie_word_embeddings"] = _transformers_ties_t5_head()
+        values["tie_word_embeddings"] = transformers_major() >= 5
         return ModelShape.from_config(SimpleNamespace(**values))
     from transformers import AutoConfig
 
@@ -190,3 +192,9 @@ def load_shape(model_name_or_path: str) -> ModelShape:
             f"({', '.join(sorted(KNOWN_CONFIGS))}), and not in the local Hugging Face cache"
         ) from e
     return ModelShape.from_config(config)
+
+
+def scales_decoder_outputs(config) -> bool:
+    """Whether T5 multiplies the decoder's outputs by d_model**-0.5 before the LM head."""
+    # transformers 5 names the flag scale_decoder_outputs; 4.x scaled when the head was tied.
+    return bool(getattr(config, "scale_decoder_outputs", config.tie_word_embeddings))

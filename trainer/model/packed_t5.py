@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer.model.loss import linear_cross_entropy, scales_decoder_outputs
+from trainer.kernels.cross_entropy import linear_cross_entropy
+from trainer.model.model_shape import scales_decoder_outputs, transformers_major, transformers_version
 
 
 def segment_mask(query_segments: torch.Tensor, key_segments: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -74,15 +75,13 @@ def packed_loss_sum(
 ) -> torch.Tensor:
     """Sum of target-token cross-entropies (fp32) of a packed batch for a T5 `model`
     (T5ForConditionalGeneration, transformers >= 5)."""
-    import transformers
-
-    if int(transformers.__version__.split(".")[0]) < 5:
-        raise RuntimeError(f"packed batches need transformers >= 5, this is {transformers.__version__}")
+    if transformers_major() < 5:
+        raise RuntimeError(f"packed batches need transformers >= 5, this is {transformers_version()}")
     config = model.config
     dec_ids = decoder_input_ids(
         labels, decoder_segment_ids, decoder_positions, config.decoder_start_token_id, config.pad_token_id
     )
-    # trainer.kernels.attention.NAME, without Triton
+    # trainer.model.fused_t5.NAME, without Triton
     if model.encoder.config._attn_implementation == "triton":
         from trainer.kernels.packed_attention import PackedAttentionLayout, RelativeBias
 
@@ -110,3 +109,18 @@ def packed_loss_sum(
     if scales_decoder_outputs(config):
         decoder_hidden = decoder_hidden * (config.d_model**-0.5)
     return linear_cross_entropy(decoder_hidden, model.get_output_embeddings().weight, labels)
+
+
+def reference_attention(q, k, v, query_segments, key_segments, *, causal, bias=None, dropped=None, p=0.0):
+    """What the kernels compute, in plain torch (in q's dtype; use fp32/fp64 copies): q, k, v as for
+    `packed_attention`, bias (H, T, S) or None, `dropped` (R, H, T, S) marks the probabilities dropout
+    removed. A query with no key (padding) gets 0."""
+    allowed = segment_mask(query_segments, key_segments, causal)[:, None]  # (R, 1, T, S)
+    s = q @ k.transpose(-1, -2)
+    if bias is not None:
+        s = s + bias[None]
+    s = s.masked_fill(~allowed, float("-inf"))
+    probs = torch.nan_to_num(s.softmax(-1), nan=0.0)  # a row of -inf only: 0, as the kernels give
+    if dropped is not None:
+        probs = probs.masked_fill(dropped, 0.0) / (1 - p)
+    return (probs @ v).transpose(1, 2)

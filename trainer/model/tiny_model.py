@@ -15,9 +15,8 @@ import logging
 import tempfile
 from pathlib import Path
 
-from trainer._loader import RecipeRenderer
+from trainer._loader import RecipeRenderer, write_sample
 from trainer.config import TASKS
-from trainer.data.sample import write_sample
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +167,7 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
         corpus = Path(tmp) / "recipes.jsonl"
-        write_sample(corpus, N_RECIPES, seed=seed, fmt="jsonl")
+        write_sample(str(corpus), N_RECIPES, seed, "jsonl")  # the Rust generator (trainer.data.sample)
         tok = train_tokenizer(recipe_texts(corpus))
 
     vocab_size = save_tokenizer(tok, out)

@@ -35,10 +35,8 @@ import os
 from dataclasses import dataclass
 
 from trainer.infra.memory import GIB
-from trainer.model.loss import CHUNK_TOKENS as CE_CHUNK_TOKENS
-
-# KNOWN_CONFIGS is re-exported: scripts import the model catalogue from here.
-from trainer.model.model_shape import KNOWN_CONFIGS, LoraShape, ModelShape, load_shape  # noqa: F401
+from trainer.kernels.cross_entropy import CHUNK_TOKENS as CE_CHUNK_TOKENS
+from trainer.model.model_shape import LoraShape, ModelShape, load_shape
 
 logger = logging.getLogger(__name__)
 
@@ -399,8 +397,8 @@ def plan_memory(
     fsdp_sync_each_micro_batch: bool = True,
 ) -> MemoryPlan:
     """Predicted peak of the trainer's training step (trainer.model.loss.Seq2SeqLMLoss over the model with
-    trainer.model.load.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens, on
-    one GPU of a run of `processes`.
+    trainer.model.swaps.use_fused_t5_ops) on `rows` rows padded to src_len source and tgt_len target tokens,
+    on one GPU of a run of `processes`.
 
     device: "cuda" keeps dropout masks as bool (fused dropout) and runs RMSNorm as one kernel; elsewhere
     dropout saves a mask in the compute dtype (`input * noise`) and RMSNorm is a composite, which is how the
@@ -554,7 +552,7 @@ def _sharded_state(
     sync_each_micro_batch: bool,
 ) -> tuple[int, int, int, int, int]:
     """One GPU's (sharded weights, gathered weights, sharded gradients, unsharded gradients, optimizer states)
-    under FSDP2 (trainer.infra.distributed.wrap) over `processes` ranks.
+    under FSDP2 (trainer.run.parallel.wrap) over `processes` ranks.
 
     Sharded: each weight's ceil(rows / processes) rows (FSDP2 pads the shards to one size), in `dtype`, and
     its gradient likewise; the optimizer states as `optimizer_state_bytes` shards them. Gathered (bf16, from

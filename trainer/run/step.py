@@ -16,23 +16,11 @@ import warnings
 from trainer.config import TrainConfig
 from trainer.data.loader import to_device
 from trainer.infra import distributed, memory
+from trainer.model.loss import token_loss_sum
 from trainer.plan.memory_plan import RunPlan, probe_shapes
 from trainer.run.run_state import OomBackoff
 
 log = logging.getLogger(__name__)
-
-
-def token_loss_sum(model, batch: dict):
-    """Sum of target-token cross-entropies of `batch` (fp32), without HF's per-batch mean.
-
-    `model` is the HF model, or the `Seq2SeqLMLoss` around it that FSDP wraps (so that its hooks see the
-    whole step). Every key of the batch goes to the loss module: a packed batch's segment ids and positions
-    select the packed path (trainer.model.loss)."""
-    from trainer.model.loss import Seq2SeqLMLoss
-
-    if not isinstance(model, Seq2SeqLMLoss):
-        model = Seq2SeqLMLoss(model)
-    return model(**batch)
 
 
 def accumulate_gradients(

@@ -56,12 +56,12 @@ from trainer.infra.jsonl import fsync_file
 from trainer.infra.library_logs import route_library_output
 from trainer.infra.run_lock import describe_holder, lock_holder, lock_output_dir
 from trainer.infra.stopping import StopBeforeTraining, StopRequested, signal_exit_code
+from trainer.model.loss import token_loss_sum
 from trainer.model.model_files import ModelFiles, check_model_dir, resolve_tokenizer_file
 from trainer.plan.memory_plan import RunPlan, gpu_bytes_for, plan_packed_rows, plan_run, planned_peak_bytes
 from trainer.report.profiling import StepProfiler
 from trainer.report.reporter import Reporter
-from trainer.report.step_meter import (  # noqa: F401
-    SUMMARY,
+from trainer.report.step_meter import (
     TRAIN_LOG,
     ConsoleProgress,
     StepCounts,
@@ -69,16 +69,10 @@ from trainer.report.step_meter import (  # noqa: F401
     continue_train_log,
     format_duration,
 )
+from trainer.run import parallel
 from trainer.run.optim import check_scheduler, set_horizon, warmup_steps
 from trainer.run.run_state import RunState, count_start, read_wandb_run_id, write_wandb_run_id
-
-# SUMMARY, TRAIN_LOG and token_loss_sum are re-exported: scripts import them from here.
-from trainer.run.step import (  # noqa: F401
-    accumulate_with_oom_backoff,
-    optimizer_step,
-    probe_memory,
-    token_loss_sum,
-)
+from trainer.run.step import accumulate_with_oom_backoff, optimizer_step, probe_memory
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +435,7 @@ def warn_if_the_disk_is_small(
 ) -> None:
     """Warn at start when output_dir's disk cannot hold the checkpoints the run keeps: the newest
     checkpoint's size, else an estimate from the parameter count."""
-    one = disk.checkpoint_bytes(output_dir)
+    one = ckpt.checkpoint_bytes(output_dir)
     if one is None:
         from trainer.model.model_shape import LoraShape, load_shape
 
@@ -456,7 +450,7 @@ def warn_if_the_disk_is_small(
             return
         one = disk.estimate_checkpoint_bytes(n_params, dtype, cfg.optimizer, cfg.bf16_update)
     planned_saves = math.ceil(total_steps / cfg.save_steps)
-    warning = disk.free_space_warning(output_dir, one, cfg.save_total_limit, planned_saves)
+    warning = ckpt.free_space_warning(output_dir, one, cfg.save_total_limit, planned_saves)
     if warning:
         log.warning("%s", warning)
 
@@ -601,7 +595,7 @@ def build_model(
 
         model = add_adapters(model, cfg)
     model.train()
-    train_module = distributed.wrap(model, cfg, device)
+    train_module = parallel.wrap(model, cfg, device)
     replicated = distributed.replicated_gradients(model, cfg)
     if not distributed.is_sharded(train_module):  # FSDP acts on autograd's own gradient accumulation
         accumulate_weight_grads_in_place(model)
