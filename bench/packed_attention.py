@@ -246,9 +246,9 @@ def shared_memory_report(cuda: bool) -> list[str]:
     this GPU, and the largest variant compiled for sm_120. Returns the kernels over SHARED_LIMIT."""
     failures = []
     kernels = [
-        (packed._fwd_kernel, {}, packed.FWD_CONFIG),
-        (packed._bwd_kv_kernel, dict(FAR_TILES=3, GRADIENT_ROWS=8), packed.BWD_CONFIG),
-        (packed._bwd_q_kernel, {}, packed.BWD_CONFIG),
+        (packed.fwd_kernel, {}, packed.FWD_CONFIG),
+        (packed.bwd_kv_kernel, dict(FAR_TILES=3, GRADIENT_ROWS=8), packed.BWD_CONFIG),
+        (packed.bwd_q_kernel, {}, packed.BWD_CONFIG),
     ]
     flags = dict(HAS_BIAS=True, CAUSAL=True, DROPOUT=True, MAX_DISTANCE=128, BLOCK_M=64, BLOCK_N=64, D=64)
     print("\nshared memory per block (limit 99 KiB on an RTX 5090):")

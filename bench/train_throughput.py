@@ -113,7 +113,7 @@ def run_ours(
 
     from trainer.config import TrainConfig
     from trainer.model.model_shape import load_shape
-    from trainer.plan.memory_plan import _plan_kwargs, budget_peak, row_lengths
+    from trainer.plan.memory_plan import budget_peak, plan_kwargs, row_lengths
     from trainer.report.step_meter import SUMMARY
     from trainer.run.train import train
 
@@ -156,7 +156,7 @@ def run_ours(
     typical = planned
     if planned is not None and not cfg.packing:  # padded batches: typical recipe rows as well
         src_cap, tgt_cap = row_lengths(cfg)
-        kw = _plan_kwargs(cfg, blocks)
+        kw = plan_kwargs(cfg, blocks)
         typical = (
             budget_peak(
                 load_shape(str(model_dir)),

@@ -23,7 +23,7 @@ from trainer.cli import main
 from trainer.config import TrainConfig
 from trainer.data.loader import RecipeStream
 from trainer.data.prompt import TEMPLATE_FILE, PromptTemplate, save_prompt_template
-from trainer.eval.evaluate import eval_loss, sample_records
+from trainer.eval.evaluate import eval_loss, record_batches, sample_records
 from trainer.eval.generate import generate_ids, plan_batches
 from trainer.model.loss import token_loss_sum
 
@@ -210,7 +210,8 @@ def test_eval_loss_is_the_training_loops(model_dir: Path, sample_csv: Path) -> N
             total += float(token_loss_sum(model, batch))
             tokens += int((batch["labels"] != -100).sum())
     # Other batching (by length, a small budget), the same token mean.
-    assert eval_loss(model, records, max_batch_tokens=600) == pytest.approx(total / tokens, rel=1e-5)
+    batches = record_batches(records, max_batch_tokens=600)
+    assert eval_loss(model, batches, torch.device("cpu")) == pytest.approx(total / tokens, rel=1e-5)
     assert math.log(model.config.vocab_size) / 2 < total / tokens < 2 * math.log(model.config.vocab_size)
 
 

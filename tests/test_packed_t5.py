@@ -133,17 +133,17 @@ def test_checkpoint_recompute_drops_the_same_probabilities(tiny_model_dir, monke
     # Training mode (dropout 0.1 everywhere, attention included): gradient checkpointing on every block but
     # the last decoder block recomputes each block's forward with the same random numbers, so the loss and
     # gradients equal those of a run without checkpointing from the same seed.
-    from trainer.kernels import packed_attention
+    from trainer.model import fused_t5
     from trainer.model.load import skip_checkpointing
 
     calls = []
-    attend = packed_attention.packed_attention
+    attend = fused_t5.packed_attention  # the kernels' entry point, as T5's attention calls it
 
     def counted(*args, dropout_p, **kwargs):
         calls.append(dropout_p)
         return attend(*args, dropout_p=dropout_p, **kwargs)
 
-    monkeypatch.setattr(packed_attention, "packed_attention", counted)
+    monkeypatch.setattr(fused_t5, "packed_attention", counted)
     batch = pack(records(ONE_ROW[0], seed=2), *ONE_ROW[1])
     model = load(tiny_model_dir, KERNEL_DTYPE, triton_attention=True).train()
     torch.manual_seed(5)

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from trainer.checkpoint.model_card import write_model_card
 from trainer.config import ConfigError, TrainConfig
 from trainer.data.prompt import TEMPLATE_FILE
 from trainer.infra.disk import write_text_atomic
@@ -269,8 +270,6 @@ class HubUploader:
             for source, folder, model_only in parts:
                 self._link_tree(source, tmp / "tree" / folder, model_only)
             if card is not None:
-                from trainer.checkpoint.model_card import write_model_card
-
                 (tmp / "tree" / "README.md").unlink(missing_ok=True)  # final/'s, linked: not written through
                 write_model_card(tmp / "tree", replace(card, repo_id=self.repo_id or self.requested))
             os.rename(tmp, path)

@@ -52,11 +52,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from trainer.checkpoint.model_card import write_model_card
 from trainer.config import ConfigError
+from trainer.data.loader import RecipeDataError, stream_for
 from trainer.data.prompt import save_prompt_template
 from trainer.infra import disk, distributed
 from trainer.infra.redact import redact_obj
-from trainer.model.load import write_config
+from trainer.model.model_files import write_config
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +160,11 @@ def _states(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
 
 def save_pretrained(model, path: str | Path) -> None:
     """`model.save_pretrained(path)` of the whole model (a PEFT model's adapter), written by rank 0, its
-    config.json saying how its LM head is (trainer.model.load.write_config). Under FSDP the shards are
+    config.json saying how its LM head is (trainer.model.model_files.write_config). Under FSDP the shards are
     gathered first (collective: every rank calls this)."""
     if is_adapter_model(model):  # LoRA (one process or DDP: every rank holds the same adapters)
         if distributed.rank() == 0:
+            # peft takes seconds to import: only LoRA runs import it (through trainer.model.lora)
             from trainer.model.lora import save_adapter
 
             save_adapter(model, path)
@@ -362,8 +365,6 @@ def resume_position(
     saved one (against a stream built like the saving run's rank 0 when W changed: its index is cached) and
     refuses other data or settings (ConfigError). The other ranks read the same files with the same config.
     `cfg`: the config with the planned batching applied (`RunPlan.applied_to`)."""
-    from trainer.data.loader import RecipeDataError, stream_for
-
     world_size = distributed.world_size()
     if distributed.rank() == 0:
         reference = stream
@@ -478,6 +479,7 @@ def save_final_model(
     with disk.removed_on_failure(tmp, needed_bytes=weights, remove=is_main):
         if is_adapter_model(model):
             if is_main:
+                # peft takes seconds to import: only LoRA runs import it (through trainer.model.lora)
                 from trainer.model.lora import save_merged
 
                 save_merged(model, tmp, adapter_from=weights_from)
@@ -490,8 +492,6 @@ def save_final_model(
             if prompt_config is not None:
                 save_prompt_template(tmp, prompt_config)
             if card is not None:
-                from trainer.checkpoint.model_card import write_model_card
-
                 write_model_card(tmp, card)
             if final.exists():
                 shutil.rmtree(final)

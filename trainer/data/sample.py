@@ -12,6 +12,7 @@ from pathlib import Path
 
 from trainer import _loader
 from trainer.data.hf_datasets import is_hub_dataset
+from trainer.model.tiny_model import build_tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,6 @@ def ensure_demo_data(
         if dry_run:
             log.info("dry run: make_demo_data would write %s to %s", what, path)
         elif path == Path(model_dir):
-            from trainer.model.tiny_model import build_tiny_model
-
             log.info("make_demo_data: building the tiny FLAN-T5 in %s", path)
             build_tiny_model(path, seed=0)
         else:

@@ -1,9 +1,9 @@
 """`trainer evaluate`: eval loss and generation metrics of a trained model on recipe files.
 
 The records are read, rendered and tokenized by the training loader's code, as the model was trained
-(`--split eval`: only the share that training held out). The loss is token-weighted as in training: the sum
-of target-token cross-entropies over the target tokens (trainer.model.loss.Seq2SeqLMLoss). Then the model
-generates for the same records (batched as `trainer generate` does) and
+(`--split eval`: only the share that training held out). The loss is the one evaluations during training
+compute (`eval_loss`): the sum of target-token cross-entropies over the target tokens, of the loader's padded
+batches. Then the model generates for the same records (batched as `trainer generate` does) and
 `trainer.eval.recipe_metrics.generation_metrics` scores the recipes: ROUGE, BLEU, chrF and the recipe checks.
 The table goes to standard output, the report (with every generation) to `--output` as JSON.
 """
@@ -17,10 +17,11 @@ import math
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.data.loader import Batch, padded_batch, to_device
 from trainer.data.prompt import PromptTemplate
 from trainer.eval.generate import (
     DEFAULT_BATCH_TOKENS,
@@ -29,7 +30,7 @@ from trainer.eval.generate import (
     decoding_given,
     decoding_settings,
     generate_rows,
-    load_model,
+    load_for_generation,
     open_model_dir,
     plan_batches,
     read_records,
@@ -64,34 +65,34 @@ def sample_records(records: Sequence[dict], n: int | None, seed: int) -> list[di
     return [records[i] for i in keep]
 
 
-def eval_loss(model, records: Sequence[dict], max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> float:
-    """Sum of target-token cross-entropies over the number of target tokens (as the training loop's eval
-    loss), over records with `source_ids` and `target_ids`, in batches of at most `max_batch_tokens`
-    padded tokens."""
+def record_batches(records: Sequence[dict], max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> Iterator[Batch]:
+    """`records` (with `source_ids` and `target_ids`, as the loader's renderer reads them) as the loader's
+    padded batches (trainer.data.loader.padded_batch), grouped by length, at most `max_batch_tokens` padded
+    tokens each."""
+    costs = [len(r["source_ids"]) + len(r["target_ids"]) for r in records]
+    for group in plan_batches(costs, max_batch_tokens):
+        yield padded_batch([(records[i]["source_ids"], records[i]["target_ids"]) for i in group])
+
+
+def eval_loss(loss_module, batches: Iterable[Batch | dict], device) -> float:
+    """Sum of target-token cross-entropies over the number of target tokens of `batches` (loader batches:
+    the training loop's held-out ones, or `record_batches`), summed over ranks under torchrun: the eval loss
+    of `trainer evaluate` and of evaluations during training. `loss_module`: the HF model, or what the loss
+    runs through (`Seq2SeqLMLoss`, the FSDP module)."""
+    # torch (seconds to import) loads here: the CLI imports this module for `trainer --help`'s parser
     import torch
 
-    from trainer.model.loss import Seq2SeqLMLoss
+    from trainer.infra import distributed
+    from trainer.model.loss import token_loss_sum
 
-    loss_module = Seq2SeqLMLoss(model)
-    device = next(model.parameters()).device
-    pad_id = model.config.pad_token_id or 0
-    costs = [len(r["source_ids"]) + len(r["target_ids"]) for r in records]
-    total, tokens = 0.0, 0
-    with torch.inference_mode():
-        for batch in plan_batches(costs, max_batch_tokens):
-            rows = [records[i] for i in batch]
-            src_w = max(len(r["source_ids"]) for r in rows)
-            tgt_w = max(len(r["target_ids"]) for r in rows)
-            ids = torch.full((len(rows), src_w), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(rows), src_w), dtype=torch.long)
-            labels = torch.full((len(rows), tgt_w), -100, dtype=torch.long)
-            for k, r in enumerate(rows):
-                ids[k, : len(r["source_ids"])] = torch.as_tensor(r["source_ids"])
-                mask[k, : len(r["source_ids"])] = 1
-                labels[k, : len(r["target_ids"])] = torch.as_tensor(r["target_ids"])
-            total += float(loss_module(ids.to(device), mask.to(device), labels.to(device)))
-            tokens += sum(len(r["target_ids"]) for r in rows)
-    return total / tokens if tokens else math.nan
+    loss_sum, n_tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            batch = to_device(batch, device)
+            loss_sum += float(token_loss_sum(loss_module, batch))
+            n_tokens += int((batch["labels"] != -100).sum())
+    loss_sum, n_tokens = distributed.all_sum([loss_sum, n_tokens])
+    return loss_sum / n_tokens if n_tokens else math.nan
 
 
 def generation_eval(
@@ -207,9 +208,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
             len(with_reference),
             args.seed,
         )
-    model = load_model(model_dir, args.device)
+    model = load_for_generation(model_dir, args.device)
     started = time.monotonic()
-    loss = eval_loss(model, chosen, args.max_batch_tokens)
+    loss = eval_loss(model, record_batches(chosen, args.max_batch_tokens), next(model.parameters()).device)
     log.info("eval loss %.4f over %d records", loss, len(chosen))
     decoding, said = decoding_settings(model, template, given)
     log.info("%s", said)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.config import DATA_FORMATS, TASKS
+from trainer.config import DATA_FORMATS, TASKS, TrainConfig
+from trainer.data.loader import skipped_summary
 from trainer.data.prompt import (
     DEFAULT_TASK,
     TEMPLATE_FILE,
@@ -100,40 +101,37 @@ def open_model_dir(model_dir: str | os.PathLike[str], task: str | None = None) -
     return ModelDir(path, template, template_saved=True)
 
 
-def load_model(model_dir: ModelDir, device: str | None = None):
-    """The model of `model_dir` for generation: bf16 on a GPU (fp32 on the CPU, or on a GPU without bf16),
-    eval mode, KV cache on, T5's norms and GELU fused as in training. A LoRA checkpoint's adapter is merged
-    into the base it names. Raises ModelDirError when the weights cannot be loaded."""
+def load_for_generation(model_dir: ModelDir, device: str | None = None):
+    """The model of `model_dir` for generation, loaded as training loads it (trainer.model.load.load_model:
+    T5's norms and GELU fused, a LoRA checkpoint's adapter merged into the base it names), bf16 on a GPU
+    (fp32 on the CPU, or on a GPU without bf16), SDPA attention, in eval mode with the KV cache on. Raises
+    ModelDirError when the weights cannot be loaded."""
+    # torch and transformers take seconds to import: loaded when a model is (`trainer --help` imports this
+    # module for its parser)
     import torch
     from safetensors import SafetensorError
 
-    from trainer.model.load import _dtype_kwarg, from_pretrained
+    from trainer.model.load import load_model
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    kwargs: dict[str, Any] = {_dtype_kwarg(): dtype, "attn_implementation": "sdpa"}
-    if dev.type != "cpu":
-        kwargs["device_map"] = {"": dev}  # straight to the GPU, no CPU copy
+    dtype = "bfloat16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    cfg = TrainConfig(
+        model_name_or_path=str(model_dir.path),
+        dtype=dtype,
+        attn_implementation="sdpa",
+        gradient_checkpointing=False,
+    )
     try:
-        if not (model_dir.path / "config.json").is_file():  # open_model_dir: then an adapter
-            from trainer.model.lora import load_merged
-
-            model = load_merged(model_dir.path, **kwargs)
-        else:
-            model = from_pretrained(model_dir.path, **kwargs)
+        model = load_model(cfg, dev)
     except (OSError, ValueError, SafetensorError) as e:  # unreadable or truncated weights, a bad config
         raise ModelDirError(f"{model_dir.path}: cannot load the model ({str(e).splitlines()[0]})") from None
-    log.info("model: %s on %s in %s", model_dir.path, dev, str(dtype).removeprefix("torch."))
     return prepare_for_generation(model)
 
 
 def prepare_for_generation(model):
-    """Eval mode, the KV cache on, and T5's layer norms and GELU fused as in training (trainer.model.load)."""
-    from trainer.model.swaps import use_fused_t5_ops
-
+    """Eval mode and the KV cache on (training loads models with it off)."""
     model.eval()
     model.config.use_cache = True
-    use_fused_t5_ops(model)
     return model
 
 
@@ -464,8 +462,6 @@ def read_records(
 ) -> list[dict[str, Any]]:
     """The usable records of `paths` through the loader's renderer (fields in `columns`, as the training read
     them), skips said in one warning."""
-    from trainer.data.loader import skipped_summary
-
     records, skipped, examples = renderer.read(list(paths), data_format=data_format, columns=columns, **split)
     stats = {"skipped": skipped, "examples": examples}
     if line := skipped_summary(stats, len(records), training=False):
@@ -497,7 +493,7 @@ def run_generate(args: argparse.Namespace) -> int:
         records = read_records(renderer, args.input, args.data_format, model_dir.template.columns)
     else:
         records = [cli_record(renderer, model_dir.template, args.title, args.ingredients)]
-    model = load_model(model_dir, args.device)
+    model = load_for_generation(model_dir, args.device)
     decoding, said = decoding_settings(model, model_dir.template, given)
     log.info("%s", said)
     torch.manual_seed(args.seed)

@@ -19,15 +19,17 @@ scores.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import TrainConfig
-from trainer.data.loader import to_device
 from trainer.data.prompt import PromptTemplate
+from trainer.eval.evaluate import eval_loss, generation_eval
+from trainer.eval.generate import decoding_settings
+from trainer.eval.recipe_metrics import generation_metrics
 from trainer.infra import distributed
-from trainer.model.loss import token_loss_sum
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,9 @@ def evaluate(
     loss_module = model if loss_module is None else loss_module
     loss_module.eval()
     try:
-        metrics = {"eval_loss": eval_loss(loss_module, stream, device, cfg.eval_max_batches)}
+        stream.set_epoch(0)  # each rank its shard of the held-out batches, the same ones every time
+        held_out = itertools.islice(stream, cfg.eval_max_batches)
+        metrics = {"eval_loss": eval_loss(loss_module, held_out, device)}
         scores, samples = generation_scores(
             model, loss_module, records, cfg, template, tokenizer_file, max_batch_tokens
         )
@@ -89,29 +93,9 @@ def evaluate(
     return EvalResult(metrics, samples)
 
 
-def eval_loss(loss_module, stream, device, max_batches: int) -> float:
-    """Sum of target-token cross-entropies over the target tokens of at most `max_batches` batches of
-    `stream` (each rank its shard), summed over ranks."""
-    import torch
-
-    loss_sum, n_tokens = 0.0, 0
-    with torch.no_grad():
-        stream.set_epoch(0)
-        for i, batch in enumerate(stream):
-            if i >= max_batches:
-                break
-            batch = to_device(batch, device)
-            loss_sum += float(token_loss_sum(loss_module, batch))
-            n_tokens += int((batch["labels"] != -100).sum())
-    loss_sum, n_tokens = distributed.all_sum([loss_sum, n_tokens])
-    return loss_sum / n_tokens if n_tokens else float("nan")
-
-
 def decoding(cfg: TrainConfig, model, template: PromptTemplate) -> tuple[dict[str, Any], str]:
     """`model.generate` options of the config's generation keys (the rest: the model's generation_config),
     and a line saying each value and where it came from (`trainer generate`'s rules)."""
-    from trainer.eval.generate import decoding_settings
-
     given = {"max_new_tokens": cfg.generation_max_new_tokens, "num_beams": cfg.generation_num_beams}
     return decoding_settings(model, template, {k: v for k, v in given.items() if v is not None})
 
@@ -127,9 +111,6 @@ def generation_scores(
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Generate for `records` and score the recipes: (metric name -> value, the first samples with their
     own scores); the metrics on every rank, the samples on rank 0. See the module doc for who generates."""
-    from trainer.eval.evaluate import generation_eval
-    from trainer.eval.recipe_metrics import generation_metrics
-
     sharded = distributed.is_sharded(loss_module)
     metrics: dict[str, float] = {}
     rows: list[dict[str, Any]] = []

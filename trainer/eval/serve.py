@@ -58,11 +58,12 @@ from trainer.eval.generate import (
     decoding_given,
     decoding_settings,
     generate_ids,
-    load_model,
+    load_for_generation,
     open_model_dir,
     prompt_fields,
     strict_subparser,
 )
+from trainer.eval.serve_page import page
 
 log = logging.getLogger(__name__)
 
@@ -281,8 +282,6 @@ class RecipeServer:
         from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
         from starlette.routing import Route
 
-        from trainer.eval.serve_page import page
-
         html = page(self.model_dir.template, self.needs, str(self.model_dir.path))
 
         async def index(request: Request) -> Response:
@@ -401,7 +400,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     with contextlib.closing(sock):
-        model = load_model(model_dir, args.device)
+        model = load_for_generation(model_dir, args.device)
         torch.manual_seed(args.seed)
         device = str(next(model.parameters()).device)
         _, said = decoding_settings(model, model_dir.template, defaults)

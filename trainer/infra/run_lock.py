@@ -108,6 +108,7 @@ def lock_output_dir(output_dir: str | Path) -> RunLock:
     Collective under torchrun (call it on every rank, after the process group is up): rank 0 takes the lock,
     and its outcome is broadcast, so that when rank 0 cannot take it every rank raises the same
     OutputDirLocked (exit 2) together, none waits in a later collective. Other ranks hold nothing."""
+    # torch: the CLI imports this module for its error class, also for commands that never load torch
     from trainer.infra import distributed
 
     lock = RunLock(output_dir)

@@ -14,21 +14,18 @@ and the Triton fused-attention tutorial, with what T5 needs:
   recompute (which restores that generator) drop the same entries without storing a mask;
 - no 1/sqrt(d) unless asked (T5 folds it into the weights).
 
-Used through transformers' attention interface (`attn_implementation: triton`), so T5's modules, masks and
-state dict are unchanged. On CPU (tests) the kernels run under TRITON_INTERPRET=1.
+T5 reaches them through transformers' attention interface (`attn_implementation: triton`, registered by
+trainer.model.fused_t5), so its modules, masks and state dict are unchanged. On CPU (tests) the kernels run
+under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import triton
 import triton.language as tl
 
 from trainer.kernels.dropout import attention_keep, dropout_resolution, dropout_seed
-
-log = logging.getLogger(__name__)
 
 MASKED = -1e30  # score added for a padded key: exp() of it is 0, yet a fully padded row stays finite
 # Backward key-block programs to aim for (16 per H100 SM); sets how many row groups each sum a bias gradient.

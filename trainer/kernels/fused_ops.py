@@ -9,7 +9,8 @@ keeps; the backward reads the gradient, a and b and writes both gradients and th
 weight gradient (gated_gelu_linear: the kernels and wo are one autograd function). Dropout keeps no mask:
 the kept set is drawn from a hash of each element's index keyed by a seed from torch's CUDA generator
 (trainer.kernels.dropout.uniform16), regenerated in the backward, and reproduced by checkpoint recompute
-(which restores that generator). Arithmetic is fp32, rounded once at the end.
+(which restores that generator). Arithmetic is fp32, rounded once at the end. trainer.model.fused_t5 swaps
+them into T5's modules.
 
 On CPU (tests) the kernels run under TRITON_INTERPRET=1.
 """

@@ -216,7 +216,7 @@ def _scores(q, k, qseg, kseg, rows, cols, dist, HAS_BIAS: tl.constexpr, CAUSAL: 
 
 
 @triton.jit(do_not_specialize=VARYING)
-def _fwd_kernel(
+def fwd_kernel(
     Q,
     K,
     V,
@@ -251,6 +251,8 @@ def _fwd_kernel(
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
 ):
+    """Forward: one program per (query tile, row x head): the output tile and its log-sum-exp, over the keys
+    of each query's segment (_PackedAttention.forward launches it)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -304,7 +306,7 @@ def _fwd_kernel(
 
 
 @triton.jit(do_not_specialize=[*VARYING, "B", "rows_per_group"])
-def _bwd_kv_kernel(
+def bwd_kv_kernel(
     Q,
     K,
     V,
@@ -436,7 +438,7 @@ def _bwd_kv_kernel(
 
 
 @triton.jit(do_not_specialize=VARYING)
-def _bwd_q_kernel(
+def bwd_q_kernel(
     Q,
     K,
     V,
@@ -473,6 +475,8 @@ def _bwd_q_kernel(
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
 ):
+    """Backward of the queries: one program per (query tile, row x head): dQ (_PackedAttention.backward
+    launches it)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -534,7 +538,7 @@ class _PackedAttention(torch.autograd.Function):
         seed = dropout_seed(q.device) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64, device=q.device)
         has_bias = distance_bias is not None
         max_distance = layout.position_bias.max_distance if has_bias else 0
-        _fwd_kernel[(triton.cdiv(T, BLOCK), R * H)](
+        fwd_kernel[(triton.cdiv(T, BLOCK), R * H)](
             q,
             k,
             v,
@@ -595,7 +599,7 @@ class _PackedAttention(torch.autograd.Function):
             **BWD_CONFIG,
         )
         dist = distance_bias if has_bias else q
-        _bwd_kv_kernel[(key_blocks, H, groups)](
+        bwd_kv_kernel[(key_blocks, H, groups)](
             q,
             k,
             v,
@@ -622,7 +626,7 @@ class _PackedAttention(torch.autograd.Function):
             BIAS_GRAD=bias_grad,
             **flags,
         )
-        _bwd_q_kernel[(triton.cdiv(T, BLOCK), R * H)](
+        bwd_q_kernel[(triton.cdiv(T, BLOCK), R * H)](
             q,
             k,
             v,

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
 from pathlib import Path
 
 import torch
 
 from trainer.infra.memory import GIB
-from trainer.model.model_shape import transformers_major
+from trainer.model.model_files import dtype_kwarg, from_pretrained
 from trainer.model.swaps import use_fused_t5_ops, use_triton_attention_where_it_runs
 
 log = logging.getLogger(__name__)
@@ -23,14 +21,6 @@ LOAD_PEAK_SLACK = 64 * 2**20
 LAST_LOAD: dict = {}  # what the last load measured (weights and peak bytes), for the run summary
 
 
-def _dtype_kwarg() -> str:
-    """transformers 5 takes `dtype=`, 4.5x `torch_dtype=`."""
-    from transformers import PreTrainedModel
-
-    params = inspect.signature(PreTrainedModel.from_pretrained).parameters
-    return "dtype" if transformers_major() >= 5 or "dtype" in params else "torch_dtype"
-
-
 def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: str, random_init: bool):
     from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
@@ -39,46 +29,24 @@ def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: 
         config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         with torch.device(device):
             return AutoModelForSeq2SeqLM.from_config(
-                config, attn_implementation=attn, **{_dtype_kwarg(): dtype}
+                config, attn_implementation=attn, **{dtype_kwarg(): dtype}
             )
-    kwargs = {_dtype_kwarg(): dtype, "attn_implementation": attn}
+    kwargs = {dtype_kwarg(): dtype, "attn_implementation": attn}
     if device.type != "cpu":
         kwargs["device_map"] = {"": device}  # weights go straight to the GPU, no CPU copy of the model
+    if is_adapter_dir(path):
+        # peft takes seconds to import: only LoRA models import it (through trainer.model.lora)
+        from trainer.model.lora import load_merged
+
+        return load_merged(path, **kwargs)
     return from_pretrained(path, **kwargs)
 
 
-def from_pretrained(path: str | Path, **kwargs):
-    """`AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)`, without transformers 5's warning about
-    FLAN-T5's LM head: transformers 5 forces T5's tie_word_embeddings on, then warns that the head, FLAN-T5's
-    own, is not tied to the embedding and that the config should say tie_word_embeddings=False, which it does
-    (`write_config`): nothing for the user to do."""
-    from transformers import AutoModelForSeq2SeqLM
-
-    hf_log = logging.getLogger("transformers.modeling_utils")
-    hf_log.addFilter(_untied_head_warning)
-    try:
-        return AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)
-    finally:
-        hf_log.removeFilter(_untied_head_warning)
-
-
-def _untied_head_warning(record: logging.LogRecord) -> bool:
-    return "NOT tie them" not in record.getMessage()
-
-
-def write_config(model, path: str | Path) -> None:
-    """Make the config.json save_pretrained wrote for `model` into `path` say how its LM head is: a head of
-    its own (FLAN-T5's) as `"tie_word_embeddings": false`, as google/flan-t5-xl's config.json says it.
-    transformers 5 writes true for every T5 and keeps the real tie in `scale_decoder_outputs`, which
-    transformers 4 does not read: it would tie the trained head to the embedding and scale the decoder's
-    outputs, another model."""
-    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
-        return
-    file = Path(path) / "config.json"
-    config = json.loads(file.read_text(encoding="utf-8"))
-    config["tie_word_embeddings"] = False
-    config.pop("scale_decoder_outputs", None)  # transformers 5 derives it from the tie again
-    file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+def is_adapter_dir(path: str | Path) -> bool:
+    """A LoRA run's checkpoint or final model: a PEFT adapter (adapter_config.json, naming its base), no
+    model of its own."""
+    path = Path(path)
+    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
 
 
 def load_model(
@@ -89,12 +57,15 @@ def load_model(
     random_init: bool | None = None,
     blocks_without_checkpointing: tuple[int, int] = (0, 0),
 ):
-    """Load cfg.model_name_or_path (or `path`, e.g. a checkpoint) once, in cfg.dtype, onto `device`.
+    """Load cfg.model_name_or_path (or `path`, e.g. a checkpoint) once, in cfg.dtype, onto `device`: for
+    training, and for generation and evaluation (trainer.eval.generate.load_for_generation). A LoRA
+    adapter directory loads the base it names with the adapter merged into it.
 
     On CUDA, asserts the peak memory during the load is at most 1.05x the weights + 64 MiB (no fp32 copy, no
-    second copy on the device). Attention: cfg.attn_implementation. Gradient checkpointing is non-reentrant,
-    except for the last `blocks_without_checkpointing` (decoder, encoder) blocks (the run's plan decides how
-    many); use_cache is off (turned on for generation).
+    second copy on the device; not for a merged adapter, whose merge has temporaries). Attention:
+    cfg.attn_implementation. Gradient checkpointing is non-reentrant, except for the last
+    `blocks_without_checkpointing` (decoder, encoder) blocks (the run's plan decides how many); use_cache is
+    off (turned on for generation).
     """
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     path = str(path or cfg.model_name_or_path)
@@ -122,7 +93,8 @@ def load_model(
         )
         LAST_LOAD.update(weight_bytes=weight_bytes, peak_bytes=peak)
         # Random init (benchmarks) has initialisation temporaries; the check is about loading weight files.
-        if not random_init and peak > LOAD_PEAK_FACTOR * weight_bytes + LOAD_PEAK_SLACK:
+        checked = not random_init and not is_adapter_dir(path)
+        if checked and peak > LOAD_PEAK_FACTOR * weight_bytes + LOAD_PEAK_SLACK:
             raise RuntimeError(
                 f"loading {path} peaked at {peak / 2**20:,.0f} MiB on the GPU, more than {LOAD_PEAK_FACTOR}x "
                 f"its {weight_bytes / 2**20:,.0f} MiB of weights (+{LOAD_PEAK_SLACK // 2**20} MiB): it was "

@@ -38,7 +38,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 
 from trainer.kernels.projections import GroupedLinear, LowRank
-from trainer.model.load import from_pretrained, write_config
+from trainer.model.model_files import from_pretrained, write_config
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """Check a model directory before anything heavy runs: config.json, the weights' headers, the tokenizer; and
-find the model's tokenizer.json (`resolve_tokenizer_file`), in the local Hugging Face cache first.
+find the model's tokenizer.json (`resolve_tokenizer_file`), in the local Hugging Face cache first. Read a
+model directory's weights (`from_pretrained`) and write its config.json as FLAN-T5's says (`write_config`).
 
 A missing or truncated `model.safetensors` otherwise fails inside `from_pretrained` with a long traceback,
 and only after the data is indexed (minutes on millions of recipes). `check_model_dir` reads the small files
@@ -9,7 +10,9 @@ is wrong with it.
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 import math
 import os
 import zipfile
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import ConfigError
+from trainer.model.model_shape import transformers_major
 
 
 class ModelFilesError(ConfigError):
@@ -248,3 +252,47 @@ def _check_bin(path: Path) -> None:
         zipped = f.read(2) == b"PK"
     if zipped and not zipfile.is_zipfile(path):
         raise ModelFilesError(f"{path} is truncated (its zip directory is missing; {size:,} bytes)")
+
+
+def dtype_kwarg() -> str:
+    """transformers 5 takes `dtype=`, 4.5x `torch_dtype=`."""
+    # transformers takes seconds to import: loaded when a model is (the CLI's light commands import this
+    # module)
+    from transformers import PreTrainedModel
+
+    params = inspect.signature(PreTrainedModel.from_pretrained).parameters
+    return "dtype" if transformers_major() >= 5 or "dtype" in params else "torch_dtype"
+
+
+def from_pretrained(path: str | Path, **kwargs):
+    """`AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)`, without transformers 5's warning about
+    FLAN-T5's LM head: transformers 5 forces T5's tie_word_embeddings on, then warns that the head, FLAN-T5's
+    own, is not tied to the embedding and that the config should say tie_word_embeddings=False, which it does
+    (`write_config`): nothing for the user to do."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    hf_log = logging.getLogger("transformers.modeling_utils")
+    hf_log.addFilter(_untied_head_warning)
+    try:
+        return AutoModelForSeq2SeqLM.from_pretrained(path, **kwargs)
+    finally:
+        hf_log.removeFilter(_untied_head_warning)
+
+
+def _untied_head_warning(record: logging.LogRecord) -> bool:
+    return "NOT tie them" not in record.getMessage()
+
+
+def write_config(model, path: str | Path) -> None:
+    """Make the config.json save_pretrained wrote for `model` into `path` say how its LM head is: a head of
+    its own (FLAN-T5's) as `"tie_word_embeddings": false`, as google/flan-t5-xl's config.json says it.
+    transformers 5 writes true for every T5 and keeps the real tie in `scale_decoder_outputs`, which
+    transformers 4 does not read: it would tie the trained head to the embedding and scale the decoder's
+    outputs, another model."""
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        return
+    file = Path(path) / "config.json"
+    config = json.loads(file.read_text(encoding="utf-8"))
+    config["tie_word_embeddings"] = False
+    config.pop("scale_decoder_outputs", None)  # transformers 5 derives it from the tie again
+    file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

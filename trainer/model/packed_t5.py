@@ -83,6 +83,7 @@ def packed_loss_sum(
     )
     # trainer.model.fused_t5.NAME, without Triton
     if model.encoder.config._attn_implementation == "triton":
+        # Triton: imported where the kernels run (torch's wheels for other platforms come without it)
         from trainer.kernels.packed_attention import PackedAttentionLayout, RelativeBias
 
         relative = dict(num_buckets=config.relative_attention_num_buckets)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from trainer._loader import RecipeRenderer, write_sample
 from trainer.config import TASKS
+from trainer.model.model_files import write_config
+from trainer.model.model_shape import KNOWN_CONFIGS
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +126,6 @@ def flan_t5_config(shape: str = "xl", vocab_size: int = 32128):
     stand-in."""
     from transformers import T5Config
 
-    from trainer.model.model_shape import KNOWN_CONFIGS
-
     sizes = TINY_SHAPE if shape == "tiny" else KNOWN_CONFIGS[f"google/flan-t5-{shape}"]
     flan = {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "dropout_rate": 0.1}
     ids = {"decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
@@ -160,8 +160,6 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
     """Write a tiny random T5ForConditionalGeneration and its tokenizer to `out` (created); return `out`."""
     import torch
     from transformers import GenerationConfig, T5ForConditionalGeneration
-
-    from trainer.model.load import write_config
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

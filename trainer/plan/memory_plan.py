@@ -103,6 +103,7 @@ def trained_weight_shapes(shape: ModelShape, lora: LoraShape | None = None) -> d
 def adafactor_scratch_bytes(shape: ModelShape, lora: LoraShape | None = None) -> int:
     """The largest scratch of trainer.run.optim.Adafactor's step on a GPU: the fp32 partial sums of the group
     of same-shape trained weights with the most (trainer.kernels.adafactor_kernels)."""
+    # Triton: `trainer plan` runs also where the kernels cannot (no Triton)
     from trainer.kernels.adafactor_kernels import scratch_bytes
 
     return max(scratch_bytes(count, dims) for dims, count in trained_weight_shapes(shape, lora).items())
@@ -242,6 +243,7 @@ def _attention_sublayer(
     # with the residual sum), the residual sum
     tail = (0 if attention == "triton" else n * inner * e + n * d * drop) + n * d * e
     if attention == "triton":
+        # Triton: `trainer plan` runs also where the kernels cannot (no Triton)
         from trainer.kernels.attention import bias_grad_groups, key_stride
 
         lse = b * h * q_len * 4
@@ -653,7 +655,7 @@ def largest_batch_size(
     return rows
 
 
-def _plan_kwargs(cfg, blocks: tuple[int, int] | None = None, processes: int = 1) -> dict:
+def plan_kwargs(cfg, blocks: tuple[int, int] | None = None, processes: int = 1) -> dict:
     """plan_memory's keyword arguments for `cfg` on one GPU of a run of `processes` (the un-checkpointed
     (decoder, encoder) blocks: the given numbers, else the config's)."""
     # Triton runs only on CUDA (eager elsewhere); other kernels transformers offers are planned like SDPA.
@@ -697,7 +699,7 @@ def choose_max_tokens(cfg, gpu_bytes: int, processes: int = 1) -> int:
     """Starting token budget for the loop when the config sets neither batch size nor max_tokens."""
     shape = load_shape(cfg.model_name_or_path)
     src, tgt = row_lengths(cfg)
-    kw = _plan_kwargs(cfg, processes=processes)
+    kw = plan_kwargs(cfg, processes=processes)
     tokens = largest_token_budget(shape, gpu_bytes, src_cap=src, tgt_cap=tgt, **kw)
     # Never below one row at the maximum lengths: the loader must be able to yield its longest row alone.
     floor = src + tgt
@@ -730,7 +732,7 @@ def micro_batch_peak(
     encoder) the numbers of each stack's last blocks without checkpointing:
     the loader's packed rows (rows, source length, target length) when given, else
     per_device_train_batch_size rows of the longest lengths, else the worst the budget `max_tokens` yields."""
-    kw = _plan_kwargs(cfg, blocks, processes)
+    kw = plan_kwargs(cfg, blocks, processes)
     if packed_rows is not None:
         rows, src, tgt = packed_rows
         return plan_memory(shape, rows=rows, src_len=src, tgt_len=tgt, **kw)

@@ -16,7 +16,11 @@ import re
 import sys
 from dataclasses import dataclass
 
+from trainer.config import source_path
+from trainer.data import hf_datasets
+from trainer.data.loader import RecipeDataError, RecipeFileError, stream_for
 from trainer.infra.memory import GIB
+from trainer.model.model_files import ModelFilesError, resolve_tokenizer_file
 from trainer.model.model_shape import LoraShape, ModelShape, load_shape
 from trainer.plan.gpu_specs import (
     GPUS,
@@ -29,10 +33,10 @@ from trainer.plan.memory_plan import (
     TYPICAL_SOURCE,
     TYPICAL_TARGET,
     RunPlan,
-    _plan_kwargs,
     largest_batch_size,
     largest_token_budget,
     micro_batch_peak,
+    plan_kwargs,
     plan_packed_rows,
     plan_run,
     planned_peak,
@@ -115,7 +119,7 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None, processes: int 
         plan = plan_packed_rows(plan, cfg, epoch.packed_shape, gpu_bytes)
     blocks = plan.blocks_without_checkpointing
     # The trainer picks the budget with every block checkpointed, then skips checkpointing where room is left.
-    kw_all = _plan_kwargs(cfg, (0, 0), processes)
+    kw_all = plan_kwargs(cfg, (0, 0), processes)
     peak = micro_batch_peak(shape, cfg, plan.max_tokens, blocks, plan.packed_rows, processes)
     if plan.packed_rows is not None:
         rows, src, tgt = plan.packed_rows
@@ -218,11 +222,6 @@ def epoch_data(cfg, plan: RunPlan) -> EpochData:
     truncation, and its batches); typical recipes of ASSUMED_RECORDS when the data or the model's tokenizer
     cannot be had (files that match nothing are said so; the tokenizer comes from the local Hugging Face
     cache, else one try at the Hub), with the reason in `source`."""
-    from trainer.config import source_path
-    from trainer.data import hf_datasets
-    from trainer.data.loader import RecipeDataError, RecipeFileError, stream_for
-    from trainer.model.model_files import ModelFilesError, resolve_tokenizer_file
-
     accum = cfg.gradient_accumulation_steps * plan.processes  # loader batches per optimizer step, all GPUs
     named = ", ".join(map(str, cfg.train_files))
     files = [source_path(e) for e in cfg.train_files if not hf_datasets.is_dataset(source_path(e))]

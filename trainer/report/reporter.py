@@ -39,6 +39,7 @@ from trainer.infra.redact import install_log_redaction, redact
 from trainer.infra.stopping import StopBeforeTraining, signal_exit_code
 from trainer.report.notify import DiscordNotifier, Priority, make_embed, webhook_url_from_env
 from trainer.report.step_meter import LoggedStep, format_duration
+from trainer.report.wandb_logger import WandbLogger, artifact_name, log_model_mode
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +128,6 @@ class Reporter:
             return
         self._setup_wandb(cfg, run_id)
         if self._wandb is not None:
-            from trainer.report.wandb_logger import log_model_mode
-
             self._log_model = log_model_mode()
         self._setup_discord()
         atexit.register(self._close_at_exit)
@@ -137,8 +136,6 @@ class Reporter:
         if cfg.report_to != "wandb":
             return
         try:
-            from trainer.report.wandb_logger import WandbLogger
-
             self._wandb = WandbLogger(
                 config=cfg.to_dict(),
                 project=cfg.wandb_project,
@@ -338,8 +335,6 @@ class Reporter:
     def _log_model_artifact(self, path: str, aliases: list[str], metadata: dict[str, Any]) -> None:
         if self._wandb is None or not self._wandb.run_id:
             return
-        from trainer.report.wandb_logger import artifact_name
-
         name = artifact_name(self.cfg.run_name, self._wandb.run_id)
         metadata = {"base_model": self.cfg.model_name_or_path, **metadata, **self._last_metrics}
         if self._wandb.log_model(path, name, aliases, metadata):

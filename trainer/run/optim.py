@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainer.config import ConfigError
+
 if TYPE_CHECKING:
     from trainer.kernels.adafactor_kernels import WeightGroup
 
@@ -155,7 +157,7 @@ class Adafactor(torch.optim.Optimizer):
     def _weight_group(self, key: tuple, params: list[torch.Tensor]) -> WeightGroup:
         """The kernels' tables for `params`, made again only when a tensor moved (new gradients, loaded
         states)."""
-        from trainer.kernels.adafactor_kernels import WeightGroup
+        from trainer.kernels.adafactor_kernels import WeightGroup  # Triton: on a GPU only (_on_kernels)
 
         states = [self.state[p] for p in params]
         kept = self._weight_groups.get(key)
@@ -394,8 +396,6 @@ def build_scheduler(
     lr_scheduler_kwargs; its state_dict goes into checkpoints. ConfigError for kwargs the schedule does not
     take or needs."""
     from transformers import get_scheduler
-
-    from trainer.config import ConfigError
 
     try:
         return get_scheduler(

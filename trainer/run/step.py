@@ -18,6 +18,7 @@ from trainer.data.loader import to_device
 from trainer.infra import distributed, memory
 from trainer.model.loss import token_loss_sum
 from trainer.plan.memory_plan import RunPlan, probe_shapes
+from trainer.run.optim import Adafactor, clip_coefficient
 from trainer.run.run_state import OomBackoff
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,6 @@ def optimizer_step(
     import math
 
     import torch
-
-    from trainer.run.optim import Adafactor, clip_coefficient
 
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = distributed.grad_norm(params)

@@ -31,6 +31,7 @@ from torch.profiler import record_function
 
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.hub import HubUploader, check_hub_config, upload_pending
+from trainer.checkpoint.model_card import LoraSettings, ModelCardInfo
 from trainer.config import ConfigError, TrainConfig, source_path
 from trainer.data.loader import (
     RecipeDataError,
@@ -56,9 +57,13 @@ from trainer.infra.jsonl import fsync_file
 from trainer.infra.library_logs import route_library_output
 from trainer.infra.run_lock import describe_holder, lock_holder, lock_output_dir
 from trainer.infra.stopping import StopBeforeTraining, StopRequested, signal_exit_code
+from trainer.kernels.projections import accumulate_weight_grads_in_place
+from trainer.model.load import LAST_LOAD, load_model
 from trainer.model.loss import token_loss_sum
 from trainer.model.model_files import ModelFiles, check_model_dir, resolve_tokenizer_file
+from trainer.model.model_shape import LoraShape, load_shape
 from trainer.plan.memory_plan import RunPlan, gpu_bytes_for, plan_packed_rows, plan_run, planned_peak_bytes
+from trainer.plan.plan_report import memory_plan_line
 from trainer.report.profiling import StepProfiler
 from trainer.report.reporter import Reporter
 from trainer.report.step_meter import (
@@ -70,7 +75,8 @@ from trainer.report.step_meter import (
     format_duration,
 )
 from trainer.run import parallel
-from trainer.run.optim import check_scheduler, set_horizon, warmup_steps
+from trainer.run.cuda_graphs import WARMUP, MicroStepGraph
+from trainer.run.optim import build_optimizer, build_scheduler, check_scheduler, set_horizon, warmup_steps
 from trainer.run.run_state import RunState, count_start, read_wandb_run_id, write_wandb_run_id
 from trainer.run.step import accumulate_with_oom_backoff, optimizer_step, probe_memory
 
@@ -437,8 +443,6 @@ def warn_if_the_disk_is_small(
     checkpoint's size, else an estimate from the parameter count."""
     one = ckpt.checkpoint_bytes(output_dir)
     if one is None:
-        from trainer.model.model_shape import LoraShape, load_shape
-
         n_params = model_files.n_params if model_files is not None else None
         dtype, lora = cfg.dtype, LoraShape.of(cfg)
         try:
@@ -458,8 +462,6 @@ def warn_if_the_disk_is_small(
 def log_memory_plan(cfg: TrainConfig, plan: RunPlan, world_size: int) -> None:
     """The dry run's memory plan: one GPU's predicted peak by component for this run's processes; without a
     GPU, the command that predicts it."""
-    from trainer.plan.plan_report import memory_plan_line
-
     gpu_bytes = gpu_bytes_for(cfg)
     if gpu_bytes is None:
         log.info(
@@ -574,10 +576,6 @@ def build_model(
     the checkpoint's training state and loader position restored into them and `state`."""
     import numpy as np
 
-    from trainer.kernels.projections import accumulate_weight_grads_in_place
-    from trainer.model.load import load_model
-    from trainer.run.optim import build_optimizer, build_scheduler
-
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -591,6 +589,7 @@ def build_model(
         blocks_without_checkpointing=plan.blocks_without_checkpointing,
     )
     if cfg.adapter is not None:
+        # peft takes seconds to import: only LoRA runs import it (through trainer.model.lora)
         from trainer.model.lora import add_adapters
 
         model = add_adapters(model, cfg)
@@ -627,8 +626,6 @@ def micro_step_graph(cfg: TrainConfig, device: torch.device, model, train_module
     if device.type != "cuda":
         log.warning("cuda_graphs: no CUDA GPU here; the micro-steps run eagerly")
         return None
-    from trainer.run.cuda_graphs import WARMUP, MicroStepGraph
-
     log.info("cuda_graphs: each micro-step runs as a CUDA graph, captured after %d eager ones", WARMUP)
     params = [p for p in model.parameters() if p.requires_grad]
     return MicroStepGraph(lambda **batch: token_loss_sum(train_module, batch), params)
@@ -1026,8 +1023,6 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
             run.hub.final_saved(final, final_step, card)
         final_is_best = state.best is not None and state.best["step"] == final_step
         run.reporter.model_saved(step=final_step, path=str(final), best=state.best if final_is_best else None)
-    from trainer.model.load import LAST_LOAD
-
     summary: dict[str, Any] = {
         "final_loss": state.last_loss,
         "nan_skipped": state.nan_skipped,
@@ -1102,8 +1097,6 @@ def best_checkpoint_for_final(cfg: TrainConfig, state: RunState) -> Path | None:
 
 def model_card_info(run: Run, state: RunState, final: Path, last_eval: EvalResult | None, final_step: int):
     """What final/'s model card says about this run (trainer.checkpoint.model_card)."""
-    from trainer.checkpoint.model_card import LoraSettings, ModelCardInfo
-
     cfg = run.cfg
     if run.device.type == "cuda":
         hardware = f"{distributed.world_size()}x {torch.cuda.get_device_name(run.device)}"
