@@ -789,7 +789,8 @@ def test_a_data_error_mid_run_saves_the_last_completed_step_first(tmp_path, tiny
     assert code == 2, console[-3000:]
     assert console.strip().splitlines()[-1].startswith(f"trainer: data error: {data}"), console[-3000:]
     assert "Traceback" not in console
-    from trainer.checkpoint.store import find_resume_checkpoint, load_trainer_state
+    from trainer.checkpoint.resume import find_resume_checkpoint
+    from trainer.checkpoint.store import load_trainer_state
 
     saved = find_resume_checkpoint("auto", out)
     assert saved is not None, console[-3000:]  # the steps trained before the error are kept
@@ -806,7 +807,8 @@ def test_an_evaluation_that_fails_at_the_end_leaves_the_last_step_saved(tmp_path
     code, console = _with_data_file_cut_while_blocked(tmp_path, config, data, "evaluate")
     assert code == 2, console[-3000:]
     assert "Traceback" not in console
-    from trainer.checkpoint.store import find_resume_checkpoint, load_trainer_state
+    from trainer.checkpoint.resume import find_resume_checkpoint
+    from trainer.checkpoint.store import load_trainer_state
 
     saved = find_resume_checkpoint("auto", out)
     assert saved is not None and load_trainer_state(saved)["step"] == 3, console[-3000:]

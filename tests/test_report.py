@@ -464,7 +464,8 @@ def test_a_real_run_reports_every_event_to_discord_and_wandb(
     fault_script,
     discord_server,  # noqa: F811
 ):
-    from trainer.checkpoint.store import find_resume_checkpoint, load_trainer_state
+    from trainer.checkpoint.resume import find_resume_checkpoint
+    from trainer.checkpoint.store import load_trainer_state
 
     # The data under a directory named like the HF token: the path is in the config that each checkpoint
     # stores, and it must be masked there too.
@@ -701,7 +702,7 @@ def test_a_restart_before_the_first_checkpoint_continues_the_same_wandb_run(
     fault_script,
     discord_server,  # noqa: F811
 ):
-    from trainer.checkpoint.store import find_resume_checkpoint
+    from trainer.checkpoint.resume import find_resume_checkpoint
 
     config, out = _run_config(tmp_path, tiny_model_dir, sample_csv, "kept", save_steps=100, eval_steps=100)
     # The first start fails in its first step, before any checkpoint (as a container killed there would; an

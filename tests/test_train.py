@@ -15,7 +15,8 @@ import warnings
 import pytest
 from tiny_run import tiny_run_values
 
-from trainer.checkpoint.store import find_resume_checkpoint, load_trainer_state
+from trainer.checkpoint.resume import find_resume_checkpoint
+from trainer.checkpoint.store import load_trainer_state
 from trainer.config import TrainConfig
 from trainer.report.step_meter import SUMMARY, TRAIN_LOG
 from trainer.run.train import train

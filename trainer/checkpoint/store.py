@@ -20,10 +20,8 @@ by the next run once it holds output_dir's lock (`remove_stale_temporaries`). Co
 - `trainer_state.json`: step, loader position, world size, config, W&B run id, OOM-adjusted micro-batch, the
   best evaluation and the early-stopping count (trainer.run.run_state.RunState.trainer_state).
 
-Also here: finding the checkpoint to resume from, where its loader position puts this run's ranks, what in
-the config changed since it was written, and `final/` (the finished model, written whole: weights, tokenizer,
-prompt template and model card, the weights those of the best checkpoint with load_best_model_at_end; a LoRA
-run's merged into the base, its adapter in `final/adapter/`).
+Which checkpoint a run resumes from and how: trainer.checkpoint.resume; the finished model (`final/`):
+trainer.checkpoint.export.
 
 Several ranks: every rank calls `save_checkpoint` (it is collective); the output directory must be one shared
 filesystem for all of them (a multi-node run needs a network filesystem there).
@@ -52,18 +50,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from trainer.checkpoint.model_card import write_model_card
-from trainer.config import ConfigError
-from trainer.data.loader import RecipeDataError, stream_for
 from trainer.data.prompt import save_prompt_template
 from trainer.infra import disk, distributed
-from trainer.infra.redact import redact_obj
 from trainer.model.model_files import write_config
 
 log = logging.getLogger(__name__)
 
 MARKER = "trainer_state.json"
-_NAME = re.compile(r"^checkpoint-(\d+)$")
+NAME = re.compile(r"^checkpoint-(\d+)$")  # a checkpoint directory's name: checkpoint-<step>
 
 
 def rng_state() -> dict[str, Any]:
@@ -192,7 +186,7 @@ def _rng_file(rank: int) -> str:
 
 
 def is_complete(path: Path) -> bool:
-    return path.is_dir() and _NAME.match(path.name) is not None and (path / MARKER).is_file()
+    return path.is_dir() and NAME.match(path.name) is not None and (path / MARKER).is_file()
 
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
@@ -202,7 +196,7 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for p in output_dir.iterdir():
-        m = _NAME.match(p.name)
+        m = NAME.match(p.name)
         if m and is_complete(p):
             found.append((int(m.group(1)), p))
     return sorted(found)
@@ -272,29 +266,6 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
-    """resume "auto": the newest usable checkpoint in `output_dir` (None if there is none; damaged ones are
-    skipped with a warning); "never": None; else that checkpoint, which must be usable (else ConfigError)."""
-    if resume == "never":
-        return None
-    if resume != "auto":
-        path = Path(resume)
-        problem = checkpoint_problem(path)
-        if problem:
-            raise ConfigError(f"resume: {path} is not a usable checkpoint ({problem})")
-        return path
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        return None
-    named = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
-    for _, path in sorted(named, reverse=True):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path
-        log.warning("resume: skipping %s, it cannot be resumed from (%s)", path, problem)
-    return None
-
-
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))
 
@@ -347,181 +318,3 @@ def rotate_checkpoints(output_dir: str | Path, save_total_limit: int, best: Path
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
-
-
-def resume_position(
-    checkpoint: Path, saved: dict, saved_world_size: int, stream, cfg, tokenizer_file: str
-) -> dict:
-    """This rank's train-stream state for resuming from `checkpoint`, whose loader position `saved` is rank
-    0's in a run of `saved_world_size` ranks.
-
-    Rank r of W reads the epoch's global batches r, r+W, r+2W, ... (rust_loader/core/src/plan.rs), so after
-    k batches per rank the first k*W global batches are consumed, whatever the rank. With the same W every
-    rank continues at k. With another W' every rank continues at floor(k*W / W'): when W' does not divide
-    k*W, up to W'-1 global batches are read a second time, none is skipped. (The epoch's order is the same for
-    every W; only its last few batches, cut so that every rank has as many, differ.)
-
-    The loader's fingerprint covers the data, the loader settings and the rank/world size; rank 0 checks the
-    saved one (against a stream built like the saving run's rank 0 when W changed: its index is cached) and
-    refuses other data or settings (ConfigError). The other ranks read the same files with the same config.
-    `cfg`: the config with the planned batching applied (`RunPlan.applied_to`)."""
-    world_size = distributed.world_size()
-    if distributed.rank() == 0:
-        reference = stream
-        if saved_world_size != world_size:
-            reference = stream_for(cfg, tokenizer_file, "train", rank=0, world_size=saved_world_size)
-        try:
-            reference.load_state_dict(saved)  # raises on other data or settings
-        except RecipeDataError as e:
-            raise ConfigError(
-                f"resume from {checkpoint}: {e}. Train on the same data with the same batching, or start "
-                "over with resume: never or another output_dir"
-            ) from None
-    consumed = int(saved["batches_consumed"]) * saved_world_size // world_size
-    if saved_world_size != world_size:
-        log.info(
-            "resuming on %d ranks from a checkpoint of %d: %d batches per rank consumed in epoch %d -> %d",
-            world_size,
-            saved_world_size,
-            saved["batches_consumed"],
-            saved["epoch"],
-            consumed,
-        )
-    return dict(stream.state_dict(), epoch=int(saved["epoch"]), batches_consumed=consumed)
-
-
-# Keys whose change on resume changes nothing about what was already trained, or is expected.
-_RESUME_FREE_KEYS = {
-    "max_steps",
-    "num_train_epochs",
-    "max_time",
-    "resume",
-    "output_dir",
-    "progress_bar",
-    "run_name",
-    "push_to_hub",
-    "hub_model_id",
-    "hub_strategy",
-    "hub_private_repo",
-    "hub_upload_timeout",
-}
-
-
-# Keys the checkpoint's tensors are shaped by: full weights or LoRA adapters, and the adapters' shapes.
-_RESUME_FIXED_KEYS = ("adapter", "lora_r", "lora_target_modules")
-
-
-def check_resume_config(checkpoint: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
-    """ConfigError naming the keys when the config `now` changes what `checkpoint` (written with the config
-    `saved`) holds: a LoRA run's adapters or a full run's weights, the adapters' rank or projections."""
-    adapter_keys = _RESUME_FIXED_KEYS[1:] if now.get("adapter") or saved.get("adapter") else ()
-
-    def value(config: dict[str, Any], key: str):
-        v = config.get(key)
-        return sorted(v) if isinstance(v, list) else v  # the projections in any order: the same adapters
-
-    changed = [k for k in ("adapter", *adapter_keys) if k in saved and value(saved, k) != value(now, k)]
-    if changed:
-        raise ConfigError(
-            f"resume: {checkpoint} was written with {', '.join(f'{k} {saved[k]!r}' for k in changed)}, which "
-            f"this config changes to {', '.join(repr(now.get(k)) for k in changed)}: its tensors cannot be "
-            "loaded. Set them back, or start over with resume: never or another output_dir",
-            key=tuple(changed),
-        )
-
-
-def warn_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
-    """Warn, naming the keys, where the config `now` (secrets masked, as checkpoints store it) differs from
-    the one the checkpoint was written with. The optimizer and scheduler states come from the checkpoint, so
-    a changed learning_rate does not apply."""
-    changed = sorted(
-        k for k in saved.keys() & now.keys() if k not in _RESUME_FREE_KEYS and saved[k] != now[k]
-    )
-    if changed:
-        log.warning(
-            "resuming with a config that differs from the checkpoint's: %s; the optimizer and learning-rate "
-            "schedule continue from the checkpoint's state (start over in another output_dir to apply them)",
-            ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed),
-        )
-
-
-def saved_config(cfg) -> dict[str, Any]:
-    """The config as checkpoints store it and compare it: a dict, secrets masked."""
-    return redact_obj(cfg.to_dict())
-
-
-def save_final_model(
-    model,
-    model_name_or_path: str,
-    tokenizer_file: str,
-    final: Path,
-    *,
-    prompt_config=None,
-    card=None,
-    weights_from: Path | None = None,
-) -> None:
-    """`final/`: the whole model and its tokenizer, written beside it and renamed into place, so that a run
-    stopped or failing half-way leaves no partial final/ (the next run writes it). Collective under FSDP.
-
-    `weights_from`: a checkpoint whose weights final/ takes instead of `model`'s (load_best_model_at_end),
-    hard-linked (copied on a filesystem without links); the same on every rank. `prompt_config`: the config
-    trained with, for `recipe_template.json`; `card`: a trainer.checkpoint.model_card.ModelCardInfo for
-    README.md.
-
-    A PEFT model (LoRA, trainer.model.lora): final/ holds the base with the adapter (`weights_from`'s, else
-    the model's) merged into its weights, final/adapter/ the adapter; rank 0's model is merged in place."""
-    is_main = distributed.rank() == 0
-    tmp = final.with_name(final.name + ".tmp")
-    if is_main and tmp.exists():
-        shutil.rmtree(tmp)
-    distributed.barrier()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # this rank's, under FSDP
-    with disk.removed_on_failure(tmp, needed_bytes=weights, remove=is_main):
-        if is_adapter_model(model):
-            if is_main:
-                # peft takes seconds to import: only LoRA runs import it (through trainer.model.lora)
-                from trainer.model.lora import save_merged
-
-                save_merged(model, tmp, adapter_from=weights_from)
-        elif weights_from is None:
-            save_pretrained(model, tmp)  # rank 0 writes the whole model (FSDP: gathered)
-        elif is_main:
-            _link_weights(Path(weights_from), tmp)
-        if is_main:
-            _copy_tokenizer(model_name_or_path, tokenizer_file, tmp)
-            if prompt_config is not None:
-                save_prompt_template(tmp, prompt_config)
-            if card is not None:
-                write_model_card(tmp, card)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            log.info("saved the final model and its tokenizer in %s", final)
-
-
-def _link_weights(checkpoint: Path, out: Path) -> None:
-    """The model files save_pretrained wrote into `checkpoint` (config, generation config, safetensors and
-    their index), hard-linked into `out`: no second copy on disk, and rotating the checkpoint away later
-    leaves them."""
-    out.mkdir(parents=True, exist_ok=True)
-    names = ["config.json", "generation_config.json", "model.safetensors.index.json"]
-    files = [checkpoint / n for n in names if (checkpoint / n).is_file()]
-    files += sorted(checkpoint.glob("*.safetensors"))
-    for src in files:
-        try:
-            os.link(src, out / src.name)
-        except OSError:
-            shutil.copy2(src, out / src.name)
-
-
-def _copy_tokenizer(model_name_or_path: str, tokenizer_file: str, out: Path) -> None:
-    src = Path(model_name_or_path)
-    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model"]
-    copied = False
-    if src.is_dir():
-        for name in names:
-            if (src / name).exists():
-                shutil.copy(src / name, out / name)
-                copied = True
-    if not copied:
-        shutil.copy(tokenizer_file, out / "tokenizer.json")

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from trainer.checkpoint import resume
 from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.export import save_final_model
 from trainer.checkpoint.hub import HubUploader, check_hub_config, upload_pending
 from trainer.checkpoint.model_card import LoraSettings, ModelCardInfo
 from trainer.config import ConfigError, TrainConfig, source_path
@@ -207,7 +209,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             if rank == 0:
                 for path in ckpt.remove_stale_temporaries(output_dir):
                     log.info("removed %s, left half-written by an earlier run stopped while saving", path)
-        resume_from = ckpt.find_resume_checkpoint(cfg.resume, output_dir)
+        resume_from = resume.find_resume_checkpoint(cfg.resume, output_dir)
         plan = plan_run(cfg)
         data = open_data(cfg, plan, rank, world_size)
         if cfg.packing:  # the loader chose the rows' lengths from the data: the plan's blocks fit those
@@ -220,9 +222,9 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
         state = RunState(world_size=world_size)
         if resume_from:
             saved = ckpt.load_trainer_state(resume_from)
-            now = ckpt.saved_config(plan.applied_to(cfg))
-            ckpt.check_resume_config(resume_from, saved.get("config", {}), now)
-            ckpt.warn_config_changes(saved.get("config", {}), now)
+            now = resume.saved_config(plan.applied_to(cfg))
+            resume.check_resume_config(resume_from, saved.get("config", {}), now)
+            resume.warn_config_changes(saved.get("config", {}), now)
             state = RunState.from_trainer_state(saved)
             if already_finished(cfg, data, state, resume_from):
                 if rank == 0:  # what an earlier run of it did not get onto the Hub
@@ -606,7 +608,7 @@ def build_model(
     if cfg.oom_probe and device.type == "cuda" and not resume_from:
         probe_memory(train_module, cfg, plan, state.oom, device, replicated)
     if state.loader is not None:
-        state.loader = ckpt.resume_position(
+        state.loader = resume.resume_position(
             resume_from,
             state.loader,
             state.world_size,
@@ -958,7 +960,7 @@ def save(run: Run, state: RunState) -> Path:
             tokenizer_file=run.data.tokenizer_file,
             rng=state.rng,
             trainer_state=state.trainer_state(
-                ckpt.saved_config(run.plan.applied_to(cfg)), run.plan.micro_batch(state.oom.split)
+                resume.saved_config(run.plan.applied_to(cfg)), run.plan.micro_batch(state.oom.split)
             ),
             prompt_config=run.plan.applied_to(cfg),
         )
@@ -1010,7 +1012,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
             save(run, state)
         state.count_progress(run.meter.run.tokens, run.meter.train_seconds)
         card = model_card_info(run, state, final, last_eval, final_step)
-        ckpt.save_final_model(
+        save_final_model(
             run.model,
             cfg.model_name_or_path,
             run.data.tokenizer_file,
