@@ -14,9 +14,10 @@ bench_run's recipe-length records read by the Rust loader, every process capped 
 (`gpu_memory_limit_gib`). The runs (`--list`):
 
 - `ddpN`: the preset on N GPUs (`distributed_strategy: ddp`, the same per-GPU micro-batch on every N).
-- `graphsN`: the preset on packed rows of 8k-token micro-batches replayed as CUDA graphs (`cuda_graphs`),
-  accumulating as many tokens per step as the preset.
-- `fsdpN`: the preset under FSDP2; `fsdpN_padded` / `fsdpN_packed`: on the rows the preset does not use;
+- `graphsN` (when the preset does not already replay CUDA graphs): the preset on packed rows of 8k-token
+  micro-batches replayed as CUDA graphs (`cuda_graphs`), accumulating as many tokens per step as the preset.
+- `fsdpN`: the preset under FSDP2, eager (`cuda_graphs: false`: FSDP2's collectives run inside every
+  micro-step); `fsdpN_padded` / `fsdpN_packed`: on the rows the preset does not use;
   `fsdpN_one_reduce`: gradients reduce-scattered once per step (`fsdp_sync_each_micro_batch: false`);
   `fsdpN_kept_weights`: gathered weights kept from forward to backward (`fsdp_reshard_after_forward: false`).
 
@@ -86,11 +87,14 @@ def all_runs(gpus: int, preset: dict, graph_tokens: int) -> dict[str, tuple[int,
         gradient_accumulation_steps=max(1, round(step_tokens / graph_tokens)),
     )
     runs: dict[str, tuple[int, dict]] = {}
+    preset_is_graphs = preset.get("cuda_graphs") and preset.get("packing")
     for n in sorted({1, 2, gpus} & set(range(1, gpus + 1))):
         runs[f"ddp{n}"] = (n, {})
-        runs[f"graphs{n}"] = (n, graphs)
+        if not preset_is_graphs:
+            runs[f"graphs{n}"] = (n, graphs)
     if gpus >= 2:
-        fsdp = dict(distributed_strategy="fsdp")
+        # FSDP2 gathers and reduces inside every micro-step, which a CUDA graph cannot replay: eager.
+        fsdp = dict(distributed_strategy="fsdp", cuda_graphs=False)
         other = "padded" if preset.get("packing") else "packed"
         runs[f"fsdp{gpus}"] = (gpus, fsdp)
         runs[f"fsdp{gpus}_{other}"] = (gpus, dict(fsdp, packing=not preset.get("packing")))

@@ -2,7 +2,7 @@
 GPU and data, in one call.
 
     python3 bench/train_throughput.py                 # GPU: the tuned peer, the rtx5090 preset, loss check
-    python3 bench/train_throughput.py --peers tuned,adamw_bs16_ga8 --variants ours_32k,ours
+    python3 bench/train_throughput.py --peers tuned --variants preset,ours_32k   # the preset and padded rows
     python3 bench/train_throughput.py --peers '' --variants ours_32k,ours_packed   # packing against padding
     python3 bench/train_throughput.py --tiny          # CPU: a tiny shape through the same code
 
@@ -14,7 +14,9 @@ and appends `</s>`: the loader's token-budget batching runs on exactly the peer'
 
 Model: FLAN-T5-XL's shape (d_model 2048, d_ff 5120, 24+24 layers, 32 heads x 64, vocab 32128, gated-GELU),
 random init in bf16, gradient checkpointing, both sides capped at 32 GiB with set_per_process_memory_fraction.
-Effective batch: the peer's 128 samples per optimizer step, matched in real tokens by ours. Each peer preset
+Effective batch: the peer's 128 samples per optimizer step, matched in real tokens by ours (the accumulation
+is set to match; `preset` takes every other batching and optimizer key from configs/flan-t5-xl-rtx5090.yaml,
+so it follows the file). Each peer preset
 and each of our variants runs in its own process (clean memory counters).
 
 Reported per config: real (non-pad) tokens/s, samples/s, MFU and peak allocated memory, and the ratio to the
@@ -45,6 +47,23 @@ from bench_run import QUIET_RUN, VOCAB, make_records, mean_lengths, train_rows, 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "hf_peer.py"
+PRESET = Path(__file__).resolve().parent.parent / "configs" / "flan-t5-xl-rtx5090.yaml"
+# The preset's keys that decide the step's speed and memory (the data, model and run length are the bench's).
+PRESET_KEYS = (
+    "dtype",
+    "gradient_checkpointing",
+    "optimizer",
+    "bf16_update",
+    "learning_rate",
+    "lr_scheduler_type",
+    "pad_to_multiple_of",
+    "max_tokens",
+    "packing",
+    "cuda_graphs",
+    "attn_implementation",
+    "decoder_blocks_without_checkpointing",
+    "encoder_blocks_without_checkpointing",
+)
 PEER_SAMPLES_PER_STEP = 128  # every hf_peer preset: bs 32 x GA 4, bs 16 x GA 8, bs 8 x GA 16
 # Our variants: trainer config overrides on top of BASE.
 BASE = dict(
@@ -57,7 +76,18 @@ BASE = dict(
     pad_to_multiple_of=8,
     max_tokens=16384,
 )
+
+
+def preset_values() -> dict:
+    """The rtx5090 preset's speed and memory keys, as the file sets them."""
+    import yaml
+
+    values = yaml.safe_load(PRESET.read_text())
+    return {k: values[k] for k in PRESET_KEYS if k in values}
+
+
 VARIANTS = {
+    "preset": preset_values(),  # what `docker compose up` runs
     "ours": {},
     "ours_compile": {"torch_compile": True},
     "ours_empty_cache_every_step": {"empty_cache_steps": 1},
@@ -272,8 +302,8 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shape (CPU check of the script)")
     parser.add_argument(
         "--variants",
-        default="ours_32k",
-        help=f"ours: of {', '.join(VARIANTS)} (ours_32k: the rtx5090 preset)",
+        default="preset",
+        help=f"ours: of {', '.join(VARIANTS)} (preset: configs/flan-t5-xl-rtx5090.yaml's keys)",
     )
     parser.add_argument(
         "--peers",

@@ -2,8 +2,8 @@
 modules compute, a step changes the adapters alone, a run checkpoints them alone, resumes exactly and ends
 with one merged model (and its adapter in PEFT's format).
 
-On CPU the fused kernels run in Triton's interpreter (conftest), in float32; the tests marked for CUDA run
-the bf16 kernels, CUDA graphs included, and are skipped elsewhere.
+The float32 tests run on the GPU where there is one, else in Triton's interpreter on CPU (conftest); the tests
+marked for CUDA run the bf16 kernels, CUDA graphs included, and are skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from trainer.run.train import train
 
 TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
 CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"  # Triton's kernels run on the GPU, or in the interpreter without one
 
 
 def _lora(r: int = 4, dropout: float = 0.0, targets=TARGETS):
@@ -40,7 +41,7 @@ def _lora(r: int = 4, dropout: float = 0.0, targets=TARGETS):
     )
 
 
-def _batch(device="cpu"):
+def _batch(device=DEVICE):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 100, (3, 11), generator=g)
     labels = torch.randint(3, 100, (3, 9), generator=g)
@@ -48,7 +49,7 @@ def _batch(device="cpu"):
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def _peft_and_fused(model_dir, device="cpu", dtype=torch.float32, checkpointing=False, targets=TARGETS):
+def _peft_and_fused(model_dir, device=DEVICE, dtype=torch.float32, checkpointing=False, targets=TARGETS):
     """The same LoRA model twice: PEFT's own modules on the plain HF model, and the trainer's fast path (the
     fused ops, grouped projections, trainer.model.lora's layers); lora_B random (PEFT starts it at zero),
     equal."""
@@ -81,7 +82,7 @@ def _peft_and_fused(model_dir, device="cpu", dtype=torch.float32, checkpointing=
     return peft, fused
 
 
-def _step_loss(model, device="cpu") -> float:
+def _step_loss(model, device=DEVICE) -> float:
     """The loss of `_batch`, its gradients left in `model`."""
     loss = token_loss_sum(model, _batch(device))
     loss.backward()
@@ -126,16 +127,16 @@ def test_the_adapters_dropout_backward_is_autograds_through_the_same_mask():
     # Three projections of one input, two of them adapted, dropout p on the adapters' shared input.
     torch.manual_seed(0)
     n, d, r, p = 40, 16, 3, 0.3
-    x = torch.randn(n, d, requires_grad=True)
-    linears = [torch.nn.Linear(d, out, bias=False) for out in (8, 12, 8)]
+    x = torch.randn(n, d, device=DEVICE, requires_grad=True)
+    linears = [torch.nn.Linear(d, out, bias=False, device=DEVICE) for out in (8, 12, 8)]
     for linear in linears:
         linear.weight.requires_grad_(False)  # LoRA's frozen base
-    a = [torch.randn(r, d, requires_grad=True) for _ in range(2)]
-    b = [torch.randn(out, r, requires_grad=True) for out in (8, 8)]
+    a = [torch.randn(r, d, device=DEVICE, requires_grad=True) for _ in range(2)]
+    b = [torch.randn(out, r, device=DEVICE, requires_grad=True) for out in (8, 8)]
     group = ProjectionGroup()
     members = [GroupedLinear(linear, group) for linear in linears]
     group.low_rank = [lambda: LowRank(a[0], b[0], 2.0, p), None, lambda: LowRank(a[1], b[1], 0.5, p)]
-    upstream = [torch.randn(n, out) for out in (8, 12, 8)]
+    upstream = [torch.randn(n, out, device=DEVICE) for out in (8, 12, 8)]
 
     torch.manual_seed(1)
     outputs = [m(x) for m in members]
@@ -180,7 +181,7 @@ def test_a_step_changes_only_the_adapters_over_a_frozen_bf16_base(tiny_model_dir
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for _ in range(2):  # lora_B starts at zero: lora_A's gradient is zero until B has moved
-        token_loss_sum(model, _batch()).backward()
+        token_loss_sum(model, _batch("cpu")).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
@@ -243,7 +244,7 @@ def test_a_lora_run_checkpoints_its_adapters_resumes_exactly_and_ends_with_one_m
     merged = AutoModelForSeq2SeqLM.from_pretrained(final).eval()
     base = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir)
     with_adapter = PeftModel.from_pretrained(base, final / "adapter").eval()
-    batch = _batch()
+    batch = _batch("cpu")
     with torch.no_grad():
         logits = merged(**batch).logits
         want = with_adapter(**batch).logits
@@ -356,13 +357,21 @@ def test_cuda_fused_path_with_triton_attention_gives_peft_modules_loss_and_gradi
 ):
     from trainer.model.fused_t5 import use_triton_attention
 
+    reference, _ = _peft_and_fused(tiny_model_without_dropout, "cuda", torch.float32, checkpointing=True)
+    _step_loss(reference, "cuda")
+    truth = _adapter_grads(reference)
     peft, fused = _peft_and_fused(tiny_model_without_dropout, "cuda", torch.bfloat16, checkpointing=True)
     use_triton_attention(fused.get_base_model())
     assert _step_loss(fused, "cuda") == pytest.approx(_step_loss(peft, "cuda"), rel=2e-2)
     want, got = _adapter_grads(peft), _adapter_grads(fused)
-    for name, grad in want.items():
-        err = float((got[name].double() - grad.double()).norm() / grad.double().norm().clamp_min(1e-30))
-        assert err < 5e-2, (name, err)
+
+    def error(grads: dict, name: str) -> float:
+        exact = truth[name].double()
+        return float((grads[name].double() - exact).norm() / exact.norm().clamp_min(1e-30))
+
+    # bf16 rounds both: the fast path is as close to the float32 gradients as PEFT's own bf16 modules are.
+    for name in truth:
+        assert error(got, name) <= 2 * error(want, name) + 1e-2, (name, error(got, name), error(want, name))
     assert [n for n, p in fused.named_parameters() if not p.requires_grad and p.grad is not None] == []
 
 
@@ -395,6 +404,7 @@ def test_cuda_graphs_replay_the_adapters_gradients_and_update(tiny_model_without
         loss = loss_module(**b)
         (loss / 1000).backward()
         want_losses.append(float(loss.detach()))
+    del loss  # its autograd nodes (made on the default stream) would stay alive into the capture
     want = [p.grad.clone() for p in params]
     fused.zero_grad(set_to_none=True)
     graph = MicroStepGraph(lambda **b: loss_module(**b), params)
