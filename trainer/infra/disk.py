@@ -1,4 +1,5 @@
-"""A full disk in one line, a half-written checkpoint removed, a warning before a run that cannot fit.
+"""A full disk in one line, a half-written checkpoint removed, the sizes a checkpoint takes (the warning
+before a run that cannot fit them is trainer.checkpoint.store.free_space_warning).
 
 A full disk reaches the trainer in several forms: `OSError` ENOSPC / EDQUOT (shutil.copy, open), safetensors'
 `SafetensorError("... No space left on device (os error 28)")`, and torch.distributed.checkpoint's

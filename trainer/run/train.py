@@ -7,10 +7,11 @@ optimizer step computes is trainer.run.step; the numbers the loop reports go thr
 
 Under torchrun (`torchrun --nproc_per_node=N -m trainer train --config ...`) every process runs this loop on
 its own shard of the data (the loader's rank/world_size; equal batch counts), with the whole model (`ddp`,
-its gradients summed over ranks once per step) or FSDP2 (`fsdp`) (trainer/infra/distributed.py). The loss is
-still the global one: the target-token count and the loss sum are summed over ranks, so the gradients equal
-those of one process over the same global batch. Rank 0 alone writes the train log, the console progress, W&B
-and Discord; checkpoints are collective (trainer/checkpoint/store.py).
+its gradients summed over ranks once per step) or FSDP2 (`fsdp`) (trainer/run/parallel.py,
+trainer/infra/distributed.py). The loss is still the global one: the target-token count and the loss sum are
+summed over ranks, so the gradients equal those of one process over the same global batch. Rank 0 alone writes
+the train log, the console progress, W&B and Discord; checkpoints are collective
+(trainer/checkpoint/store.py).
 """
 
 from __future__ import annotations
