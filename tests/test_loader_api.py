@@ -155,10 +155,10 @@ def test_warnings_reach_python_logging(tmp_path, tiny_model_dir, caplog):
     # A file name so long that no index cache can be named after it, beside it or in the cache directory.
     data = tmp_path / ("r" * 240 + ".jsonl")
     write_sample(data, 20, seed=1, fmt="jsonl")
-    with caplog.at_level(logging.WARNING, logger="trainer.data.loader"):
+    with caplog.at_level(logging.WARNING, logger="trainer.data"):
         s = RecipeStream(data, tiny_model_dir, batch_size=4, cache_dir=tmp_path / "cache")
     assert s.stats()["records"] == 20
-    [record] = [r for r in caplog.records if r.name == "trainer.data.loader"]
+    [record] = [r for r in caplog.records if r.name == "trainer.data"]
     assert record.levelno == logging.WARNING
     assert "could not write the index cache of" in record.getMessage() and "rrrr.jsonl" in record.getMessage()
 

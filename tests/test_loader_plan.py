@@ -199,7 +199,7 @@ def test_content_rewritten_with_size_and_mtime_kept_is_detected(tmp_path, tiny_m
     os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert (p.stat().st_size, p.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
 
-    with caplog.at_level("WARNING", logger="trainer.data.loader"):
+    with caplog.at_level("WARNING", logger="trainer.data"):
         new = RecipeStream(p, tiny_model_dir, batch_size=4, shuffle=True, cache_dir=tmp_path / "cache")
     assert new.stats()["index_cached"] == [False]
     assert any("changed since it was indexed" in r.getMessage() for r in caplog.records)

@@ -58,7 +58,7 @@ fn to_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
     Ok(Value::String(v.repr()?.to_string()))
 }
 
-/// Logs what the loader gathered as warnings through Python's `logging` (logger `trainer.data.loader`), so they get
+/// Logs what the loader gathered as warnings through Python's `logging` (logger `trainer.data`), so they get
 /// the application's handlers and secret masking.
 fn log_warnings(py: Python<'_>, warnings: Vec<String>) -> PyResult<()> {
     if warnings.is_empty() {
@@ -66,7 +66,7 @@ fn log_warnings(py: Python<'_>, warnings: Vec<String>) -> PyResult<()> {
     }
     let log = py
         .import("logging")?
-        .call_method1("getLogger", ("trainer.data.loader",))?;
+        .call_method1("getLogger", ("trainer.data",))?;
     for w in warnings {
         log.call_method1("warning", ("%s", w))?;
     }
