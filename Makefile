@@ -34,6 +34,7 @@ rust-test:
 lint: install
 	$(VENV)/bin/ruff check trainer tests bench
 	$(VENV)/bin/ruff format --check trainer tests bench
+	$(VENV)/bin/lint-imports
 
 test: install rust-test lint
 	$(VENV)/bin/pytest -q

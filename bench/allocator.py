@@ -9,7 +9,7 @@ Each candidate PYTORCH_CUDA_ALLOC_CONF runs in its own process (set before CUDA 
 preset (configs/flan-t5-xl-rtx5090.yaml: FLAN-T5-XL's shape with random weights, bf16 + Kahan Adafactor,
 32k-token micro-batches x 2, the 32 GiB cap) and bench_run's recipe-length data:
 
-1. `trainer.train.train` for 8 optimizer steps, with an evaluation after step 5 (2 held-out batches and 2
+1. `trainer.run.train.train` for 8 optimizer steps, with an evaluation after step 5 (2 held-out batches and 2
    greedy generations of 32 tokens), the best-so-far checkpoint it triggers (written under /tmp), and a last
    evaluation at step 8. From torch.cuda.memory_stats() over the run: peak reserved and peak allocated;
    fragmentation at the peak, as peak reserved - peak allocated (a lower bound of reserved - allocated at the
@@ -143,9 +143,9 @@ def memory_numbers(torch) -> dict:
 
 
 def build(cfg, device):
-    """The trainer's model and optimizer for `cfg`, as trainer.train builds them (one process)."""
-    from trainer.model import load_model
-    from trainer.optim import build_optimizer
+    """The trainer's model and optimizer for `cfg`, as trainer.run.train builds them (one process)."""
+    from trainer.model.load import load_model
+    from trainer.run.optim import build_optimizer
 
     model = load_model(cfg, device)
     model.train()
@@ -156,7 +156,7 @@ def train_step(model, optimizer, group: list[dict], max_grad_norm: float) -> Non
     """One optimizer step over `group` (loader batches on the device), as the trainer's loop runs it."""
     import torch
 
-    from trainer.step import accumulate_gradients
+    from trainer.run.step import accumulate_gradients
 
     accumulate_gradients(model, group, 1)
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -207,7 +207,7 @@ def empty_cache_cost(model, optimizer, group: list[dict], cfg, pairs: int) -> di
 
 def largest_batch(cfg, tokenizer_file: str, max_tokens: int) -> dict:
     """The loader's biggest batch (rows x longest source + longest target) at `max_tokens` on this data."""
-    from trainer.data import stream_for
+    from trainer.data.loader import stream_for
 
     stream = stream_for(dataclasses.replace(cfg, max_tokens=max_tokens), tokenizer_file, "train")
     return max(stream, key=lambda b: b["input_ids"].size + b["labels"].size)
@@ -218,8 +218,8 @@ def budget_search(model, optimizer, cfg, tokenizer_file: str, sizes: list[int], 
     out-of-memory, then one try halfway between the last that fit and it; at most `seconds` in all."""
     import torch
 
-    from trainer import memory
-    from trainer.data import to_device
+    from trainer.data.loader import to_device
+    from trainer.infra import memory
 
     on_cuda = torch.cuda.is_available()
     device = next(model.parameters()).device
@@ -273,10 +273,11 @@ def one_candidate(
 
     import torch
 
-    from trainer import memory
     from trainer.config import TrainConfig
-    from trainer.memory_plan import with_planned_batch
-    from trainer.train import SUMMARY, train
+    from trainer.infra import memory
+    from trainer.plan.memory_plan import with_planned_batch
+    from trainer.report.step_meter import SUMMARY
+    from trainer.run.train import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     result: dict = {"candidate": name, "conf": conf or "(PyTorch defaults)"}
@@ -304,7 +305,7 @@ def one_candidate(
         model, optimizer = build(planned, device)
         tokenizer_file = str(Path(values["model_name_or_path"]) / "tokenizer.json")
         if empty_cache:
-            from trainer.data import stream_for, to_device
+            from trainer.data.loader import stream_for, to_device
 
             stream = stream_for(planned, tokenizer_file, "train")
             stream.set_epoch(0)

@@ -3,8 +3,8 @@
     python3 bench/attention_kernels.py [--rows 48 --query 256 --key 256] [--variants eager,triton]
 
 Compares the eager math T5 uses (q k^T + position bias + padding mask, softmax, p v), the trainer's Triton
-kernels (trainer.attention), SDPA with the float bias as its mask, and FlexAttention with the bias read in a
-score_mod, with and without a gradient for the
+kernels (trainer.kernels.attention), SDPA with the float bias as its mask, and FlexAttention with the bias
+read in a score_mod, with and without a gradient for the
 bias (T5 trains it), compiled with static and with dynamic shapes. Prints ms per call and the bias-gradient
 agreement with eager.
 """
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer import attention  # noqa: E402
-from trainer.attention import t5_attention  # noqa: E402
+from trainer.kernels import attention  # noqa: E402
+from trainer.kernels.attention import t5_attention  # noqa: E402
 
 SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages), forward and backward tried separately
     (64, 64, 4, 2),
@@ -136,7 +136,7 @@ def main() -> int:
 
     variants = {
         "eager math (T5)": eager,
-        "triton (trainer.attention)": triton_kernels,
+        "triton (trainer.kernels.attention)": triton_kernels,
         "sdpa, float bias mask": sdpa,
         "flex static, no bias": flex_fn(static, False, False),
         "flex static, bias (no grad)": flex_fn(static, True, False),

@@ -49,7 +49,7 @@ def write_data(out: Path, records, shape: str) -> tuple[Path, Path]:
     appending </s>), so that the Rust loader's batching runs on exactly these token ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    from trainer.tiny_model import flan_t5_config
+    from trainer.model.tiny_model import flan_t5_config
 
     vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {f"t{i}": i for i in range(3, VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -77,7 +77,7 @@ def mean_lengths(records) -> tuple[float, float]:
 
 def train_rows(output_dir: Path) -> list[dict]:
     """The per-step rows of a run's train log (evaluation rows, which have eval_loss instead, left out)."""
-    from trainer.train import TRAIN_LOG
+    from trainer.report.step_meter import TRAIN_LOG
 
     rows = [json.loads(line) for line in (Path(output_dir) / TRAIN_LOG).read_text().splitlines()]
     return [r for r in rows if "loss" in r]

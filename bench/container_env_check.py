@@ -121,7 +121,7 @@ def make_path_dir(bin_dir: Path) -> list[str]:
 
 def write_model_dir(out: Path, tokenizer_dir: Path, vocab_size: int, gpu: bool) -> None:
     """config.json of a small T5 with FLAN-T5's head size (64) and gated-GELU, and the tokenizer."""
-    from trainer.tiny_model import flan_t5_config
+    from trainer.model.tiny_model import flan_t5_config
 
     config = flan_t5_config("tiny", vocab_size=vocab_size)
     # d_ff = d_model: fewer weight shapes, so fewer compiled optimizer updates (a shorter check).

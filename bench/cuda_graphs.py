@@ -11,8 +11,8 @@ decoder block), `none` (no checkpointing). Each runs in its own process on the F
 weights, bf16, Adafactor with Kahan updates, capped at 32 GiB as bench/train_throughput.py), on packed batches
 of bench_run's synthetic recipe records read through the real loader, and times optimizer steps of ~64k tokens
 (accumulation 65536 / micro-batch tokens), the update included, two ways:
-- eager: the trainer's accumulation (trainer.step.accumulate_gradients), clipping and update;
-- graph: as `cuda_graphs: true` trains (trainer.cuda_graphs.MicroStepGraph): the micro-step's forward,
+- eager: the trainer's accumulation (trainer.run.step.accumulate_gradients), clipping and update;
+- graph: as `cuda_graphs: true` trains (trainer.run.cuda_graphs.MicroStepGraph): the micro-step's forward,
   backward and gradient accumulation captured once in a CUDA graph over static input tensors, each
   micro-batch copied in and the graph replayed; the update replayed from a second graph in the first one's
   memory pool (gradients zeroed in place).
@@ -50,16 +50,16 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
     import torch
 
     from trainer.config import TrainConfig
-    from trainer.data import stream_for, to_device
-    from trainer.distributed import grad_norm
-    from trainer.loss import Seq2SeqLMLoss
-    from trainer.memory_plan import plan_packed_rows, plan_run
-    from trainer.model import load_model
-    from trainer.model_files import resolve_tokenizer_file
-    from trainer.optim import build_optimizer, clip_coefficient
-    from trainer.projections import accumulate_weight_grads_in_place
-    from trainer.step import accumulate_gradients
-    from trainer.train import setup_device
+    from trainer.data.loader import stream_for, to_device
+    from trainer.infra.distributed import grad_norm
+    from trainer.kernels.projections import accumulate_weight_grads_in_place
+    from trainer.model.load import load_model
+    from trainer.model.loss import Seq2SeqLMLoss
+    from trainer.model.model_files import resolve_tokenizer_file
+    from trainer.plan.memory_plan import plan_packed_rows, plan_run
+    from trainer.run.optim import build_optimizer, clip_coefficient
+    from trainer.run.step import accumulate_gradients
+    from trainer.run.train import setup_device
 
     tokens, checkpointing = parse(name)
     cuda = torch.cuda.is_available()
@@ -162,7 +162,7 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
         return results
 
     # Graph: the trainer's MicroStepGraph (warm-up micro-steps, one capture, replays).
-    from trainer.cuda_graphs import MicroStepGraph
+    from trainer.run.cuda_graphs import MicroStepGraph
 
     graph = MicroStepGraph(lambda **batch: module(**batch), params)
     try:

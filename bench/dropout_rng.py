@@ -2,9 +2,9 @@
 
     python3 bench/dropout_rng.py [--rows 68 --query 352 --key 352 --causal] [--dropout 0.1]
 
-trainer.attention draws one 16-bit number per attention probability from `uniform16` (a hash of the
+trainer.kernels.attention draws one 16-bit number per attention probability from `uniform16` (a hash of the
 probability's index). The alternatives swapped in here for comparison, in separate processes (a Triton kernel
-compiles against the `_keep` it finds first):
+compiles against the `attention_keep` it finds first):
 - philox10: Triton's Philox4x32 with its default 10 rounds, eight 16-bit numbers per call, moved into the
   tile with `join` + `reshape` (what the kernels used before the hash);
 - philox7: the same with 7 rounds (Philox4x32-7 still passes BigCrush; Salmon et al., 2011);
@@ -67,10 +67,10 @@ def main() -> int:
     shape = ["--rows", str(args.rows), "--query", str(args.query), "--key", str(args.key)]
     shape += ["--causal"] if args.causal else []
     if args.one:
-        from trainer import attention
+        from trainer.kernels import attention
 
         if VARIANTS[args.one] is not None:
-            attention._keep = VARIANTS[args.one]
+            attention.attention_keep = VARIANTS[args.one]
         import attention_kernels
 
         p = 0.0 if args.one == "none" else args.dropout

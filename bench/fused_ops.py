@@ -1,13 +1,13 @@
-"""Time trainer.fused_ops against eager torch ops, forward and backward: the feed-forward's gated GELU with
-dropout and its output projection (gated_gelu_linear), and a sublayer's RMSNorm with its residual
+"""Time trainer.kernels.fused_ops against eager torch ops, forward and backward: the feed-forward's gated GELU
+with dropout and its output projection (gated_gelu_linear), and a sublayer's RMSNorm with its residual
 (norm_and_residual).
 
     python3 bench/fused_ops.py [--tokens 28672] [--d-ff 5120] [--dropout 0.1] [--sweep]
 
 Shapes are FLAN-T5-XL's (d_model 2048, d_ff 5120) on a 32k-token micro-batch (~28k tokens after padding is
 counted out). Prints milliseconds per call (CUDA events, median of 20) and the ratio; --sweep also times the
-gated GELU's kernels at other block sizes and warp counts (trainer.fused_ops.BLOCK, NUM_WARPS) and the norm's
-backward at other rows at a time and programs per SM (NORM_BWD_ROWS, NORM_BWD_PROGRAMS_PER_SM). Needs a
+gated GELU's kernels at other block sizes and warp counts (trainer.kernels.fused_ops.BLOCK, NUM_WARPS) and the
+norm's backward at other rows at a time and programs per SM (NORM_BWD_ROWS, NORM_BWD_PROGRAMS_PER_SM). Needs a
 CUDA GPU.
 """
 
@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer import fused_ops  # noqa: E402
-from trainer.fused_ops import gated_gelu_linear, norm_and_residual  # noqa: E402
+from trainer.kernels import fused_ops  # noqa: E402
+from trainer.kernels.fused_ops import gated_gelu_linear, norm_and_residual  # noqa: E402
 
 D_MODEL = 2048
 

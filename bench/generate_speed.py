@@ -5,13 +5,13 @@ Hub), in bf16 on the GPU, greedy, with the KV cache:
 
 - plain HF: `model.generate` over batches of 8 prompts in input order, each padded to its longest prompt, the
   model as `from_pretrained` gives it (Hugging Face's default attention);
-- trainer generate: `trainer.generate.generate_ids` (prompts sorted by length, batches under a token budget,
-  longest first) on the model as `trainer generate` prepares it (`prepare_for_generation`: eval, cache, T5's
-  norms and GELU fused).
+- trainer generate: `trainer.eval.generate.generate_ids` (prompts sorted by length, batches under a token
+  budget, longest first) on the model as `trainer generate` loads it (T5's norms and GELU fused,
+  `prepare_for_generation`: eval, cache).
 
 The prompts are generated recipes rendered by the training loader's renderer and tokenized with a T5-layout
-tokenizer trained offline (`trainer.tiny_model`; its 2k vocabulary splits recipes into somewhat more tokens
-than FLAN-T5's 32k). A random-init model does not stop early, so both sides are forced to write exactly
+tokenizer trained offline (`trainer.model.tiny_model`; its 2k vocabulary splits recipes into somewhat more
+tokens than FLAN-T5's 32k). A random-init model does not stop early, so both sides are forced to write exactly
 `--new-tokens` tokens per prompt (`min_new_tokens = max_new_tokens`): tokens/s compare like with like.
 
     python3 bench/generate_speed.py            # GPU: XL shape, 256 prompts x 128 new tokens
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from trainer.generate import DEFAULT_BATCH_TOKENS, generate_ids, prepare_for_generation
-from trainer.prompt import PromptTemplate
-from trainer.sample import write_sample
-from trainer.tiny_model import flan_t5_config, recipe_texts, train_tokenizer
+from trainer.data.prompt import PromptTemplate
+from trainer.data.sample import write_sample
+from trainer.eval.generate import DEFAULT_BATCH_TOKENS, generate_ids, prepare_for_generation
+from trainer.model.tiny_model import flan_t5_config, recipe_texts, train_tokenizer
 
 
 def prompts_and_tokenizer(n: int, workdir: Path) -> tuple[list[list[int]], int]:
@@ -95,14 +95,16 @@ def main() -> int:
     lengths = sorted(map(len, prompts))
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.model import _dtype_kwarg
+    from trainer.model.model_files import dtype_kwarg
+    from trainer.model.swaps import use_fused_t5_ops
 
     config = flan_t5_config("tiny" if args.tiny else "xl", vocab_size=32128 if not args.tiny else vocab)
     torch.manual_seed(0)
     with torch.device(device):
-        plain = AutoModelForSeq2SeqLM.from_config(config, **{_dtype_kwarg(): dtype}).eval()
-        ours = AutoModelForSeq2SeqLM.from_config(config, **{_dtype_kwarg(): dtype})
+        plain = AutoModelForSeq2SeqLM.from_config(config, **{dtype_kwarg(): dtype}).eval()
+        ours = AutoModelForSeq2SeqLM.from_config(config, **{dtype_kwarg(): dtype})
     ours.load_state_dict(plain.state_dict())
+    use_fused_t5_ops(ours)  # as trainer.model.load.load_model loads models for `trainer generate`
     ours = prepare_for_generation(ours)
     kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"

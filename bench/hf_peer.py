@@ -157,7 +157,7 @@ def run(settings: dict, steps: int, warmup: int, tiny: bool, gpu_memory_gib: flo
     import torch
     from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainingArguments
 
-    from trainer.tiny_model import flan_t5_config
+    from trainer.model.tiny_model import flan_t5_config
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     records = make_records(n=256 if tiny else 4096)

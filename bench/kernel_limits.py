@@ -2,19 +2,19 @@
 
     python3 bench/kernel_limits.py            # GPU machine: 3-6 minutes on an H100 (estimate)
     python3 bench/kernel_limits.py --tiny     # no GPU: checks the script (and the checker) on the CPU
-    python3 bench/kernel_limits.py --set packing=true   # the packed path: trainer.packed_attention's kernels
+    python3 bench/kernel_limits.py --set packing=true   # the packed path (trainer.kernels.packed_attention)
 
 An RTX 5090 (sm_120) gives one block at most 99 KiB (101,376 bytes) of shared memory, an H100 227 KiB: a
 kernel that needs more compiles and runs on the H100 and fails on the 5090 at its first launch (Triton's
 OutOfResources). The trainer's kernels have fixed tile sizes, so nothing would pick a smaller one there.
 
 1. Fresh, empty TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR.
-2. A short training through trainer.train.train, the code path of `trainer train`: a T5 of FLAN-T5-XL's width
-   (d_model 2048, 32 heads x 64, d_ff 5120, gated-GELU, dropout 0.1, vocabulary 32128) with 2+2 layers and
-   random weights, bf16, the rtx5090 preset's optimizer and batching, on recipes from `trainer data sample`,
-   with one evaluation and generation at the end. So every kernel the training path launches is compiled:
-   the Triton attention (encoder self-attention with T5's bias, decoder causal self-attention with bias,
-   cross-attention), the fused gated-GELU and residual-dropout kernels, the Adafactor update compiled by
+2. A short training through trainer.run.train.train, the code path of `trainer train`: a T5 of FLAN-T5-XL's
+   width (d_model 2048, 32 heads x 64, d_ff 5120, gated-GELU, dropout 0.1, vocabulary 32128) with 2+2 layers
+   and random weights, bf16, the rtx5090 preset's optimizer and batching, on recipes from `trainer data
+   sample`, with one evaluation and generation at the end. So every kernel the training path launches is
+   compiled: the Triton attention (encoder self-attention with T5's bias, decoder causal self-attention with
+   bias, cross-attention), the fused gated-GELU and residual-dropout kernels, the Adafactor update compiled by
    torch.compile, and whatever kernels the trainer adds later.
 3. Every @triton.jit kernel compiled in this process is compiled again for sm_120 (triton.compile with the
    same source, specialisation and options, target cuda:120): Triton lays a kernel out per architecture, so
@@ -213,7 +213,7 @@ def self_check(cache_dir: Path) -> tuple[bool, str]:
 
 def write_model_dir(out: Path, tokenizer_dir: Path, tiny: bool) -> Path:
     """config.json: FLAN-T5-XL's width and heads with 2+2 layers (or the tiny shape), and the tokenizer."""
-    from trainer.tiny_model import flan_t5_config
+    from trainer.model.tiny_model import flan_t5_config
 
     config = flan_t5_config("tiny" if tiny else "xl")
     config.update(dict(num_layers=2, num_decoder_layers=2))
@@ -228,9 +228,9 @@ def write_model_dir(out: Path, tokenizer_dir: Path, tiny: bool) -> Path:
 def run_training(tmp: Path, tiny: bool, steps: int, overrides: list[str]) -> int:
     """A short run of the trainer's own loop (what `trainer train` calls) on generated recipes."""
     from trainer.config import TrainConfig
-    from trainer.sample import write_sample
-    from trainer.tiny_model import build_tiny_model
-    from trainer.train import train
+    from trainer.data.sample import write_sample
+    from trainer.model.tiny_model import build_tiny_model
+    from trainer.run.train import train
 
     preset = REPO / "configs" / "flan-t5-xl-rtx5090.yaml"
     values = yaml.safe_load(preset.read_text()) if preset.is_file() else {"optimizer": "adafactor"}

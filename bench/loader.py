@@ -67,7 +67,7 @@ def peer(path: Path, tokenizer: str, batch_size: int) -> dict[str, float]:
 
 
 def ours(path: Path, tokenizer: str, batch_size: int, cache: str) -> dict[str, float]:
-    from trainer.data import RecipeStream
+    from trainer.data.loader import RecipeStream
 
     t0 = time.perf_counter()
     s = RecipeStream(path, tokenizer, batch_size=batch_size, cache_dir=cache)
@@ -109,7 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(a.data) if a.data else Path(tmp) / "recipes.csv"
         if not a.data:
-            from trainer.sample import write_sample
+            from trainer.data.sample import write_sample
 
             write_sample(data, a.n, seed=0, fmt="recipenlg-csv")
         out = {}

@@ -27,7 +27,7 @@ SUFFIX = {"csv": ".csv", "jsonl": ".jsonl", "parquet": ".parquet", "arrow": ".ar
 
 def measure(path: str, tokenizer: str, batch_size: int, cache: str) -> dict[str, float]:
     """Index pass (first open), one shuffled epoch, and a second open with the cached index."""
-    from trainer.data import RecipeStream
+    from trainer.data.loader import RecipeStream
 
     options = {"batch_size": batch_size, "shuffle": True, "seed": 0, "cache_dir": cache}
     t0 = time.perf_counter()
@@ -67,7 +67,7 @@ def main() -> None:
     if a.one:  # one measurement in its own process, so peak RSS is its own
         print(json.dumps(measure(a.one[0], a.tokenizer, a.batch_size, a.one[1])))
         return
-    from trainer.sample import write_sample
+    from trainer.data.sample import write_sample
 
     formats = a.formats.split(",")
     runs: dict[str, list[dict[str, float]]] = {f: [] for f in formats}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 def stream(a: argparse.Namespace):
-    from trainer.data import RecipeStream
+    from trainer.data.loader import RecipeStream
 
     return RecipeStream(
         a.data,
@@ -47,7 +47,7 @@ def digest(batch) -> str:
 def phase(a: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     if a.phase == "sample":
-        from trainer.sample import write_sample
+        from trainer.data.sample import write_sample
 
         write_sample(a.data, a.n, seed=0, fmt="recipenlg-csv")
         return {"seconds": time.perf_counter() - t0}

@@ -2,7 +2,7 @@
 
     python3 bench/log_append.py [--dir /path/on/the/output/disk] [--rows 300]
 
-Prints microseconds per row for `trainer.jsonl.append_jsonl_row` alone and followed by `fsync_file`. The
+Prints microseconds per row for `trainer.infra.jsonl.append_jsonl_row` alone and followed by `fsync_file`. The
 trainer appends one row per optimizer step and syncs the log only when it saves a checkpoint.
 """
 
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.jsonl import append_jsonl_row, fsync_file  # noqa: E402
+from trainer.infra.jsonl import append_jsonl_row, fsync_file  # noqa: E402
 
 ROW = {
     "step": 1,

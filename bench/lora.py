@@ -17,10 +17,10 @@ Reported per config, from the run's train log and run_summary.json:
   (the plan the trainer made on the loader's packed rows, `planned_peak_gib`) and its error against the
   reserved peak, and the plan by component;
 - real (non-pad) tokens/s over the timed steps (the warm-up steps, which capture the CUDA graphs, left out)
-  and MFU: model FLOPs of trainer.gpu_specs.flops_per_token (LoRA: 4 per frozen-base parameter and token, no
-  weight gradients; 6 per adapter parameter) against the GPU's dense bf16 rate (989 TFLOP/s on an H100);
+  and MFU: model FLOPs of trainer.plan.gpu_specs.flops_per_token (LoRA: 4 per frozen-base parameter and token,
+  no weight gradients; 6 per adapter parameter) against the GPU's dense bf16 rate (989 TFLOP/s on an H100);
 - `trainer plan`'s time for an epoch of 1M typical recipes (96 + 256 tokens, what it assumes without data)
-  on the card the preset is for, at trainer.plan_report.MEASURED_MFU and at this run's MFU.
+  on the card the preset is for, at trainer.plan.plan_report.MEASURED_MFU and at this run's MFU.
 Noise: a few timed steps; the throughput benchmarks' repeated calls moved by 1-3% (bench/NOTES.md).
 """
 
@@ -47,9 +47,9 @@ PRESETS = Path(__file__).resolve().parent.parent / "configs"
 @dataclass(frozen=True)
 class Bench:
     preset: str  # configs/<preset>
-    shape: str  # trainer.tiny_model.flan_t5_config's: "xl" or "xxl"
+    shape: str  # trainer.model.tiny_model.flan_t5_config's: "xl" or "xxl"
     card_gib: int  # the process's memory cap: the card's memory
-    card: str  # trainer.gpu_specs.GPUS key of the card the preset is for
+    card: str  # trainer.plan.gpu_specs.GPUS key of the card the preset is for
 
 
 CONFIGS = {
@@ -60,16 +60,17 @@ CONFIGS = {
 
 
 def run_one(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> dict:
-    """One preset through trainer.train.train, capped at its card; its numbers."""
+    """One preset through trainer.run.train.train, capped at its card; its numbers."""
     import torch
     import yaml
 
     from trainer.config import TrainConfig
-    from trainer.gpu_specs import GPUS, flops_per_token, predicted_epoch_seconds
-    from trainer.memory_plan import TYPICAL_SOURCE, TYPICAL_TARGET, micro_batch_peak
-    from trainer.model_shape import LoraShape, load_shape
-    from trainer.plan_report import ASSUMED_RECORDS, MEASURED_MFU
-    from trainer.train import SUMMARY, train
+    from trainer.model.model_shape import LoraShape, load_shape
+    from trainer.plan.gpu_specs import GPUS, flops_per_token, predicted_epoch_seconds
+    from trainer.plan.memory_plan import TYPICAL_SOURCE, TYPICAL_TARGET, micro_batch_peak
+    from trainer.plan.plan_report import ASSUMED_RECORDS, MEASURED_MFU
+    from trainer.report.step_meter import SUMMARY
+    from trainer.run.train import train
 
     bench = CONFIGS[name]
     cuda = torch.cuda.is_available()
@@ -103,9 +104,9 @@ def run_one(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> dict:
     per_src, per_tgt = flops_per_token(model_shape, lora)
     peak_flops = GPUS["h100"].bf16_flops
     if cuda:
-        from trainer.gpu_specs import gpu_spec
+        from trainer.plan.gpu_specs import gpu_spec
 
-        with contextlib.suppress(ValueError):  # a GPU trainer.gpu_specs does not know: an H100's rate
+        with contextlib.suppress(ValueError):  # a GPU trainer.plan.gpu_specs does not know: an H100's rate
             peak_flops = gpu_spec(torch.cuda.get_device_name()).bf16_flops
     mfu = (per_src * src + per_tgt * tgt) / seconds / peak_flops
     blocks = (
@@ -244,7 +245,7 @@ def _plan(r: dict) -> str:
 
 
 def _duration(seconds: float) -> str:
-    from trainer.step_meter import format_duration
+    from trainer.report.step_meter import format_duration
 
     return format_duration(seconds)
 

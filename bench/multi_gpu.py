@@ -7,10 +7,11 @@ of ddp and FSDP2 on the same global batches, and the memory plan against every m
     python3 bench/multi_gpu.py --runs ddp1 ddp2 --steps 12           # some runs only (names: --list)
     python3 bench/multi_gpu.py --tiny --device cpu --out /tmp/mg     # tiny shape, gloo on the CPU: the script
 
-Every run is `torchrun --standalone --nproc_per_node=N` over the trainer's own loop (`trainer.train.train`, as
-`torchrun -m trainer train` runs it) with configs/flan-t5-xl-rtx5090.yaml as it is (`--set` changes it for
-every run), FLAN-T5-XL's shape with random weights (nothing downloads), on bench_run's recipe-length records
-read by the Rust loader, every process capped at 32 GiB (`gpu_memory_limit_gib`). The runs (`--list`):
+Every run is `torchrun --standalone --nproc_per_node=N` over the trainer's own loop
+(`trainer.run.train.train`, as `torchrun -m trainer train` runs it) with configs/flan-t5-xl-rtx5090.yaml as it
+is (`--set` changes it for every run), FLAN-T5-XL's shape with random weights (nothing downloads), on
+bench_run's recipe-length records read by the Rust loader, every process capped at 32 GiB
+(`gpu_memory_limit_gib`). The runs (`--list`):
 
 - `ddpN`: the preset on N GPUs (`distributed_strategy: ddp`, the same per-GPU micro-batch on every N).
 - `graphsN` (when the preset does not already replay CUDA graphs): the preset on packed rows of 8k-token
@@ -122,9 +123,9 @@ def worker(config: Path) -> int:
 
     import torch
 
-    import trainer.train as loop
-    from trainer import distributed
+    import trainer.run.train as loop
     from trainer.config import TrainConfig
+    from trainer.infra import distributed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cuda = torch.cuda.is_available()

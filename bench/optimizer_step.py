@@ -2,12 +2,13 @@
 
     python3 bench/optimizer_step.py [--optimizers adafactor,adafactor_graph,adafactor_torch,adamw_kahan]
 
-adafactor: trainer.optim.Adafactor with Kahan updates as the trainer runs it on a GPU (same-shape weights
-together, trainer.adafactor_kernels); adafactor_graph: the same captured in a CUDA graph and replayed, as with
-`cuda_graphs: true` (trainer.cuda_graphs); adafactor_torch: the torch ops it runs off a GPU, one weight at a
-time; adamw_kahan: torch-optimi AdamW(kahan_sum=True); adamw_fused: torch's fused AdamW (no compensation).
-Prints ms per step (and the host's part of it), the optimizer states' size and the step's scratch memory.
-`--sweep` times trainer.adafactor_kernels' tilings instead (GPU time per kernel, profiled).
+adafactor: trainer.run.optim.Adafactor with Kahan updates as the trainer runs it on a GPU (same-shape weights
+together, trainer.kernels.adafactor_kernels); adafactor_graph: the same captured in a CUDA graph and replayed,
+as with `cuda_graphs: true` (trainer.run.cuda_graphs); adafactor_torch: the torch ops it runs off a GPU, one
+weight at a time; adamw_kahan: torch-optimi AdamW(kahan_sum=True); adamw_fused: torch's fused AdamW (no
+compensation). Prints ms per step (and the host's part of it), the optimizer states' size and the step's
+scratch memory. `--sweep` times trainer.kernels.adafactor_kernels' tilings instead (GPU time per kernel,
+profiled).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer import optim  # noqa: E402
-from trainer.tiny_model import flan_t5_config  # noqa: E402
+from trainer.model.tiny_model import flan_t5_config  # noqa: E402
+from trainer.run import optim  # noqa: E402
 
 
 def xl_parameters() -> list[torch.nn.Parameter]:
@@ -41,7 +42,7 @@ def xl_parameters() -> list[torch.nn.Parameter]:
 
 
 class TorchOpsAdafactor(optim.Adafactor):
-    """trainer.optim.Adafactor without its GPU kernels: what it runs on CPU, timed on the GPU."""
+    """trainer.run.optim.Adafactor without its GPU kernels: what it runs on CPU, timed on the GPU."""
 
     def advance(self, grad_scale=None):
         layout = super().advance(grad_scale)
@@ -62,7 +63,8 @@ def build(name: str, params):
 
 
 def captured_step(opt: optim.Adafactor):
-    """opt's step as trainer.cuda_graphs runs it: the host's `advance`, then the captured `apply` replayed."""
+    """opt's step as trainer.run.cuda_graphs runs it: the host's `advance`, then the captured `apply`
+    replayed."""
     opt.advance()
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -84,7 +86,7 @@ SWEEP += [(8, 512, 8, 1), (32, 256, 8, 2)]
 
 def sweep(params) -> None:
     """GPU time of each Adafactor kernel per step, for each tiling of SWEEP (the module's constants set)."""
-    from trainer import adafactor_kernels as kernels
+    from trainer.kernels import adafactor_kernels as kernels
 
     defaults = kernels.BLOCK_ROWS, kernels.BLOCK_COLS, kernels.NUM_WARPS, kernels.STAGES
     for tiling in SWEEP:

@@ -1,4 +1,5 @@
-"""T5 attention over packed rows (trainer.packed_attention) against today's kernels on padded rows (GPU).
+"""T5 attention over packed rows (trainer.kernels.packed_attention) against today's kernels on padded rows
+(GPU).
 
     python3 bench/packed_attention.py [--shapes 16x1024x512,8x2048x1024] [--dropout 0.1] [--sweep]
     python3 bench/packed_attention.py --tiny        # this script's code paths on CPU (Triton's interpreter)
@@ -6,8 +7,8 @@
 Records with recipe-like lengths (source ~ lognormal(median 96, sigma 0.35), target ~ lognormal(median 256,
 sigma 0.45)) are packed in order into R rows of Lt decoder and Ls encoder positions (a shape RxLtxLs); the
 same records, sorted by target length and cut into padded batches of at most R x Lt decoder positions (the
-loop's length bucketing), go through trainer.attention's kernels with T5's dense (H, T, S) bias. FLAN-T5-XL
-heads (32 x 64), bf16. For each attention kind it prints forward and forward+backward ms (median of
+loop's length bucketing), go through trainer.kernels.attention's kernels with T5's dense (H, T, S) bias.
+FLAN-T5-XL heads (32 x 64), bf16. For each attention kind it prints forward and forward+backward ms (median of
 triton.testing.do_bench) of both, the share of 64 x 64 tiles the packed kernels visit, and their useful
 TFLOP/s (matmul FLOPs of the attended pairs only: forward 4 x D per pair and head, backward 2.5x that).
 
@@ -34,15 +35,15 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer import packed_attention as packed  # noqa: E402
-from trainer.attention import t5_attention  # noqa: E402
-from trainer.packed_attention import (  # noqa: E402
+from trainer.kernels import packed_attention as packed  # noqa: E402
+from trainer.kernels.attention import t5_attention  # noqa: E402
+from trainer.kernels.packed_attention import (
     PackedAttentionLayout,
     RelativeBias,
     dense_position_bias,
     packed_attention,
-    reference_attention,
 )
+from trainer.model.packed_t5 import reference_attention
 
 SHARED_LIMIT = 99 * 1024  # bytes of shared memory per block on an RTX 5090 (sm_120)
 TOLERANCE = 1e-2  # ||x - ref|| / ||ref|| for bf16
@@ -175,7 +176,8 @@ def bucketed(records, budget: int, multiple: int = 8):
 
 
 def unpacked_times(kind, batches, heads, head_dim, table, bias, dropout, timer, device, dtype, gen):
-    """Forward and forward+backward ms of trainer.attention's kernels over the padded batches, summed."""
+    """Forward and forward+backward ms of trainer.kernels.attention's kernels over the padded batches,
+    summed."""
     fwd = total = 0.0
     for records, src_len, tgt_len in batches:
         b = len(records)
@@ -244,9 +246,9 @@ def shared_memory_report(cuda: bool) -> list[str]:
     this GPU, and the largest variant compiled for sm_120. Returns the kernels over SHARED_LIMIT."""
     failures = []
     kernels = [
-        (packed._fwd_kernel, {}, packed.FWD_CONFIG),
-        (packed._bwd_kv_kernel, dict(FAR_TILES=3, GRADIENT_ROWS=8), packed.BWD_CONFIG),
-        (packed._bwd_q_kernel, {}, packed.BWD_CONFIG),
+        (packed.fwd_kernel, {}, packed.FWD_CONFIG),
+        (packed.bwd_kv_kernel, dict(FAR_TILES=3, GRADIENT_ROWS=8), packed.BWD_CONFIG),
+        (packed.bwd_q_kernel, {}, packed.BWD_CONFIG),
     ]
     flags = dict(HAS_BIAS=True, CAUSAL=True, DROPOUT=True, MAX_DISTANCE=128, BLOCK_M=64, BLOCK_N=64, D=64)
     print("\nshared memory per block (limit 99 KiB on an RTX 5090):")

@@ -10,7 +10,8 @@ trainer's own model, accumulation and update (the rtx5090 preset's optimization:
 - padded_b: the same records shuffled and cut into 3 micro-batches: the control, which differs from padded_a
   only in how the records are split (so only in bf16 rounding);
 - packed: the loader's packed rows, several records per row, 2 micro-batches;
-- packed_graphs: the same packed micro-batches replayed as CUDA graphs (trainer.cuda_graphs), the update too.
+- packed_graphs: the same packed micro-batches replayed as CUDA graphs (trainer.run.cuda_graphs), the update
+  too.
 
 Per step the loss of each; the verdict: packed's relative distance to padded_a, and packed_graphs' to packed,
 is within the control's (mean over the steps at most twice the control's). bench/quality.py runs this on its
@@ -63,8 +64,8 @@ def config(model_dir: Path, data: Path, tiny: bool, rows: int):
 
 def step_batches(cfg, steps: int, seed: int = 0) -> dict[str, list[list[dict]]]:
     """For each way, `steps` groups of micro-batches (numpy) holding the same records per step."""
-    from trainer.data import packed_records, padded_batch, stream_for
-    from trainer.model_files import resolve_tokenizer_file
+    from trainer.data.loader import packed_records, padded_batch, stream_for
+    from trainer.model.model_files import resolve_tokenizer_file
 
     stream = stream_for(cfg, resolve_tokenizer_file(cfg.model_name_or_path), "train")
     stream.set_epoch(0)
@@ -89,12 +90,13 @@ def train(cfg, groups: list[list[dict]], device, graphs: bool) -> list[float]:
     """The per-step losses of training on `groups` from the model's weights, as the trainer's loop does."""
     import torch
 
-    from trainer.cuda_graphs import MicroStepGraph
-    from trainer.data import to_device
-    from trainer.model import load_model
-    from trainer.optim import build_optimizer, build_scheduler
-    from trainer.projections import accumulate_weight_grads_in_place
-    from trainer.step import accumulate_gradients, optimizer_step, token_loss_sum
+    from trainer.data.loader import to_device
+    from trainer.kernels.projections import accumulate_weight_grads_in_place
+    from trainer.model.load import load_model
+    from trainer.model.loss import token_loss_sum
+    from trainer.run.cuda_graphs import MicroStepGraph
+    from trainer.run.optim import build_optimizer, build_scheduler
+    from trainer.run.step import accumulate_gradients, optimizer_step
 
     torch.manual_seed(0)
     model = load_model(cfg, device)
@@ -125,8 +127,8 @@ def distances(a: list[float], b: list[float]) -> dict:
 
 
 def tiny_inputs(work: Path) -> tuple[Path, Path]:
-    from trainer.sample import write_sample
-    from trainer.tiny_model import build_tiny_model
+    from trainer.data.sample import write_sample
+    from trainer.model.tiny_model import build_tiny_model
 
     data = work / "recipes.jsonl"
     write_sample(data, 600, seed=3, fmt="jsonl")
@@ -148,7 +150,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from trainer.data import packed_records
+    from trainer.data.loader import packed_records
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

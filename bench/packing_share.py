@@ -24,8 +24,8 @@ def main() -> None:
     ap.add_argument("--data", help="recipe file to use instead of generated ones")
     a = ap.parse_args()
 
-    from trainer.data import RecipeStream
-    from trainer.sample import write_sample
+    from trainer.data.loader import RecipeStream
+    from trainer.data.sample import write_sample
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(a.data) if a.data else Path(tmp) / "recipes.csv"

@@ -3,8 +3,8 @@
     python3 bench/profile_step.py                 # GPU: kernel table, top 30 by CUDA time, and a coarse split
     python3 bench/profile_step.py --attn eager    # the same with another attention implementation
 
-Random-init bf16 model with the trainer's own loss path (trainer.model.use_fused_t5_ops, gradient
-checkpointing, trainer.train.token_loss_sum) on one micro-batch of the benchmark's recipe-like lengths
+Random-init bf16 model with the trainer's own loss path (trainer.model.swaps.use_fused_t5_ops, gradient
+checkpointing, trainer.run.train.token_loss_sum) on one micro-batch of the benchmark's recipe-like lengths
 (about 16k real tokens: 48 rows, source 96, target 256).
 """
 
@@ -22,9 +22,10 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import AutoModelForSeq2SeqLM  # noqa: E402
 
-from trainer.model import compile_blocks, use_fused_t5_ops  # noqa: E402
-from trainer.tiny_model import flan_t5_config  # noqa: E402
-from trainer.train import token_loss_sum  # noqa: E402
+from trainer.model.load import compile_blocks
+from trainer.model.loss import token_loss_sum  # noqa: E402
+from trainer.model.swaps import use_fused_t5_ops  # noqa: E402
+from trainer.model.tiny_model import flan_t5_config  # noqa: E402
 
 
 def main() -> int:

@@ -9,7 +9,7 @@ What users do with FLAN-T5, at a size that runs many times in minutes: a small T
 first pretrained with T5's span corruption and prefix LM on generated recipe text, then every run fine-tunes
 that one pretrained model on other recipes and is evaluated on held-out ones:
 
-1. Data: three disjoint sets of generated recipes (trainer.sample): the pretraining text, the fine-tuning
+1. Data: three disjoint sets of generated recipes (trainer.data.sample): the pretraining text, the fine-tuning
    set and --eval-records held-out records (the eval loss is the token mean over all of them). A
    SentencePiece-Unigram tokenizer is trained on the pretraining text.
 2. Pretraining: random weights, T5's span corruption (15% of the words in spans of 3 on average, each span
@@ -76,7 +76,7 @@ PREFIX_LM = 1  # prefix-LM pairs per recipe, each cut elsewhere
 class Sizes:
     """How big each part is: the GPU benchmark's, or the CPU check's (--tiny)."""
 
-    shape: str  # "small": FLAN-T5-small's layers; "tiny": trainer.tiny_model's
+    shape: str  # "small": FLAN-T5-small's layers; "tiny": trainer.model.tiny_model's
     pretrain_records: int
     finetune_records: int
     eval_records: int
@@ -226,8 +226,8 @@ def prefix_lm(words: list[str], rng: np.random.Generator) -> tuple[str, str]:
 def prepare(work: Path, sizes: Sizes) -> dict:
     """Recipes, tokenizer and the pretraining pairs under `work`; the paths and counts."""
     from trainer.config import TASKS
-    from trainer.sample import write_sample
-    from trainer.tiny_model import recipe_texts, save_tokenizer, train_tokenizer
+    from trainer.data.sample import write_sample
+    from trainer.model.tiny_model import recipe_texts, save_tokenizer, train_tokenizer
 
     t0 = time.perf_counter()
     paths = {name: work / f"{name}.jsonl" for name in ("pretrain_recipes", "finetune", "heldout")}
@@ -287,7 +287,7 @@ def initial_model(prep: dict, sizes: Sizes, out: Path) -> Path:
     import torch
     from transformers import GenerationConfig, T5ForConditionalGeneration
 
-    from trainer.tiny_model import flan_t5_config
+    from trainer.model.tiny_model import flan_t5_config
 
     config = flan_t5_config("tiny", vocab_size=128 * math.ceil(prep["vocab"] / 128))
     if sizes.shape == "small":
@@ -395,7 +395,7 @@ def real_tokens_per_step(values: dict, tokenizer_file: str, steps: int = 40) -> 
     """Mean real (source + target) tokens per optimizer step of the first `steps` steps, as the loader makes
     them for these config values."""
     from trainer.config import TrainConfig
-    from trainer.data import stream_for
+    from trainer.data.loader import stream_for
 
     cfg = TrainConfig.from_dict(values, source="quality")
     stream = stream_for(cfg, tokenizer_file, "train")
@@ -533,7 +533,7 @@ def _start(job: Job, index: int, gpu: str | None):
 def token_rows(values: dict, tokenizer_file: str, files: list[str]) -> dict[str, np.ndarray]:
     """Every record of `files` as the trainer's loader tokenizes it: flat source/target ids and offsets."""
     from trainer.config import TrainConfig
-    from trainer.data import stream_for
+    from trainer.data.loader import stream_for
 
     cfg = TrainConfig.from_dict(
         values | dict(train_files=files, eval_files=[], eval_fraction=0.0, max_tokens=None, packing=False),

@@ -4,9 +4,10 @@ streamed requests the time to the first piece of the recipe.
 Two servers of the same model, side by side in one run: ours (requests gathered for --batch-window-ms and
 batched by length) and, as the peer, the same server with `--max-batch-tokens 1`: every prompt its own
 `model.generate` call, one after the other, as a server without batching runs them. Each client sends its
-requests one after another (a closed loop); the ingredients are realistic generated recipes' (trainer.sample),
-every client's different. The servers run in turn, --repeats times each, alternating; the table gives the
-median run and the spread of prompts/s over the runs (the noise: other work on the machine moves it).
+requests one after another (a closed loop); the ingredients are realistic generated recipes'
+(trainer.data.sample), every client's different. The servers run in turn, --repeats times each, alternating;
+the table gives the median run and the spread of prompts/s over the runs (the noise: other work on the machine
+moves it).
 
     python bench/serve_load.py --model outputs/quickstart/final --clients 16 --requests 4
     python bench/serve_load.py --model outputs/quickstart/final --clients 16 --requests 4 --stream
@@ -49,11 +50,11 @@ def start_server(model: str, *args: str) -> tuple[subprocess.Popen, str]:
 
 
 def ingredient_lists(n: int) -> list[list[str]]:
-    """Ingredients of n generated recipes (RecipeNLG's layout, trainer.sample)."""
+    """Ingredients of n generated recipes (RecipeNLG's layout, trainer.data.sample)."""
     import csv
     import json
 
-    from trainer.sample import write_sample
+    from trainer.data.sample import write_sample
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "recipes.csv"

@@ -22,7 +22,7 @@ and each of our variants runs in its own process (clean memory counters).
 Reported per config: real (non-pad) tokens/s, samples/s, MFU and peak allocated memory, and the ratio to the
 first peer named in --peers (default: `tuned`, the best Hugging Face setup known: Adafactor, bs 32, GA 4,
 group_by_length, SDPA). MFU counts 6 x [(encoder + cross-attention K/V params) x source tokens + (rest of the
-decoder + LM head) x target tokens] per sample (trainer.gpu_specs.flops_per_token), real tokens only,
+decoder + LM head) x target tokens] per sample (trainer.plan.gpu_specs.flops_per_token), real tokens only,
 checkpoint recompute not counted, against the GPU's dense bf16 rate (989 TFLOP/s on an H100 or H200). The
 loss check runs one batch through the eager HF reference
 (`model(..., labels=...).loss`) and through our step's loss (Triton attention, fused ops, chunked
@@ -110,10 +110,11 @@ VARIANTS = {
 
 
 def peak_flops() -> float:
-    """This GPU's dense bf16 rate (trainer.gpu_specs); an H100's 989 TFLOP/s for a GPU it does not know."""
+    """This GPU's dense bf16 rate (trainer.plan.gpu_specs); an H100's 989 TFLOP/s for a GPU it does not
+    know."""
     import torch
 
-    from trainer.gpu_specs import gpu_spec
+    from trainer.plan.gpu_specs import gpu_spec
 
     try:
         return gpu_spec(torch.cuda.get_device_name()).bf16_flops if torch.cuda.is_available() else 989e12
@@ -123,8 +124,8 @@ def peak_flops() -> float:
 
 def flops_per_token_pair(shape: str) -> tuple[float, float]:
     """Training FLOPs per real source token and per real target token of the benchmark's model."""
-    from trainer.gpu_specs import flops_per_token
-    from trainer.tiny_model import flan_t5_config
+    from trainer.model.tiny_model import flan_t5_config
+    from trainer.plan.gpu_specs import flops_per_token
 
     return flops_per_token(flan_t5_config(shape, vocab_size=VOCAB))
 
@@ -135,13 +136,16 @@ def flops_per_token_pair(shape: str) -> tuple[float, float]:
 def run_ours(
     variant: str, work: Path, steps: int, warmup: int, tiny: bool, profile_dir: str | None = None
 ) -> dict:
-    """One of our variants through trainer.train.train; steady-state numbers from its train log.
-    profile_dir: also profile two steps after the timed ones (trainer.profiling), report copied there."""
+    """One of our variants through trainer.run.train.train; steady-state numbers from its train log.
+    profile_dir: also profile two steps after the timed ones (trainer.report.profiling), report copied
+    there."""
     import torch
 
     from trainer.config import TrainConfig
-    from trainer.memory_plan import _plan_kwargs, budget_peak, load_shape, row_lengths
-    from trainer.train import SUMMARY, train
+    from trainer.model.model_shape import load_shape
+    from trainer.plan.memory_plan import budget_peak, plan_kwargs, row_lengths
+    from trainer.report.step_meter import SUMMARY
+    from trainer.run.train import train
 
     shape = "tiny" if tiny else "xl"
     records = make_records(n=512 if tiny else 4096)
@@ -182,7 +186,7 @@ def run_ours(
     typical = planned
     if planned is not None and not cfg.packing:  # padded batches: typical recipe rows as well
         src_cap, tgt_cap = row_lengths(cfg)
-        kw = _plan_kwargs(cfg, blocks)
+        kw = plan_kwargs(cfg, blocks)
         typical = (
             budget_peak(
                 load_shape(str(model_dir)),
@@ -228,10 +232,10 @@ def loss_check(tiny: bool) -> dict:
     import torch
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.attention import use_triton_attention
-    from trainer.model import use_fused_t5_ops
-    from trainer.tiny_model import flan_t5_config
-    from trainer.train import token_loss_sum
+    from trainer.model.fused_t5 import use_triton_attention
+    from trainer.model.loss import token_loss_sum
+    from trainer.model.swaps import use_fused_t5_ops
+    from trainer.model.tiny_model import flan_t5_config
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -347,8 +351,8 @@ def main() -> int:
     check = in_subprocess(["--one", "loss-check", *extra], timeout=240)
     print(f"loss check: {json.dumps(check)}", flush=True)
 
-    from trainer.gpu_specs import flops_per_real_token
-    from trainer.tiny_model import flan_t5_config
+    from trainer.model.tiny_model import flan_t5_config
+    from trainer.plan.gpu_specs import flops_per_real_token
 
     model_config = flan_t5_config("tiny" if args.tiny else "xl", vocab_size=VOCAB)
     real_token_flops = flops_per_real_token(model_config, *mean_lengths(make_records()))

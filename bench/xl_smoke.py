@@ -6,9 +6,9 @@
 The architecture is FLAN-T5-XL's (d_model 2048, d_ff 5120, 24+24 layers, 32 heads x 64, vocab 32128,
 gated-GELU) with random weights saved as safetensors and loaded like the real checkpoint (from_pretrained
 straight onto the GPU in bf16, under the load-once check), trained
-with the rtx5090 preset's optimizer and batching on generated recipes. It goes through `trainer.train.train`,
-so the load-once assertion, the OOM back-off and the optimizer are the ones a user gets. Needs only this
-package (its wheel), torch and transformers; no network.
+with the rtx5090 preset's optimizer and batching on generated recipes. It goes through
+`trainer.run.train.train`, so the load-once assertion, the OOM back-off and the optimizer are the ones a user
+gets. Needs only this package (its wheel), torch and transformers; no network.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def write_model_dir(out: Path, shape: str, tokenizer_dir: Path) -> Path:
     """config.json of the architecture ("xl" or "tiny", no weights) plus the tokenizer."""
     import shutil
 
-    from trainer.tiny_model import flan_t5_config
+    from trainer.model.tiny_model import flan_t5_config
 
     out.mkdir(parents=True, exist_ok=True)
     flan_t5_config(shape).save_pretrained(out)
@@ -86,15 +86,16 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from trainer import memory
+    from trainer.infra import memory
 
     memory.set_alloc_conf(PRESET["cuda_alloc_conf"])  # before torch touches CUDA
     import torch
 
     from trainer.config import TrainConfig
-    from trainer.sample import write_sample
-    from trainer.tiny_model import build_tiny_model
-    from trainer.train import SUMMARY, train
+    from trainer.data.sample import write_sample
+    from trainer.model.tiny_model import build_tiny_model
+    from trainer.report.step_meter import SUMMARY
+    from trainer.run.train import train
 
     values = dict(PRESET)
     preset = Path(args.preset)

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():  # Triton kernels (trainer.attention) run in Triton's interpreter on CPU
+# Triton kernels (trainer.kernels.attention) run in Triton's interpreter on CPU
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
-from trainer.sample import write_sample
-from trainer.tiny_model import build_tiny_model
+from trainer.data.sample import write_sample
+from trainer.model.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.data import RecipeStream
+from trainer.data.loader import RecipeStream
 
 
 def rows(stream: RecipeStream) -> list[tuple[list[int], list[int]]]:

@@ -1,5 +1,5 @@
 """Test-only: packed batches built in Python from unpacked records, to the loader's packed-batch contract
-(keys and meaning as in trainer/packed_t5.py), so the model side can be tested before and apart from the
+(keys and meaning as in trainer/model/packed_t5.py), so the model side can be tested before and apart from the
 loader. Records go in order, each into the current row while both its source and target still fit."""
 
 from __future__ import annotations

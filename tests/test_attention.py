@@ -1,4 +1,4 @@
-"""The fused T5 attention kernels (trainer.attention) against the plain math, and inside a real T5.
+"""The fused T5 attention kernels (trainer.kernels.attention) against the plain math, and inside a real T5.
 
 On a machine without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1). The
 interpreter's tl.dot mishandles bfloat16, so CPU runs use float16: the kernels' code paths are the same.
@@ -11,8 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer import attention
-from trainer.attention import t5_attention, uniform16, use_triton_attention
+from trainer.kernels import attention
+from trainer.kernels.attention import t5_attention
+from trainer.kernels.dropout import uniform16
+from trainer.model.fused_t5 import use_triton_attention
 
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16
 # Error bounds below are fp16's; bf16 keeps 3 fewer mantissa bits (its rounding errors are ~8x larger).
@@ -188,8 +190,8 @@ def test_checkpoint_recompute_reproduces_dropout():
 def test_tiny_t5_trains_and_generates_the_same_with_triton_attention(tiny_model_dir):
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.model import use_fused_t5_ops
-    from trainer.train import token_loss_sum
+    from trainer.model.loss import token_loss_sum
+    from trainer.model.swaps import use_fused_t5_ops
 
     def load(use_triton: bool):
         # Loaded in fp32, then cast: in fp16 transformers keeps T5's `wo` in fp32 (mixed dtypes on CPU).

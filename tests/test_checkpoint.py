@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
 
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.resume import find_resume_checkpoint
 from trainer.config import ConfigError
 
 
@@ -66,11 +67,11 @@ def test_incomplete_checkpoints_are_never_picked(tmp_path):
     broken = tmp_path / "checkpoint-20"
     broken.mkdir()
     (broken / "model.safetensors").write_bytes(b"partial")
-    assert ckpt.find_resume_checkpoint("auto", tmp_path) == tmp_path / "checkpoint-10"
-    assert ckpt.find_resume_checkpoint("never", tmp_path) is None
-    assert ckpt.find_resume_checkpoint("auto", tmp_path / "nothing-here") is None
+    assert find_resume_checkpoint("auto", tmp_path) == tmp_path / "checkpoint-10"
+    assert find_resume_checkpoint("never", tmp_path) is None
+    assert find_resume_checkpoint("auto", tmp_path / "nothing-here") is None
     with pytest.raises(ConfigError, match="checkpoint-20 is not a usable checkpoint"):
-        ckpt.find_resume_checkpoint(str(broken), tmp_path)
+        find_resume_checkpoint(str(broken), tmp_path)
 
 
 def _truncate(path, size=10):
@@ -105,13 +106,13 @@ def test_resume_auto_falls_back_past_a_damaged_checkpoint(tmp_path, caplog, dama
     model, opt, sched = _setup()
     _save(tmp_path, 3, model, opt, sched)
     newest = _save(tmp_path, 6, model, opt, sched)
-    assert ckpt.find_resume_checkpoint("auto", tmp_path) == newest
+    assert find_resume_checkpoint("auto", tmp_path) == newest
     damage(newest)
-    assert ckpt.find_resume_checkpoint("auto", tmp_path) == tmp_path / "checkpoint-3"
+    assert find_resume_checkpoint("auto", tmp_path) == tmp_path / "checkpoint-3"
     assert "skipping" in caplog.text and "checkpoint-6" in caplog.text
     if (newest / ckpt.MARKER).is_file():
         with pytest.raises(ConfigError, match="checkpoint-6 is not a usable checkpoint"):
-            ckpt.find_resume_checkpoint(str(newest), tmp_path)
+            find_resume_checkpoint(str(newest), tmp_path)
 
 
 def test_rotation_keeps_the_last_n_and_the_best(tmp_path):

@@ -105,7 +105,7 @@ def test_the_profiler_stops_when_the_run_ends_inside_its_window(tmp_path, tiny_m
     import torch
 
     from trainer.config import TrainConfig
-    from trainer.train import train
+    from trainer.run.train import train
 
     values = yaml.safe_load(
         f"""

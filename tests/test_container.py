@@ -392,7 +392,7 @@ def _assert_healthcheck(argv: list[str], tmp_path: Path) -> None:
 
 
 def test_healthcheck_module_reads_time_then_mtime(tmp_path):
-    from trainer.healthcheck import check_heartbeat, heartbeat_path
+    from trainer.infra.healthcheck import check_heartbeat, heartbeat_path
 
     path = heartbeat_path(tmp_path)
     assert path == tmp_path / "heartbeat"
@@ -538,7 +538,8 @@ def test_no_terminal_for_the_trainer():
 def test_stop_grace_period_covers_a_checkpoint():
     """SIGTERM -> the trainer writes weights and optimizer state; Docker must not SIGKILL it half-way."""
     from trainer.config import TrainConfig
-    from trainer.memory_plan import KNOWN_CONFIGS, ModelShape, optimizer_state_bytes
+    from trainer.model.model_shape import KNOWN_CONFIGS, ModelShape
+    from trainer.plan.memory_plan import optimizer_state_bytes
 
     argv = _exec_form("CMD")
     cfg = TrainConfig.load(REPO / argv[argv.index("--config") + 1])
@@ -615,7 +616,7 @@ def test_serve_service_command_and_healthcheck_run_here(tmp_path, tiny_model_dir
     """The serve service's command line, its model and port moved off the container's paths, serves the
     tiny model; the service's health check passes while it serves and fails once it is stopped."""
     from trainer.config import TrainConfig
-    from trainer.prompt import save_prompt_template
+    from trainer.data.prompt import save_prompt_template
 
     model = tmp_path / "final"
     shutil.copytree(tiny_model_dir, model)

@@ -1,4 +1,4 @@
-"""cuda_graphs (trainer.cuda_graphs): replayed micro-steps against eager ones on the tiny FLAN-T5 with the
+"""cuda_graphs (trainer.run.cuda_graphs): replayed micro-steps against eager ones on the tiny FLAN-T5 with the
 packed Triton kernels, and under torchrun on two GPUs against one process. Needs a CUDA GPU (two for the
 last; skipped elsewhere); on CPU the trainer runs such a config eagerly (test_train_step)."""
 
@@ -16,8 +16,9 @@ from packed_batches import pack
 from tiny_run import tiny_run_values
 
 from trainer.config import TrainConfig
-from trainer.loss import Seq2SeqLMLoss
-from trainer.train import TRAIN_LOG, train
+from trainer.model.loss import Seq2SeqLMLoss
+from trainer.report.step_meter import TRAIN_LOG
+from trainer.run.train import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
@@ -43,9 +44,10 @@ def micro_batches(n: int) -> list[dict]:
 def load(model_dir, **config):
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.attention import use_triton_attention
-    from trainer.model import skip_checkpointing, use_fused_t5_ops
-    from trainer.projections import accumulate_weight_grads_in_place
+    from trainer.kernels.projections import accumulate_weight_grads_in_place
+    from trainer.model.fused_t5 import use_triton_attention
+    from trainer.model.load import skip_checkpointing
+    from trainer.model.swaps import use_fused_t5_ops
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, attn_implementation="eager", **config)
     model = model.to("cuda", torch.bfloat16).train()
@@ -69,7 +71,7 @@ def assert_grads_close(got: dict, want: dict, tol: float):
 
 
 def test_replayed_micro_steps_accumulate_the_eager_gradients(tiny_model_dir):
-    from trainer.cuda_graphs import WARMUP, MicroStepGraph
+    from trainer.run.cuda_graphs import WARMUP, MicroStepGraph
 
     model = load(tiny_model_dir, dropout_rate=0.0)
     loss_module = Seq2SeqLMLoss(model)
@@ -112,7 +114,7 @@ def test_checkpointed_blocks_replay_their_dropout_in_the_recompute(tiny_model_di
     # Dropout everywhere (attention included): a checkpointed block's recompute inside the graph must draw
     # the random numbers its forward drew, so that from the same seed the gradients equal a graph's without
     # checkpointing.
-    from trainer.cuda_graphs import WARMUP, MicroStepGraph
+    from trainer.run.cuda_graphs import WARMUP, MicroStepGraph
 
     model = load(tiny_model_dir, dropout_rate=0.1)
     loss_module = Seq2SeqLMLoss(model)
@@ -147,8 +149,8 @@ def test_the_optimizer_update_replays_as_a_graph_exactly_like_an_eager_step(tiny
     """Adafactor's update captured in the micro-step graph's pool: after a few steps (the host advancing the
     step counts, whose scalars the graph reads), one replayed update from given gradients writes the weights
     and Kahan buffers an eager step writes from the same state, bit for bit."""
-    from trainer.cuda_graphs import MicroStepGraph
-    from trainer.optim import Adafactor
+    from trainer.run.cuda_graphs import MicroStepGraph
+    from trainer.run.optim import Adafactor
 
     model = load(tiny_model_dir, dropout_rate=0.0)
     loss_module = Seq2SeqLMLoss(model)

@@ -22,7 +22,9 @@ import yaml
 from tiny_run import tiny_run_values
 
 from trainer.config import TrainConfig
-from trainer.train import SUMMARY, TRAIN_LOG, token_loss_sum, train
+from trainer.model.loss import token_loss_sum
+from trainer.report.step_meter import SUMMARY, TRAIN_LOG
+from trainer.run.train import train
 
 STEPS = 4
 SAVE_AT = 2
@@ -226,8 +228,9 @@ def test_fsdp_with_the_presets_adafactor_trains_like_one_process_and_resumes_in_
 
 
 def test_ddp_with_lora_adapters_trains_like_one_process_and_resumes_in_one(model_dir, sample_csv, tmp_path):
-    """LoRA (trainer.lora) under DDP: the adapters alone are reduced (the frozen base has no gradient), rank 0
-    writes the adapter checkpoints and the merged final/, and 2 ranks' checkpoint resumes in 1 process."""
+    """LoRA (trainer.model.lora) under DDP: the adapters alone are reduced (the frozen base has no gradient),
+    rank 0 writes the adapter checkpoints and the merged final/, and 2 ranks' checkpoint resumes in 1
+    process."""
     lora = dict(adapter="lora", lora_r=4, optimizer="adamw", learning_rate=1e-2)
     one = _one_process(model_dir, sample_csv, tmp_path / "one-lora", **lora)
 
@@ -322,24 +325,25 @@ def test_two_nodes_train_checkpoint_and_resume_on_one(model_dir, sample_csv, tmp
         assert two[s] == pytest.approx(four[s], rel=1e-5), (s, two[s], four[s])
 
 
-# Under torchrun: FSDP2 (trainer.distributed.wrap) around the tiny model, its attention through the packed
-# Triton kernels in Triton's interpreter, which computes them right in fp16 (not in bf16): FSDP's compute
-# dtype is fp16 here, bf16 on a GPU, the same cast either way. Rank r computes packed batch r of 2, scaled
-# as the loop scales it; rank 0 saves the loss sum and the whole gradients.
+# Under torchrun: FSDP2 (trainer.run.parallel.wrap) around the tiny model, its attention through the
+# packed Triton kernels in Triton's interpreter, which computes them right in fp16 (not in bf16): FSDP's
+# compute dtype is fp16 here, bf16 on a GPU, the same cast either way. Rank r computes packed batch r of 2,
+# scaled as the loop scales it; rank 0 saves the loss sum and the whole gradients.
 _FSDP_PACKED = """
 import sys
 import torch
-from trainer import distributed
+from trainer.infra import distributed
+from trainer.run import parallel
 from trainer.config import TrainConfig
-from trainer.step import token_loss_sum
+from trainer.model.loss import token_loss_sum
 from test_distributed import packed_batches
 from test_packed_t5 import load
 
 path, out = sys.argv[1], sys.argv[2]
-distributed.FSDP_COMPUTE_DTYPE = torch.float16  # the interpreter computes fp16 right, not bf16
+parallel.FSDP_COMPUTE_DTYPE = torch.float16  # the interpreter computes fp16 right, not bf16
 distributed.init(torch.device("cpu"), 300)
 model = load(path, torch.float16, triton_attention=True).train()
-module = distributed.wrap(model, TrainConfig(distributed_strategy="fsdp"), torch.device("cpu"))
+module = parallel.wrap(model, TrainConfig(distributed_strategy="fsdp"), torch.device("cpu"))
 batches = packed_batches()
 tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
 loss = token_loss_sum(module, batches[distributed.rank()])

@@ -1,9 +1,9 @@
 """Faults a user meets, probed with real processes, signals, files and a small filesystem: nothing is lost,
 nothing is silent, an expected fault is one line.
 
-The pieces (trainer.run_lock, trainer.disk, trainer.jsonl, trainer.model_files, trainer.sample's demo-data
-rule) are tested here directly, and through real training runs: what the loop does with them, and what it
-keeps when a run ends on an error, a signal or a full disk.
+The pieces (trainer.infra.run_lock, trainer.infra.disk, trainer.infra.jsonl, trainer.model.model_files,
+trainer.data.sample's demo-data rule) are tested here directly, and through real training runs: what the loop
+does with them, and what it keeps when a run ends on an error, a signal or a full disk.
 """
 
 from __future__ import annotations
@@ -96,17 +96,17 @@ def torch_save(obj, f, *args, **kwargs):
 
 
 torch.save = torch_save
-import trainer.checkpoint
-import trainer.data
+import trainer.checkpoint.store
+import trainer.data.loader
 from transformers import AutoModelForSeq2SeqLM
 
-trainer.data.stream_for = blocking(trainer.data.stream_for, "data")
-trainer.checkpoint.save_pretrained = blocking(trainer.checkpoint.save_pretrained, "save")
+trainer.data.loader.stream_for = blocking(trainer.data.loader.stream_for, "data")
+trainer.checkpoint.store.save_pretrained = blocking(trainer.checkpoint.store.save_pretrained, "save")
 AutoModelForSeq2SeqLM.from_pretrained = blocking(AutoModelForSeq2SeqLM.from_pretrained, "model")
-import trainer.train  # after the patches above: it imports stream_for by name
+import trainer.run.train  # after the patches above: it imports stream_for by name
 
-trainer.train.optimizer_step = blocking(trainer.train.optimizer_step, "step")
-trainer.train.evaluate = blocking(trainer.train.evaluate, "evaluate")
+trainer.run.train.optimizer_step = blocking(trainer.run.train.optimizer_step, "step")
+trainer.run.train.evaluate = blocking(trainer.run.train.evaluate, "evaluate")
 from trainer.cli import main
 
 sys.exit(main(sys.argv[1:]))
@@ -115,7 +115,7 @@ sys.exit(main(sys.argv[1:]))
 # Holds <output_dir>'s lock until killed.
 _LOCK_HOLDER = """
 import sys, time
-from trainer.run_lock import RunLock
+from trainer.infra.run_lock import RunLock
 
 RunLock(sys.argv[1]).acquire()
 print("locked", flush=True)
@@ -205,7 +205,7 @@ def small_fs(tmp_path):
 
 
 def test_a_second_process_gets_the_holder_and_sigkill_leaves_no_stale_lock(held_lock):
-    from trainer.run_lock import OutputDirLocked, RunLock, lock_holder
+    from trainer.infra.run_lock import OutputDirLocked, RunLock, lock_holder
 
     proc, out = held_lock
     with pytest.raises(OutputDirLocked) as refused:
@@ -226,7 +226,7 @@ def test_a_second_process_gets_the_holder_and_sigkill_leaves_no_stale_lock(held_
 
 
 def test_the_lock_is_per_output_dir_and_also_refuses_this_process(tmp_path):
-    from trainer.run_lock import OutputDirLocked, RunLock
+    from trainer.infra.run_lock import OutputDirLocked, RunLock
 
     # A second open of the lock file, as a second trainer's, is refused even in the same process.
     with RunLock(tmp_path / "a"), RunLock(tmp_path / "b"), pytest.raises(OutputDirLocked):
@@ -239,7 +239,7 @@ def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, cap
     # NFS mounted without a lock manager refuses flock with ENOLCK; no such mount here, so flock says it.
     import fcntl
 
-    from trainer.run_lock import RunLock
+    from trainer.infra.run_lock import RunLock
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
@@ -252,8 +252,8 @@ def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, cap
 
 _RANKS_SCRIPT = """
 import sys, torch
-from trainer import distributed
-from trainer.run_lock import OutputDirLocked, lock_output_dir
+from trainer.infra import distributed
+from trainer.infra.run_lock import OutputDirLocked, lock_output_dir
 
 distributed.init(torch.device("cpu"))
 try:
@@ -306,7 +306,7 @@ def test_out_of_space_is_recognised_in_each_form_a_save_raises(small_fs, tmp_pat
     import safetensors.torch
     import torch.distributed.checkpoint as dcp
 
-    from trainer.disk import out_of_space, out_of_space_message
+    from trainer.infra.disk import out_of_space, out_of_space_message
 
     big = torch.zeros(1 << 20)  # 4 MiB, more than the filesystem holds
     (tmp_path / "big.bin").write_bytes(bytes(4 << 20))
@@ -337,7 +337,7 @@ def _tiny_training_state(model_dir: Path):
     from transformers import AutoModelForSeq2SeqLM
 
     from trainer.config import TrainConfig
-    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.run.optim import build_optimizer, build_scheduler
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
     cfg = TrainConfig(optimizer="adamw", dtype="float32", max_steps=3)
@@ -348,8 +348,8 @@ def _tiny_training_state(model_dir: Path):
 
 
 def test_a_full_disk_during_a_checkpoint_removes_it_and_keeps_the_earlier_one(tmp_path, tiny_model_dir):
-    from trainer import checkpoint as ckpt
-    from trainer.disk import DiskFullError, directory_bytes, format_bytes, removed_on_failure
+    from trainer.checkpoint import store as ckpt
+    from trainer.infra.disk import DiskFullError, directory_bytes, format_bytes, removed_on_failure
 
     model, optimizer, scheduler = _tiny_training_state(tiny_model_dir)
     fs = tmp_path / "fs"
@@ -372,8 +372,8 @@ def test_a_full_disk_during_a_checkpoint_removes_it_and_keeps_the_earlier_one(tm
 
 
 def test_the_estimate_of_a_checkpoint_is_close_to_a_real_one(tmp_path, tiny_model_dir):
-    from trainer import checkpoint as ckpt
-    from trainer.disk import directory_bytes, estimate_checkpoint_bytes, state_bytes
+    from trainer.checkpoint import store as ckpt
+    from trainer.infra.disk import directory_bytes, estimate_checkpoint_bytes, state_bytes
 
     model, optimizer, scheduler = _tiny_training_state(tiny_model_dir)
     saved = ckpt.save_checkpoint(
@@ -387,7 +387,7 @@ def test_the_estimate_of_a_checkpoint_is_close_to_a_real_one(tmp_path, tiny_mode
 
 
 def test_a_disk_too_small_for_the_checkpoints_is_a_warning_at_start(small_fs):
-    from trainer.disk import free_space_warning
+    from trainer.checkpoint.store import free_space_warning
 
     one = 1200 << 10  # 3 MiB free: room for 2 checkpoints of 1.2 MiB, not 3
     warning = free_space_warning(small_fs, one, save_total_limit=2, planned_saves=10)
@@ -496,7 +496,7 @@ def _cut(path: Path, keep) -> None:
     ids=["cut-1-byte", "cut-to-100", "empty", "no-weights", "config-cut", "no-config", "no-tok", "tok-cut"],
 )
 def test_a_damaged_model_directory_is_one_line_naming_the_file(tmp_path, tiny_model_dir, damage, message):
-    from trainer.model_files import check_model_dir
+    from trainer.model.model_files import check_model_dir
 
     path = _damaged(tmp_path, tiny_model_dir, damage)
     with pytest.raises(ConfigError, match=message) as bad:
@@ -507,7 +507,7 @@ def test_a_damaged_model_directory_is_one_line_naming_the_file(tmp_path, tiny_mo
 def test_a_whole_model_directory_passes_with_its_parameter_count(tmp_path, tiny_model_dir):
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.model_files import check_model_dir
+    from trainer.model.model_files import check_model_dir
 
     model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir)
     found = check_model_dir(str(tiny_model_dir))
@@ -523,7 +523,7 @@ def test_a_whole_model_directory_passes_with_its_parameter_count(tmp_path, tiny_
 def test_sharded_and_pytorch_bin_weights_are_checked(tmp_path, tiny_model_dir):
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.model_files import check_model_dir
+    from trainer.model.model_files import check_model_dir
 
     model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir)
     n_params = sum(p.numel() for p in model.parameters())
@@ -553,7 +553,7 @@ def test_sharded_and_pytorch_bin_weights_are_checked(tmp_path, tiny_model_dir):
 _CACHED_CHECK = """
 import sys
 from trainer.config import ConfigError
-from trainer.model_files import check_model_dir
+from trainer.model.model_files import check_model_dir
 
 for name in sys.argv[1:]:
     try:
@@ -636,7 +636,7 @@ def test_a_hub_model_not_in_the_cache_is_a_model_error_saying_how_to_get_it(tmp_
 
 
 def test_repair_drops_a_cut_last_line_and_the_next_row_starts_a_line(tmp_path, caplog):
-    from trainer.jsonl import append_jsonl_row, repair_jsonl
+    from trainer.infra.jsonl import append_jsonl_row, repair_jsonl
 
     log = tmp_path / "train_log.jsonl"
     for step in (1, 2):
@@ -652,7 +652,7 @@ def test_repair_drops_a_cut_last_line_and_the_next_row_starts_a_line(tmp_path, c
 
 
 def test_repair_drops_zero_bytes_and_keeps_a_whole_row_without_its_newline(tmp_path):
-    from trainer.jsonl import repair_jsonl
+    from trainer.infra.jsonl import repair_jsonl
 
     log = tmp_path / "train_log.jsonl"
     log.write_bytes(b'{"step": 1}\n{"step": 2}\n' + b"\0" * 300)  # ext4 after a power loss: zeros
@@ -664,7 +664,7 @@ def test_repair_drops_zero_bytes_and_keeps_a_whole_row_without_its_newline(tmp_p
 
 
 def test_a_row_that_does_not_fit_on_the_disk_is_not_left_half_written(small_fs):
-    from trainer.jsonl import append_jsonl_row
+    from trainer.infra.jsonl import append_jsonl_row
 
     log = small_fs / "train_log.jsonl"
     row = {"step": 0, "loss": 1.0, "note": "x" * 3000}  # longer than a page: some fits, the rest does not
@@ -789,7 +789,8 @@ def test_a_data_error_mid_run_saves_the_last_completed_step_first(tmp_path, tiny
     assert code == 2, console[-3000:]
     assert console.strip().splitlines()[-1].startswith(f"trainer: data error: {data}"), console[-3000:]
     assert "Traceback" not in console
-    from trainer.checkpoint import find_resume_checkpoint, load_trainer_state
+    from trainer.checkpoint.resume import find_resume_checkpoint
+    from trainer.checkpoint.store import load_trainer_state
 
     saved = find_resume_checkpoint("auto", out)
     assert saved is not None, console[-3000:]  # the steps trained before the error are kept
@@ -806,7 +807,8 @@ def test_an_evaluation_that_fails_at_the_end_leaves_the_last_step_saved(tmp_path
     code, console = _with_data_file_cut_while_blocked(tmp_path, config, data, "evaluate")
     assert code == 2, console[-3000:]
     assert "Traceback" not in console
-    from trainer.checkpoint import find_resume_checkpoint, load_trainer_state
+    from trainer.checkpoint.resume import find_resume_checkpoint
+    from trainer.checkpoint.store import load_trainer_state
 
     saved = find_resume_checkpoint("auto", out)
     assert saved is not None and load_trainer_state(saved)["step"] == 3, console[-3000:]
@@ -852,7 +854,7 @@ def test_a_signal_before_training_starts_is_logged_reported_and_exits_128_plus_i
 
 
 def test_demo_data_is_written_only_inside_the_quickstart_directory(tmp_path, monkeypatch):
-    from trainer.sample import ensure_demo_data, is_quickstart_path
+    from trainer.data.sample import ensure_demo_data, is_quickstart_path
 
     monkeypatch.chdir(tmp_path)
     assert is_quickstart_path("data/quickstart/recipes.csv") and is_quickstart_path(

@@ -1,5 +1,5 @@
-"""The fused gated-GELU and residual-dropout kernels (trainer.fused_ops) against torch's ops, and inside a
-real T5.
+"""The fused gated-GELU and residual-dropout kernels (trainer.kernels.fused_ops) against torch's ops, and
+inside a real T5.
 
 On a machine without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), in
 float32; on CUDA in bfloat16, as the trainer runs them.
@@ -10,14 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.fused_ops import (
-    BLOCK,
-    gated_gelu_linear,
-    norm_and_residual,
-    residual_dropout,
-    use_fused_gated_gelu,
-    use_fused_residual_dropout,
-)
+from trainer.kernels.fused_ops import BLOCK, gated_gelu_linear, norm_and_residual, residual_dropout
+from trainer.model.fused_t5 import use_fused_gated_gelu, use_fused_residual_dropout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -143,7 +137,7 @@ def test_residual_dropout_adds_the_kept_part_and_backward_drops_the_same(shape):
 @pytest.mark.parametrize("shape", [(3, 7, 40), (70, 64), (5, 768)])
 @pytest.mark.parametrize("rows_at_a_time", [1, 4])  # the rows of a program's last group partly outside
 def test_norm_and_residual_backward_sums_both_gradients_as_torch_does(shape, rows_at_a_time, monkeypatch):
-    from trainer import fused_ops
+    from trainer.kernels import fused_ops
 
     monkeypatch.setattr(fused_ops, "NORM_BWD_ROWS", rows_at_a_time)
     g = torch.Generator().manual_seed(0)
@@ -164,7 +158,7 @@ def test_norm_and_residual_backward_sums_both_gradients_as_torch_does(shape, row
 def test_the_norm_backward_asks_triton_for_a_power_of_two_warps_at_every_t5_width():
     """Triton refuses any other warp count on a GPU (the interpreter on CPU does not check): FLAN-T5 small,
     base, large and XL, and widths between."""
-    from trainer.fused_ops import norm_bwd_warps
+    from trainer.kernels.fused_ops import norm_bwd_warps
 
     for cols in (512, 768, 1024, 2048, 4096, 40, 1000, 1536):
         warps = norm_bwd_warps(cols)
@@ -182,8 +176,8 @@ def test_mismatched_inputs_are_refused():
 def test_tiny_t5_with_the_fused_ops_keeps_its_weights_loss_and_generations(tiny_model_dir):
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.model import use_fused_t5_ops
-    from trainer.train import token_loss_sum
+    from trainer.model.loss import token_loss_sum
+    from trainer.model.swaps import use_fused_t5_ops
 
     def load():
         model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir, attn_implementation="eager")

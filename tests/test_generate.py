@@ -18,14 +18,14 @@ from huggingface_hub import ModelCard
 from tokenizers import Tokenizer
 from transformers import AutoModelForSeq2SeqLM
 
+from trainer.checkpoint.model_card import ModelCardInfo, write_model_card
 from trainer.cli import main
 from trainer.config import TrainConfig
-from trainer.data import RecipeStream
-from trainer.evaluate import eval_loss, sample_records
-from trainer.generate import generate_ids, plan_batches
-from trainer.model_card import ModelCardInfo, write_model_card
-from trainer.prompt import TEMPLATE_FILE, PromptTemplate, save_prompt_template
-from trainer.train import token_loss_sum
+from trainer.data.loader import RecipeStream
+from trainer.data.prompt import TEMPLATE_FILE, PromptTemplate, save_prompt_template
+from trainer.eval.evaluate import eval_loss, record_batches, sample_records
+from trainer.eval.generate import generate_ids, plan_batches
+from trainer.model.loss import token_loss_sum
 
 LENGTHS = {"max_source_length": 64, "max_target_length": 96}
 
@@ -210,7 +210,8 @@ def test_eval_loss_is_the_training_loops(model_dir: Path, sample_csv: Path) -> N
             total += float(token_loss_sum(model, batch))
             tokens += int((batch["labels"] != -100).sum())
     # Other batching (by length, a small budget), the same token mean.
-    assert eval_loss(model, records, max_batch_tokens=600) == pytest.approx(total / tokens, rel=1e-5)
+    batches = record_batches(records, max_batch_tokens=600)
+    assert eval_loss(model, batches, torch.device("cpu")) == pytest.approx(total / tokens, rel=1e-5)
     assert math.log(model.config.vocab_size) / 2 < total / tokens < 2 * math.log(model.config.vocab_size)
 
 
@@ -290,7 +291,7 @@ def test_model_card_snippet_runs_with_the_exact_prompt(model_dir: Path, tmp_path
 def test_a_saved_model_says_its_head_is_its_own_and_loads_without_a_tie_warning(
     tiny_model_dir: Path, sample_csv: Path, tmp_path: Path
 ) -> None:
-    from trainer.checkpoint import save_pretrained
+    from trainer.checkpoint.store import save_pretrained
 
     model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model_dir)
     saved = tmp_path / "final"  # as a run writes its checkpoints and final/

@@ -1,10 +1,11 @@
-"""trainer.gpu_specs: the FLOPs count behind MFU, and tokens/s and epoch time predicted from an MFU."""
+"""trainer.plan.gpu_specs: the FLOPs count behind MFU, and tokens/s and epoch time predicted from an MFU."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer.gpu_specs import (
+from trainer.model.tiny_model import flan_t5_config
+from trainer.plan.gpu_specs import (
     GPUS,
     flops_per_real_token,
     flops_per_token,
@@ -12,7 +13,6 @@ from trainer.gpu_specs import (
     predicted_epoch_seconds,
     predicted_tokens_per_s,
 )
-from trainer.tiny_model import flan_t5_config
 
 XL = flan_t5_config("xl", vocab_size=32128)
 

@@ -15,7 +15,7 @@ import pytest
 from epoch_rows import rows
 
 from trainer.config import DataSource, TrainConfig
-from trainer.data import RecipeFileError, RecipeStream, stream_for
+from trainer.data.loader import RecipeFileError, RecipeStream, stream_for
 
 RECORDS = [
     {
@@ -127,7 +127,7 @@ def test_offline_a_hub_dataset_comes_from_the_local_cache_and_a_missing_one_is_o
 def test_without_the_datasets_package_the_error_names_the_install_command(tmp_path):
     code = (
         "import sys; sys.modules['datasets'] = None\n"
-        "from trainer.hf_datasets import load\n"
+        "from trainer.data.hf_datasets import load\n"
         "try:\n    load('hf://datasets/cooks/recipes')\n"
         "except OSError as e:\n    print(e)\n"
     )

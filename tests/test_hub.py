@@ -19,7 +19,7 @@ from hub_server import USER, HubServer, free_port_url, hub_server  # noqa: F401
 from huggingface_hub import ModelCard
 from tiny_run import tiny_run_values
 
-from trainer.hub import PENDING_DIR
+from trainer.checkpoint.hub import PENDING_DIR
 
 REPO = "recipes"
 REPO_ID = f"{USER}/{REPO}"

@@ -13,8 +13,8 @@ import pytest
 from epoch_rows import rows
 from transformers import AutoTokenizer
 
-from trainer.data import RecipeDataError, RecipeFileError, RecipeStream
-from trainer.sample import write_sample
+from trainer.data.loader import RecipeDataError, RecipeFileError, RecipeStream
+from trainer.data.sample import write_sample
 
 
 def render(rec: dict) -> tuple[str, str]:
@@ -301,7 +301,7 @@ def test_gzip_uncompressed_equivalence_file_line(tmp_path, tiny_model_dir):
 def test_device_loader_cpu(tiny_model_dir, sample_jsonl):
     import torch
 
-    from trainer.data import DeviceLoader
+    from trainer.data.loader import DeviceLoader
 
     want = list(RecipeStream(sample_jsonl, tiny_model_dir, batch_size=32))
     got = list(DeviceLoader(RecipeStream(sample_jsonl, tiny_model_dir, batch_size=32), "cpu"))

@@ -14,7 +14,7 @@ import pytest
 
 from trainer import _loader
 from trainer.config import TrainConfig
-from trainer.data import (
+from trainer.data.loader import (
     LOADER_OPTIONS,
     RecipeConfigError,
     RecipeDataError,
@@ -24,7 +24,7 @@ from trainer.data import (
     RecipeStream,
     loader_options,
 )
-from trainer.sample import write_sample
+from trainer.data.sample import write_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 STUB = ast.parse((ROOT / "trainer" / "_loader.pyi").read_text())
@@ -110,7 +110,7 @@ def test_config_fields_reach_the_loader():
     # What the config does not set is set per stream (split, rank, ...) or left to the loader's default. A new
     # loader option with a config field of another name fails here until it is mapped.
     not_from_config = {o["name"] for o in LOADER_OPTIONS} - set(opts)
-    # weights come from train_files' entries (trainer.data.stream_for).
+    # weights come from train_files' entries (trainer.data.loader.stream_for).
     assert not_from_config == {"epoch", "rank", "world_size", "split", "prefetch", "cache_dir", "weights"}
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     assert set(opts) - fields == {"batch_size", "strict", "num_threads"}

@@ -16,8 +16,8 @@ import pytest
 from epoch_rows import rows
 
 from trainer.config import ConfigError, DataSource, TrainConfig
-from trainer.data import RecipeConfigError, RecipeDataError, RecipeStream, mixture_summary, stream_for
-from trainer.sample import write_sample
+from trainer.data.loader import RecipeConfigError, RecipeDataError, RecipeStream, mixture_summary, stream_for
+from trainer.data.sample import write_sample
 
 
 def csv_records(path: Path) -> list[dict]:

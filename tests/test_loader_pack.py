@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from trainer.config import TrainConfig
-from trainer.data import RecipeConfigError, RecipeStream, inspect_report
-from trainer.sample import write_sample
+from trainer.data.loader import RecipeConfigError, RecipeStream, inspect_report
+from trainer.data.sample import write_sample
 
 KEYS = {
     "input_ids",

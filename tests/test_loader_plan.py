@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from trainer.data import RecipeDataError, RecipeStream
-from trainer.sample import write_sample
+from trainer.data.loader import RecipeDataError, RecipeStream
+from trainer.data.sample import write_sample
 
 
 @pytest.fixture(scope="module")

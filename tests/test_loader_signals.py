@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.sample import write_sample
+from trainer.data.sample import write_sample
 
 CHILD = """
 import signal, sys

@@ -1,6 +1,6 @@
-"""LoRA (`adapter: lora`, trainer.lora) on the tiny FLAN-T5: the fast path computes what PEFT's own modules
-compute, a step changes the adapters alone, a run checkpoints them alone, resumes exactly and ends with one
-merged model (and its adapter in PEFT's format).
+"""LoRA (`adapter: lora`, trainer.model.lora) on the tiny FLAN-T5: the fast path computes what PEFT's own
+modules compute, a step changes the adapters alone, a run checkpoints them alone, resumes exactly and ends
+with one merged model (and its adapter in PEFT's format).
 
 The float32 tests run on the GPU where there is one, else in Triton's interpreter on CPU (conftest); the tests
 marked for CUDA run the bf16 kernels, CUDA graphs included, and are skipped elsewhere.
@@ -17,12 +17,13 @@ import pytest
 import torch
 from tiny_run import tiny_run_values
 
-from trainer.checkpoint import list_checkpoints
+from trainer.checkpoint.store import list_checkpoints
 from trainer.config import ConfigError, TrainConfig
-from trainer.disk import directory_bytes
-from trainer.projections import GroupedLinear, LowRank, ProjectionGroup
-from trainer.step import token_loss_sum
-from trainer.train import TRAIN_LOG, train
+from trainer.infra.disk import directory_bytes
+from trainer.kernels.projections import GroupedLinear, LowRank, ProjectionGroup
+from trainer.model.loss import token_loss_sum
+from trainer.report.step_meter import TRAIN_LOG
+from trainer.run.train import train
 
 TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
 CUDA = torch.cuda.is_available()
@@ -30,7 +31,7 @@ DEVICE = "cuda" if CUDA else "cpu"  # Triton's kernels run on the GPU, or in the
 
 
 def _lora(r: int = 4, dropout: float = 0.0, targets=TARGETS):
-    """What trainer.lora reads of a config."""
+    """What trainer.model.lora reads of a config."""
     return SimpleNamespace(
         lora_r=r,
         lora_alpha=8.0,
@@ -50,13 +51,14 @@ def _batch(device=DEVICE):
 
 def _peft_and_fused(model_dir, device=DEVICE, dtype=torch.float32, checkpointing=False, targets=TARGETS):
     """The same LoRA model twice: PEFT's own modules on the plain HF model, and the trainer's fast path (the
-    fused ops, grouped projections, trainer.lora's layers); lora_B random (PEFT starts it at zero), equal."""
+    fused ops, grouped projections, trainer.model.lora's layers); lora_B random (PEFT starts it at zero),
+    equal."""
     from peft import get_peft_model
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.fused_ops import use_fused_gated_gelu, use_fused_residual_dropout
-    from trainer.lora import add_adapters, lora_config
-    from trainer.model import use_fused_t5_ops
+    from trainer.model.fused_t5 import use_fused_gated_gelu, use_fused_residual_dropout
+    from trainer.model.lora import add_adapters, lora_config
+    from trainer.model.swaps import use_fused_t5_ops
 
     def load():
         model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, attn_implementation="eager")
@@ -143,7 +145,8 @@ def test_the_adapters_dropout_backward_is_autograds_through_the_same_mask():
 
     for t in (x, *a, *b):
         t.grad = None
-    torch.manual_seed(1)  # the same draw: the mask is made as trainer.projections.low_rank_forward makes it
+    # the same draw: the mask is made as trainer.kernels.projections.low_rank_forward makes it
+    torch.manual_seed(1)
     keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
     dropped = x * keep / (1 - p)
     want_out = [
@@ -160,9 +163,9 @@ def test_the_adapters_dropout_backward_is_autograds_through_the_same_mask():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
 def test_a_step_changes_only_the_adapters_over_a_frozen_bf16_base(tiny_model_dir, tmp_path, optimizer):
-    from trainer.lora import add_adapters
-    from trainer.model import load_model
-    from trainer.optim import build_optimizer
+    from trainer.model.load import load_model
+    from trainer.model.lora import add_adapters
+    from trainer.run.optim import build_optimizer
 
     cfg = TrainConfig.from_dict(
         tiny_run_values(
@@ -266,7 +269,7 @@ def test_a_lora_run_checkpoints_its_adapters_resumes_exactly_and_ends_with_one_m
 def test_load_best_model_at_end_merges_the_best_checkpoints_adapter(tiny_model_dir, sample_csv, tmp_path):
     from safetensors.torch import load_file
 
-    from trainer.train import SUMMARY
+    from trainer.report.step_meter import SUMMARY
 
     out = tmp_path / "best"
     # The highest eval loss is the best: the first evaluation's (the loss falls), not the last step's.
@@ -352,7 +355,7 @@ def test_trainer_plan_counts_the_frozen_base_and_the_adapters(tmp_path, capsys):
 def test_cuda_fused_path_with_triton_attention_gives_peft_modules_loss_and_gradients(
     tiny_model_without_dropout,
 ):
-    from trainer.attention import use_triton_attention
+    from trainer.model.fused_t5 import use_triton_attention
 
     reference, _ = _peft_and_fused(tiny_model_without_dropout, "cuda", torch.float32, checkpointing=True)
     _step_loss(reference, "cuda")
@@ -376,10 +379,10 @@ def test_cuda_fused_path_with_triton_attention_gives_peft_modules_loss_and_gradi
 def test_cuda_graphs_replay_the_adapters_gradients_and_update(tiny_model_without_dropout):
     from packed_batches import pack
 
-    from trainer.attention import use_triton_attention
-    from trainer.cuda_graphs import WARMUP, MicroStepGraph
-    from trainer.loss import Seq2SeqLMLoss
-    from trainer.optim import Adafactor
+    from trainer.model.fused_t5 import use_triton_attention
+    from trainer.model.loss import Seq2SeqLMLoss
+    from trainer.run.cuda_graphs import WARMUP, MicroStepGraph
+    from trainer.run.optim import Adafactor
 
     _, fused = _peft_and_fused(tiny_model_without_dropout, "cuda", torch.bfloat16, checkpointing=True)
     use_triton_attention(fused.get_base_model())

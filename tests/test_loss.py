@@ -1,9 +1,10 @@
-"""The chunked LM-head cross-entropy (trainer.loss) against torch's cross_entropy: loss and gradients."""
+"""The chunked LM-head cross-entropy (trainer.kernels.cross_entropy) against torch's cross_entropy: loss and
+gradients."""
 
 import pytest
 import torch
 
-from trainer.loss import _LinearCrossEntropy, linear_cross_entropy
+from trainer.kernels.cross_entropy import _LinearCrossEntropy, linear_cross_entropy
 
 
 def _reference(hidden, weight, labels):
@@ -60,8 +61,8 @@ def test_cross_entropy_kernel_equals_the_torch_ops(vocab, monkeypatch):
     """The GPU kernel (on CPU in Triton's interpreter) against the torch ops of the CPU path on the same bf16
     logits: row losses summed, and the gradient written over the logits, with vocabularies spanning several
     kernel blocks with a partial last one, whole blocks, one partial block; -100 rows count for nothing."""
-    from trainer import fused_ops
-    from trainer import loss as loss_mod
+    from trainer.kernels import cross_entropy as loss_mod
+    from trainer.kernels import fused_ops
 
     monkeypatch.setattr(fused_ops, "CE_BLOCK", 16)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -22,8 +22,12 @@ from transformers.optimization import Adafactor
 
 from trainer.cli import main as cli_main
 from trainer.config import TrainConfig
-from trainer.memory import GIB
-from trainer.memory_plan import (
+from trainer.infra.memory import GIB
+from trainer.model.load import skip_checkpointing
+from trainer.model.loss import token_loss_sum
+from trainer.model.model_shape import KNOWN_CONFIGS, LoraShape, ModelShape, load_shape
+from trainer.model.swaps import use_fused_t5_ops
+from trainer.plan.memory_plan import (
     SAFETY_MARGIN,
     _sharded_state,
     budget_peak,
@@ -36,10 +40,7 @@ from trainer.memory_plan import (
     plan_run,
     probe_shapes,
 )
-from trainer.model import skip_checkpointing, use_fused_t5_ops
-from trainer.model_shape import KNOWN_CONFIGS, LoraShape, ModelShape, load_shape
-from trainer.plan_report import parse_size
-from trainer.train import token_loss_sum
+from trainer.plan.plan_report import parse_size
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -184,10 +185,10 @@ LORA = LoraShape(4, ("q", "k", "v", "o", "wi_0", "wi_1", "wo"))
 
 
 def build_lora(config: T5Config, lora: LoraShape = LORA, checkpointing: bool = True):
-    """The tiny bf16 model with the trainer's fused ops and LoRA adapters (trainer.lora) on them."""
+    """The tiny bf16 model with the trainer's fused ops and LoRA adapters (trainer.model.lora) on them."""
     from types import SimpleNamespace
 
-    from trainer.lora import add_adapters
+    from trainer.model.lora import add_adapters
 
     model = build_bf16(config, checkpointing)
     use_fused_t5_ops(model)
@@ -200,7 +201,7 @@ def build_lora(config: T5Config, lora: LoraShape = LORA, checkpointing: bool = T
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
 def test_lora_weights_gradients_and_states_are_exact_after_a_real_step(optimizer):
-    from trainer.optim import Adafactor
+    from trainer.run.optim import Adafactor
 
     config = tiny_config()
     model = build_lora(config, checkpointing=False)
@@ -275,8 +276,8 @@ def test_lora_fits_xl_on_16_gib_and_xxl_on_32_gib_where_full_fine_tuning_does_no
 
 
 def packed_rows(config: T5Config, rows: int, src: int, tgt: int) -> dict:
-    """A packed batch (trainer.packed_t5's keys) of `rows` rows, each holding three records of uneven lengths
-    that leave a short tail of padding, as the loader's packed rows do."""
+    """A packed batch (trainer.model.packed_t5's keys) of `rows` rows, each holding three records of uneven
+    lengths that leave a short tail of padding, as the loader's packed rows do."""
     gen = torch.Generator().manual_seed(2)
     records = []
     for _ in range(rows):
@@ -340,7 +341,7 @@ def test_decoder_blocks_without_checkpointing_keep_their_activations():
     ],
 )
 def test_each_preset_fits_the_card_it_is_for(name, card_gib):
-    from trainer.memory_plan import planned_peak_bytes
+    from trainer.plan.memory_plan import planned_peak_bytes
 
     cfg = TrainConfig.load(Path(__file__).parents[1] / "configs" / name)
     plan = plan_run(cfg, card_gib * GIB)  # the loader's longest rows, as before any data is read
@@ -349,7 +350,7 @@ def test_each_preset_fits_the_card_it_is_for(name, card_gib):
 
 
 def test_the_trainer_skips_checkpointing_only_where_the_plan_has_room():
-    from trainer.memory_plan import choose_blocks_without_checkpointing as choose
+    from trainer.plan.memory_plan import choose_blocks_without_checkpointing as choose
 
     cfg = TrainConfig.load(Path(__file__).parents[1] / "configs" / "flan-t5-xl-rtx5090.yaml")
     # The preset's settings on padded rows of 32k-token micro-batches (its packed rows: the next test).
@@ -526,8 +527,8 @@ def _data_config(tmp_path, tiny_model_dir, sample_csv) -> str:
 def test_trainer_plan_predicts_the_time_on_named_gpus_and_what_hours_cover(
     tmp_path, capsys, tiny_model_dir, sample_csv
 ):
-    from trainer.data import stream_for
-    from trainer.model_files import resolve_tokenizer_file
+    from trainer.data.loader import stream_for
+    from trainer.model.model_files import resolve_tokenizer_file
 
     config = _data_config(tmp_path, tiny_model_dir, sample_csv)
     assert cli_main(["plan", "--config", config, "--hours", "10"]) == 0
@@ -546,8 +547,8 @@ def test_trainer_plan_predicts_the_time_on_named_gpus_and_what_hours_cover(
 
 
 def test_the_hours_of_an_epoch_cover_one_epoch(tmp_path, tiny_model_dir, sample_csv):
-    from trainer.gpu_specs import GPUS, predicted_epoch_seconds
-    from trainer.plan_report import MEASURED_MFU, epoch_data, time_report
+    from trainer.plan.gpu_specs import GPUS, predicted_epoch_seconds
+    from trainer.plan.plan_report import MEASURED_MFU, epoch_data, time_report
 
     cfg = TrainConfig.load(_data_config(tmp_path, tiny_model_dir, sample_csv))
     plan, shape = plan_run(cfg), load_shape(str(tiny_model_dir))
@@ -571,7 +572,7 @@ def test_the_loaders_packed_rows_decide_how_many_blocks_keep_their_activations(c
     """The budget is planned before the data is read, on rows of the maximum lengths; the loader then chooses
     rows from the data (recipes: target-heavy). The blocks are chosen again on those, so the run's peak is the
     plan's."""
-    from trainer.memory_plan import choose_blocks_without_checkpointing, micro_batch_peak
+    from trainer.plan.memory_plan import choose_blocks_without_checkpointing, micro_batch_peak
 
     cfg = TrainConfig.load(Path(__file__).parents[1] / "configs" / "flan-t5-xl-rtx5090.yaml")
     cfg = dataclasses.replace(
@@ -601,7 +602,7 @@ def test_the_loaders_packed_rows_decide_how_many_blocks_keep_their_activations(c
         24,
     )
     # Rows that do not fit even with every block checkpointed: said, with what to do.
-    with caplog.at_level(logging.WARNING, logger="trainer.memory_plan"):
+    with caplog.at_level(logging.WARNING, logger="trainer.plan.memory_plan"):
         assert plan_packed_rows(assumed, cfg, loader_rows, 16 * GIB).blocks_without_checkpointing == (0, 0)
     assert "set max_tokens lower" in caplog.text
     # A config that sets the numbers keeps them.
@@ -615,8 +616,8 @@ def test_the_loaders_packed_rows_decide_how_many_blocks_keep_their_activations(c
 
 
 def test_trainer_plan_plans_the_packed_rows_the_loader_chooses(tmp_path, capsys, tiny_model_dir, sample_csv):
-    from trainer.data import stream_for
-    from trainer.model_files import resolve_tokenizer_file
+    from trainer.data.loader import stream_for
+    from trainer.model.model_files import resolve_tokenizer_file
 
     config = _data_config(tmp_path, tiny_model_dir, sample_csv)
     assert cli_main(["plan", "--config", config, "--set", "packing=true"]) == 0
@@ -699,15 +700,17 @@ def test_trainer_plan_is_one_gpu_of_several_processes(tmp_path, capsys):
     assert "--processes must be at least 1" in capsys.readouterr().err
 
 
-# Under torchrun (2 gloo ranks): one training step of a small bf16 T5 under FSDP2 (trainer.distributed.wrap)
-# with the trainer's Adafactor (Kahan), then rank 0's bytes of weights, gradients and optimizer states.
+# Under torchrun (2 gloo ranks): one training step of a small bf16 T5 under FSDP2
+# (trainer.run.parallel.wrap) with the trainer's Adafactor (Kahan), then rank 0's bytes of weights,
+# gradients and optimizer states.
 _FSDP_STEP = """
 import json, sys, torch
 from test_memory_plan import batch, build_bf16, tiny_config
-from trainer import distributed
+from trainer.infra import distributed
+from trainer.run import parallel
 from trainer.config import TrainConfig
-from trainer.optim import Adafactor
-from trainer.step import token_loss_sum
+from trainer.run.optim import Adafactor
+from trainer.model.loss import token_loss_sum
 
 
 def storage_bytes(tensors):
@@ -721,7 +724,7 @@ def storage_bytes(tensors):
 distributed.init(torch.device("cpu"), 300)
 config = tiny_config(dropout_rate=0.0)
 model = build_bf16(config, checkpointing=False)
-module = distributed.wrap(model, TrainConfig(distributed_strategy="fsdp"), torch.device("cpu"))
+module = parallel.wrap(model, TrainConfig(distributed_strategy="fsdp"), torch.device("cpu"))
 opt = Adafactor(list(model.parameters()), lr=1e-3, kahan=True)
 token_loss_sum(module, batch(config, 2, 8, 8)).backward()
 opt.step()

@@ -14,8 +14,8 @@ import pytest
 from discord_server import dead_webhook_url, discord_server, limit_violations  # noqa: F401
 
 from trainer.config import TrainConfig
-from trainer.notify import DiscordNotifier, Priority, enforce_limits, make_embed
-from trainer.report import Reporter
+from trainer.report.notify import DiscordNotifier, Priority, enforce_limits, make_embed
+from trainer.report.reporter import Reporter
 
 # Bounds on fault paths (not speed tests): how far past its timeout close() may run.
 CLOSE_SLACK_S = 1.0
@@ -202,7 +202,7 @@ def test_5xx_is_retried_then_succeeds(discord_server):  # noqa: F811
 def test_5xx_gives_up_after_a_bound_and_logs_once(discord_server, caplog):  # noqa: F811
     discord_server.script.error_always = True
     n = DiscordNotifier(discord_server.url, max_retries=2, backoff_base=0.02)
-    with caplog.at_level(logging.WARNING, logger="trainer.notify"):
+    with caplog.at_level(logging.WARNING, logger="trainer.report.notify"):
         n.send(_msg("a"), kind="progress")
         n.send(_msg("b"), kind="progress")
         assert n.flush(timeout=10)
@@ -216,7 +216,7 @@ def test_5xx_gives_up_after_a_bound_and_logs_once(discord_server, caplog):  # no
 def test_unknown_webhook_turns_notifications_off(discord_server, caplog):  # noqa: F811
     url = discord_server.url.replace(discord_server.token, "wrong-token-123456")
     n = DiscordNotifier(url)
-    with caplog.at_level(logging.WARNING, logger="trainer.notify"):
+    with caplog.at_level(logging.WARNING, logger="trainer.report.notify"):
         for i in range(3):
             n.send(_msg(f"m{i}"), kind="progress")
         n.flush(timeout=5)
@@ -258,7 +258,7 @@ def test_close_is_bounded_with_a_dead_server(dead_webhook_url, caplog):  # noqa:
     for kind in ("started", "finished"):
         n.send(_msg(kind), kind=kind, priority=Priority.CRITICAL)
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="trainer.notify"):
+    with caplog.at_level(logging.WARNING, logger="trainer.report.notify"):
         n.close(timeout=1.0)
     assert time.monotonic() - start <= 1.0 + CLOSE_SLACK_S
     assert n.sent == 0
@@ -267,7 +267,7 @@ def test_close_is_bounded_with_a_dead_server(dead_webhook_url, caplog):  # noqa:
 
 def test_dead_server_gives_up_and_logs_once(dead_webhook_url, caplog):  # noqa: F811
     n = DiscordNotifier(dead_webhook_url, max_retries=1, backoff_base=0.01)
-    with caplog.at_level(logging.WARNING, logger="trainer.notify"):
+    with caplog.at_level(logging.WARNING, logger="trainer.report.notify"):
         for i in range(3):
             n.send(_msg(f"m{i}"), kind="progress")
         assert n.flush(timeout=10)
@@ -341,7 +341,7 @@ def test_messages_queued_at_exit_are_flushed_without_close(discord_server, tmp_p
     script = tmp_path / "child.py"
     script.write_text(
         "from trainer.config import TrainConfig\n"
-        "from trainer.report import Reporter\n"
+        "from trainer.report.reporter import Reporter\n"
         "r = Reporter(TrainConfig(report_to='none', run_name='child'))\n"
         "r.finished(final_loss=0.5, duration_s=2.0, model_dir='/out/final')\n"
     )

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from trainer.optim import Adafactor, build_optimizer, clip_coefficient
+from trainer.run.optim import Adafactor, build_optimizer, clip_coefficient
 
 STEPS = 25
 
@@ -82,12 +82,12 @@ def test_kahan_bf16_matches_fp32_and_naive_does_not(small_t5, optimizer, lr, rec
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
-# On CPU the update runs in torch ops one weight at a time; on a GPU in trainer.adafactor_kernels.
+# On CPU the update runs in torch ops one weight at a time; on a GPU in trainer.kernels.adafactor_kernels.
 @pytest.mark.parametrize("device", DEVICES)
 def test_adafactor_matches_transformers_in_fp32(small_t5, device):
     from transformers.optimization import Adafactor as HFAdafactor
 
-    from trainer.distributed import grad_norm
+    from trainer.infra.distributed import grad_norm
 
     base, x, y = small_t5
     x, y = x.to(device), y.to(device)
@@ -147,11 +147,12 @@ KERNEL_SHAPES = [(70, 1100), (70, 1100), (3, 5), (3, 5), (3, 5), (1500,), (1500,
 
 @pytest.mark.parametrize(("dtype", "kahan"), [(torch.bfloat16, True), (torch.float32, False)])
 def test_adafactor_kernels_equal_the_torch_update(dtype, kahan):
-    """trainer.adafactor_kernels (on CPU in Triton's interpreter) against `adafactor_update`, the torch ops
-    the optimizer runs off a GPU, over three steps with weight decay and gradient scales: the second-moment
-    states, the weights and (bf16) the Kahan buffers, whose weight + buffer is the effective weight."""
-    from trainer.adafactor_kernels import WeightGroup
-    from trainer.optim import adafactor_update
+    """trainer.kernels.adafactor_kernels (on CPU in Triton's interpreter) against `adafactor_update`, the
+    torch ops the optimizer runs off a GPU, over three steps with weight decay and gradient scales: the
+    second-moment states, the weights and (bf16) the Kahan buffers, whose weight + buffer is the effective
+    weight."""
+    from trainer.kernels.adafactor_kernels import WeightGroup
+    from trainer.run.optim import adafactor_update
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
@@ -255,7 +256,7 @@ def _lrs(scheduler, steps: int) -> list[float]:
 
 def _schedule(horizon: int, **cfg):
     from trainer.config import TrainConfig
-    from trainer.optim import build_scheduler
+    from trainer.run.optim import build_scheduler
 
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
     return build_scheduler(opt, TrainConfig(learning_rate=1e-3, **cfg), horizon)
@@ -289,7 +290,7 @@ def test_schedules_are_transformers_with_warmup_steps_or_a_warmup_ratio():
 
 def test_a_schedule_missing_or_given_a_wrong_argument_is_a_config_error():
     from trainer.config import ConfigError, TrainConfig
-    from trainer.optim import check_scheduler
+    from trainer.run.optim import check_scheduler
 
     with pytest.raises(
         ConfigError, match=r"lr_scheduler_type cosine_with_min_lr, lr_scheduler_kwargs \{\}: .*min_lr"
@@ -305,7 +306,7 @@ def test_a_schedule_missing_or_given_a_wrong_argument_is_a_config_error():
 
 def test_a_new_horizon_applies_from_the_step_the_schedule_is_at():
     from trainer.config import TrainConfig
-    from trainer.optim import set_horizon
+    from trainer.run.optim import set_horizon
 
     moved = _schedule(1000, lr_scheduler_type="linear", warmup_steps=0.1)
     _lrs(moved, 30)

@@ -1,4 +1,4 @@
-"""The packed-row attention kernels (trainer.packed_attention) against the dense math in fp64.
+"""The packed-row attention kernels (trainer.kernels.packed_attention) against the dense math in fp64.
 
 On a machine without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), whose
 tl.dot mishandles bfloat16: CPU runs use float16, the kernels' code paths are the same.
@@ -10,15 +10,14 @@ import pytest
 import torch
 from packed_batches import segments
 
-from trainer.packed_attention import (
+from trainer.kernels.packed_attention import (
     BLOCK,
     PackedAttentionLayout,
     RelativeBias,
     dense_position_bias,
     packed_attention,
-    reference_attention,
 )
-from trainer.packed_t5 import segment_mask
+from trainer.model.packed_t5 import reference_attention, segment_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
@@ -189,3 +188,17 @@ def test_block_ranges_cover_exactly_the_attended_tiles(kind):
 
     assert torch.equal(layout.key_ranges.long(), tightest(padded(allowed, BLOCK)))
     assert torch.equal(layout.query_ranges.long(), tightest(padded(allowed.transpose(1, 2), BLOCK)))
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (8, 16)])
+def test_relative_buckets_are_t5s(bidirectional, num_buckets, max_distance):
+    """The kernels' position buckets are transformers' T5 buckets, near and far, both directions."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    distances = torch.arange(-3 * max_distance, 3 * max_distance + 1)[None, :]
+    got = RelativeBias(bidirectional, num_buckets, max_distance).buckets(distances)
+    expected = T5Attention._relative_position_bucket(
+        distances, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
+    assert torch.equal(got, expected)

@@ -1,6 +1,6 @@
-"""A packed batch's loss (trainer.packed_t5 through Seq2SeqLMLoss) against its records' losses computed one
-by one with the plain HF model, on the tiny FLAN-T5: T5's own attention with dense segment masks (fp32), and
-the packed Triton kernels (fp16 in the interpreter on CPU, bf16 on CUDA)."""
+"""A packed batch's loss (trainer.model.packed_t5 through Seq2SeqLMLoss) against its records' losses computed
+one by one with the plain HF model, on the tiny FLAN-T5: T5's own attention with dense segment masks (fp32),
+and the packed Triton kernels (fp16 in the interpreter on CPU, bf16 on CUDA)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from packed_batches import pack
 
-from trainer.loss import Seq2SeqLMLoss
-from trainer.packed_t5 import decoder_input_ids
+from trainer.model.loss import Seq2SeqLMLoss
+from trainer.model.packed_t5 import decoder_input_ids
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
@@ -34,8 +34,8 @@ def records(lengths, seed: int = 0) -> list[tuple[list[int], list[int]]]:
 def load(model_dir, dtype=torch.float32, *, triton_attention=False):
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainer.attention import use_triton_attention
-    from trainer.model import use_fused_t5_ops
+    from trainer.model.fused_t5 import use_triton_attention
+    from trainer.model.swaps import use_fused_t5_ops
 
     # Loaded in fp32, then cast: in fp16 transformers keeps T5's `wo` in fp32 (mixed dtypes on CPU).
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, attn_implementation="eager").to(DEVICE, dtype)
@@ -81,7 +81,7 @@ def assert_grads_close(got: dict, want: dict, tol: float):
 def test_decoder_inputs_are_each_records_labels_shifted_right():
     from transformers import T5ForConditionalGeneration
 
-    from trainer.tiny_model import flan_t5_config
+    from trainer.model.tiny_model import flan_t5_config
 
     lengths, shape = BIG
     recs = records(lengths)
@@ -133,17 +133,17 @@ def test_checkpoint_recompute_drops_the_same_probabilities(tiny_model_dir, monke
     # Training mode (dropout 0.1 everywhere, attention included): gradient checkpointing on every block but
     # the last decoder block recomputes each block's forward with the same random numbers, so the loss and
     # gradients equal those of a run without checkpointing from the same seed.
-    from trainer import packed_attention
-    from trainer.model import skip_checkpointing
+    from trainer.model import fused_t5
+    from trainer.model.load import skip_checkpointing
 
     calls = []
-    attend = packed_attention.packed_attention
+    attend = fused_t5.packed_attention  # the kernels' entry point, as T5's attention calls it
 
     def counted(*args, dropout_p, **kwargs):
         calls.append(dropout_p)
         return attend(*args, dropout_p=dropout_p, **kwargs)
 
-    monkeypatch.setattr(packed_attention, "packed_attention", counted)
+    monkeypatch.setattr(fused_t5, "packed_attention", counted)
     batch = pack(records(ONE_ROW[0], seed=2), *ONE_ROW[1])
     model = load(tiny_model_dir, KERNEL_DTYPE, triton_attention=True).train()
     torch.manual_seed(5)

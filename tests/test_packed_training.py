@@ -12,21 +12,23 @@ import torch
 from tiny_run import tiny_run_values
 from transformers import T5ForConditionalGeneration
 
-from trainer import memory
 from trainer.config import TrainConfig
-from trainer.data import (
+from trainer.data.loader import (
     packed_records,
     padded_batch,
     records_in,
     stream_for,
     to_device,
 )
-from trainer.model import load_model
-from trainer.model_files import resolve_tokenizer_file
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.projections import accumulate_weight_grads_in_place
-from trainer.step import accumulate_gradients, optimizer_step, token_loss_sum
-from trainer.train import TRAIN_LOG, train
+from trainer.infra import memory
+from trainer.kernels.projections import accumulate_weight_grads_in_place
+from trainer.model.load import load_model
+from trainer.model.loss import token_loss_sum
+from trainer.model.model_files import resolve_tokenizer_file
+from trainer.report.step_meter import TRAIN_LOG
+from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.run.step import accumulate_gradients, optimizer_step
+from trainer.run.train import train
 
 ACCUMULATION = 2
 

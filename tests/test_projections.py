@@ -1,5 +1,6 @@
-"""Projections that share an input (trainer.projections) inside a real T5: the same loss and gradients as the
-plain model, with and without gradient checkpointing, the same state-dict keys, and no tensors left behind."""
+"""Projections that share an input (trainer.kernels.projections) inside a real T5: the same loss and gradients
+as the plain model, with and without gradient checkpointing, the same state-dict keys, and no tensors left
+behind."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM
 
-from trainer.projections import (
+from trainer.kernels.projections import (
     GroupedLinear,
     ProjectionGroup,
     accumulate_weight_grads_in_place,
     mark_rms_norm_output,
-    use_projection_groups,
 )
-from trainer.step import token_loss_sum
+from trainer.model.loss import token_loss_sum
+from trainer.model.swaps import use_projection_groups
 
 
 def _batch():

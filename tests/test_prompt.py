@@ -9,8 +9,8 @@ import pytest
 
 from trainer import _loader
 from trainer.config import TrainConfig
-from trainer.data import RecipeDataError, RecipeFileError, RecipeStream
-from trainer.prompt import (
+from trainer.data.loader import RecipeDataError, RecipeFileError, RecipeStream
+from trainer.data.prompt import (
     TEMPLATE_FILE,
     ModelDirError,
     PromptTemplate,

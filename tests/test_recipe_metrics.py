@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trainer.config import GENERATION_METRICS
-from trainer.prompt import PromptTemplate, parse_recipe
-from trainer.recipe_metrics import (
+from trainer.data.prompt import PromptTemplate, parse_recipe
+from trainer.eval.recipe_metrics import (
     core_words,
     generation_metrics,
     ingredient_coverage,

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from discord_server import discord_server  # noqa: F401
 
-from trainer.redact import SECRET_ENV_VARS, install_log_redaction, redact, redact_obj
+from trainer.infra.redact import SECRET_ENV_VARS, install_log_redaction, redact, redact_obj
 
 SECRETS = {
     "WANDB_API_KEY": "wandb-key-0123456789abcdef0123456789abcdef",

@@ -19,10 +19,10 @@ import yaml
 from discord_server import dead_webhook_url, discord_server, files_containing, limit_violations  # noqa: F401
 
 from trainer.config import TrainConfig
-from trainer.metrics import FAST_TEST_ENV, SAMPLE_COLUMNS
-from trainer.prompt import TEMPLATE_FILE
-from trainer.redact import SECRET_ENV_VARS
-from trainer.report import Reporter
+from trainer.data.prompt import TEMPLATE_FILE
+from trainer.infra.redact import SECRET_ENV_VARS
+from trainer.report.reporter import Reporter
+from trainer.report.wandb_logger import FAST_TEST_ENV, SAMPLE_COLUMNS
 
 
 def read_wandb_run(run_dir: Path, timeout: float = 10.0) -> dict:
@@ -240,7 +240,7 @@ MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors", "to
 def test_a_run_logs_eval_metrics_samples_and_model_artifacts_offline(
     wandb_env, monkeypatch, tiny_model_dir, sample_csv
 ):
-    from trainer.train import train
+    from trainer.run.train import train
 
     monkeypatch.setenv("WANDB_LOG_MODEL", "checkpoint")
     out = wandb_env / "run"
@@ -464,7 +464,8 @@ def test_a_real_run_reports_every_event_to_discord_and_wandb(
     fault_script,
     discord_server,  # noqa: F811
 ):
-    from trainer.checkpoint import find_resume_checkpoint, load_trainer_state
+    from trainer.checkpoint.resume import find_resume_checkpoint
+    from trainer.checkpoint.store import load_trainer_state
 
     # The data under a directory named like the HF token: the path is in the config that each checkpoint
     # stores, and it must be masked there too.
@@ -701,7 +702,7 @@ def test_a_restart_before_the_first_checkpoint_continues_the_same_wandb_run(
     fault_script,
     discord_server,  # noqa: F811
 ):
-    from trainer.checkpoint import find_resume_checkpoint
+    from trainer.checkpoint.resume import find_resume_checkpoint
 
     config, out = _run_config(tmp_path, tiny_model_dir, sample_csv, "kept", save_steps=100, eval_steps=100)
     # The first start fails in its first step, before any checkpoint (as a container killed there would; an

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from trainer.data import RecipeStream
-from trainer.sample import write_sample
+from trainer.data.loader import RecipeStream
+from trainer.data.sample import write_sample
 
 RECIPENLG_HEADER = ["", "title", "ingredients", "directions", "link", "source", "NER"]
 FOODCOM_HEADER = [

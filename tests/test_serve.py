@@ -17,8 +17,8 @@ import pytest
 from serve_process import ServeProcess
 
 from trainer.config import TrainConfig
-from trainer.generate import generate_ids, load_model, open_model_dir
-from trainer.prompt import save_prompt_template
+from trainer.data.prompt import save_prompt_template
+from trainer.eval.generate import generate_ids, load_for_generation, open_model_dir
 
 LENGTHS = {"max_source_length": 64, "max_target_length": 24}
 GREEDY = {"max_new_tokens": 16, "do_sample": False}
@@ -52,7 +52,7 @@ def expected_texts(model_dir: Path, items: list[list[str]], **decoding) -> list[
 
     found = open_model_dir(model_dir)
     renderer = found.template.renderer(found.tokenizer_file)
-    model = load_model(found, "cpu")
+    model = load_for_generation(found, "cpu")
     prompts = [renderer.render(ingredients=i)["source_ids"] for i in items]
     ids = generate_ids(model, prompts, max_batch_tokens=1, **decoding)
     return Tokenizer.from_file(str(found.tokenizer_file)).decode_batch(ids, skip_special_tokens=True)

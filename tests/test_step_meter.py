@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from trainer.memory import GpuMemory
-from trainer.step_meter import TRAIN_LOG, StepCounts, StepMeter, continue_train_log, format_duration
+from trainer.infra.memory import GpuMemory
+from trainer.report.step_meter import TRAIN_LOG, StepCounts, StepMeter, continue_train_log, format_duration
 
 
 class Clock:

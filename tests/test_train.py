@@ -15,9 +15,11 @@ import warnings
 import pytest
 from tiny_run import tiny_run_values
 
-from trainer.checkpoint import find_resume_checkpoint, load_trainer_state
+from trainer.checkpoint.resume import find_resume_checkpoint
+from trainer.checkpoint.store import load_trainer_state
 from trainer.config import TrainConfig
-from trainer.train import SUMMARY, TRAIN_LOG, train
+from trainer.report.step_meter import SUMMARY, TRAIN_LOG
+from trainer.run.train import train
 
 STEPS = 8
 
@@ -193,7 +195,7 @@ def test_unknown_model_path_fails_before_training(sample_csv, tmp_path):
 
 
 def test_kernel_timeline_merges_overlapping_kernels_and_finds_the_idle_slices(tmp_path):
-    from trainer.profiling import kernel_timeline
+    from trainer.report.profiling import kernel_timeline
 
     kernels = [(0, 10), (5, 10), (30, 10)]  # (start, duration) in us: busy 0-15 and 30-40 of 0-40
     events = [{"cat": "kernel", "ts": ts, "dur": dur} for ts, dur in kernels]

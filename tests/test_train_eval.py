@@ -11,8 +11,9 @@ from tiny_run import tiny_run_values
 
 from trainer.cli import main
 from trainer.config import ConfigError, TrainConfig
-from trainer.prompt import TEMPLATE_FILE
-from trainer.train import SUMMARY, TRAIN_LOG, train
+from trainer.data.prompt import TEMPLATE_FILE
+from trainer.report.step_meter import SUMMARY, TRAIN_LOG
+from trainer.run.train import train
 
 
 def _cfg(tiny_model_dir, sample_csv, out, **kw) -> TrainConfig:
@@ -126,7 +127,7 @@ def test_early_stopping_ends_the_run_and_a_rerun_keeps_it_finished(
 def test_eval_files_are_the_held_out_set_and_nothing_of_train_files_is_held_out(
     tiny_model_dir, sample_csv, tmp_path, caplog
 ):
-    from trainer.sample import write_sample
+    from trainer.data.sample import write_sample
 
     held_out = tmp_path / "held_out.csv"
     write_sample(held_out, 40, seed=7, fmt="recipenlg-csv")
@@ -160,7 +161,7 @@ def test_best_model_keys_that_cannot_work_are_one_config_error(keys, message):
 
 
 def test_best_and_early_stopping_count_follow_hugging_face():
-    from trainer.run_state import RunState
+    from trainer.run.run_state import RunState
 
     state = RunState()
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from trainer import memory
 from trainer.config import TrainConfig
-from trainer.memory_plan import plan_run
-from trainer.run_state import OomBackoff
-from trainer.step import accumulate_gradients, accumulate_with_oom_backoff, probe_memory
+from trainer.infra import memory
+from trainer.plan.memory_plan import plan_run
+from trainer.run.run_state import OomBackoff
+from trainer.run.step import accumulate_gradients, accumulate_with_oom_backoff, probe_memory
 
 
 def _model():
@@ -168,7 +168,7 @@ def test_allocator_env_is_set_before_cuda_and_a_user_value_wins(user_value):
         env["PYTORCH_CUDA_ALLOC_CONF"] = user_value
     code = (
         "import logging, os; logging.basicConfig(level=logging.INFO)\n"
-        "from trainer import memory\n"
+        "from trainer.infra import memory\n"
         "v = memory.set_alloc_conf('expandable_segments:True')\n"
         "print(v, os.environ['PYTORCH_CUDA_ALLOC_CONF'], memory.alloc_conf_in_force())\n"
     )
@@ -213,8 +213,8 @@ def test_no_batch_setting_starts_from_the_memory_plan():
 
 
 def test_max_grad_norm_zero_measures_the_norm_without_clipping():
-    from trainer.distributed import grad_norm
-    from trainer.optim import clip_coefficient
+    from trainer.infra.distributed import grad_norm
+    from trainer.run.optim import clip_coefficient
 
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([3.0, 4.0, 0.0])
@@ -227,7 +227,7 @@ def test_max_grad_norm_zero_measures_the_norm_without_clipping():
 
 def test_cuda_graphs_without_a_gpu_run_the_micro_steps_eagerly(caplog):
     from trainer.config import TrainConfig
-    from trainer.train import micro_step_graph
+    from trainer.run.train import micro_step_graph
 
     cfg = TrainConfig(train_files=["recipes.jsonl"], packing=True, cuda_graphs=True)
     with caplog.at_level(logging.WARNING):

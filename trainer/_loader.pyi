@@ -1,4 +1,4 @@
-"""Type stub of the Rust extension `trainer._loader` (see trainer/data.py for the documented API).
+"""Type stub of the Rust extension `trainer._loader` (see trainer/data/loader.py for the documented API).
 
 `RecipeLoader`'s keyword options are declared once, in Rust (`recipe_core::options`); the binding exports them
 as `LOADER_OPTIONS`, and tests/test_loader_api.py checks this stub against that table and the real signatures.

@@ -270,9 +270,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_overrides(health)
     health.add_argument("--max-age", type=float, default=900.0, help="allowed seconds since the last beat")
 
-    from trainer.evaluate import add_evaluate_parser
-    from trainer.generate import add_generate_parser
-    from trainer.serve import add_serve_parser
+    from trainer.eval.evaluate import add_evaluate_parser
+    from trainer.eval.generate import add_generate_parser
+    from trainer.eval.serve import add_serve_parser
 
     add_generate_parser(sub)
     add_evaluate_parser(sub)
@@ -287,13 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     from trainer._loader import RecipeDataError, RecipeFileError
     from trainer.config import ConfigError
-    from trainer.disk import out_of_space_message
-    from trainer.distributed import PeerLost
-    from trainer.generate import UsageError
-    from trainer.model_files import ModelFilesError
-    from trainer.prompt import ModelDirError
-    from trainer.redact import install_log_redaction, redact
-    from trainer.run_lock import OutputDirLocked
+    from trainer.data.prompt import ModelDirError
+    from trainer.eval.generate import UsageError
+    from trainer.infra.disk import out_of_space_message
+    from trainer.infra.distributed import PeerLost
+    from trainer.infra.redact import install_log_redaction, redact
+    from trainer.infra.run_lock import OutputDirLocked
+    from trainer.model.model_files import ModelFilesError
 
     # Secrets (W&B key, Discord webhook, HF token) are masked in every log line from here on.
     install_log_redaction()
@@ -342,7 +342,7 @@ _LIBRARY_COMMANDS = {"plan", "tiny-model", "generate", "evaluate", "serve", "ins
 
 def _run(args: argparse.Namespace) -> int:
     if {args.command, getattr(args, "data_command", None)} & _LIBRARY_COMMANDS:
-        from trainer.library_logs import route_library_output
+        from trainer.infra.library_logs import route_library_output
 
         route_library_output()
     if hasattr(args, "run"):  # subcommands that bring their own entry point (generate, evaluate, serve)
@@ -352,24 +352,24 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "train":
         from trainer.config import TrainConfig
-        from trainer.train import train
+        from trainer.run.train import train
 
         cfg = TrainConfig.load(args.config, args.set)
         return train(cfg, dry_run=args.dry_run)
     if args.command == "plan":
         from trainer.config import TrainConfig
-        from trainer.plan_report import print_plan
+        from trainer.plan.plan_report import print_plan
 
         cfg = TrainConfig.load(args.config, args.set)
         return print_plan(cfg, args.gpu_memory, args.hours, args.processes)
     if args.command == "healthcheck":
-        from trainer.healthcheck import check_heartbeat, heartbeat_path
+        from trainer.infra.healthcheck import check_heartbeat, heartbeat_path
 
         if args.file:
             path = args.file
         else:
             from trainer.config import ConfigError, TrainConfig
-            from trainer.redact import redact
+            from trainer.infra.redact import redact
 
             try:
                 path = heartbeat_path(TrainConfig.load(args.config, args.set).output_dir)
@@ -380,13 +380,13 @@ def _run(args: argparse.Namespace) -> int:
         print(reason)
         return 0 if fresh else 1
     if args.command == "tiny-model":
-        from trainer.tiny_model import build_tiny_model
+        from trainer.model.tiny_model import build_tiny_model
 
         build_tiny_model(args.out, seed=args.seed)
         print(f"wrote a tiny FLAN-T5 and its tokenizer to {args.out}")
         return 0
     if args.data_command == "sample":
-        from trainer.sample import write_sample
+        from trainer.data.sample import write_sample
 
         try:
             written = write_sample(args.out, n=args.n, seed=args.seed, fmt=args.format)
@@ -396,7 +396,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {args.n} recipes ({written}) to {args.out}")
         return 0
     from trainer.config import TrainConfig
-    from trainer.data import inspect_report
+    from trainer.data.loader import inspect_report
 
     cfg = TrainConfig.load(args.config, args.set)
     print(inspect_report(args.paths, cfg))

@@ -27,8 +27,8 @@ DATA_FORMATS: tuple[str, ...] = typing.get_args(DataFormat)  # the recipe file f
 Task = Literal["ingredients-to-recipe", "title-to-recipe"]
 HubStrategy = Literal["end", "every_save", "checkpoint", "all_checkpoints"]
 TASKS: tuple[str, ...] = typing.get_args(Task)  # the loader's prompt presets
-# T5's projections a LoRA adapter can sit on (PEFT's module names; trainer.lora), and the default. Not the
-# embeddings or the LM head: the loss reads the head's weight directly (trainer.loss).
+# T5's projections a LoRA adapter can sit on (PEFT's module names; trainer.model.lora), and the default. Not
+# the embeddings or the LM head: the loss reads the head's weight directly (trainer.model.loss).
 LORA_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "wi_0", "wi_1", "wi", "wo")
 LORA_DEFAULT_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "wi_0", "wi_1", "wo")
 # transformers.get_scheduler's schedules that step with the optimizer (not those driven by a metric).
@@ -47,7 +47,7 @@ SchedulerName = Literal[
 
 
 # What an evaluation reports (HF names: eval_<name>): the loss, and the scores of generated recipes
-# (trainer.recipe_metrics.generation_metrics; tests/test_recipe_metrics.py checks that the names agree).
+# (trainer.eval.recipe_metrics.generation_metrics; tests/test_recipe_metrics.py checks that the names agree).
 GENERATION_METRICS: tuple[str, ...] = (
     "rouge1",
     "rouge2",

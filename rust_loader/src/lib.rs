@@ -73,7 +73,7 @@ fn log_warnings(py: Python<'_>, warnings: Vec<String>) -> PyResult<()> {
     Ok(())
 }
 
-/// Streams padded batches of recipe data; see `trainer.data.RecipeStream` for the documented API and
+/// Streams padded batches of recipe data; see `trainer.data.loader.RecipeStream` for the documented API and
 /// `LOADER_OPTIONS` for the keyword options.
 #[pyclass(module = "trainer._loader")]
 struct RecipeLoader {

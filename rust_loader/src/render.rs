@@ -1,5 +1,5 @@
 //! Python binding of `recipe_core::records`: the training loader's rendering (and tokenization) of prompts and
-//! references, for generation and evaluation (`trainer.prompt`).
+//! references, for generation and evaluation (`trainer.data.prompt`).
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 

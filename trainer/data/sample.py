@@ -1,0 +1,83 @@
+"""Realistic generated recipes in the real dumps' formats: RecipeNLG CSV, Food.com CSV, JSONL, Parquet, Arrow.
+
+The generator lives in Rust (the `recipe_sample` crate, beside the loader) so benchmarks can write millions of
+recipes in minutes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from trainer import _loader
+from trainer.data.hf_datasets import is_hub_dataset
+from trainer.model.tiny_model import build_tiny_model
+
+log = logging.getLogger(__name__)
+
+
+def write_sample(out: str | Path, n: int, seed: int = 0, fmt: str | None = None) -> str:
+    """Write `n` recipes generated from `seed` to `out` in the format its name says (`.csv`: RecipeNLG CSV,
+    `.jsonl`, `.parquet`, `.arrow`; a `.gz`/`.zst` suffix compresses); `fmt`, if given, must agree with the
+    name ("foodcom-csv" picks Food.com's layout for a `.csv`). Returns the format written.
+
+    The same `(n, seed, format)` always gives the same bytes, and a given seed gives the same recipes in every
+    format. Raises ValueError for an unknown format or file name, or a negative count, and OSError when `out`
+    cannot be written.
+    """
+    if n < 0 or seed < 0:
+        raise ValueError(f"n and seed must be >= 0, got n={n} seed={seed}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written = _loader.write_sample(str(out), n, seed, fmt)
+    log.debug("wrote %d %s recipes (seed %d) to %s", n, written, seed, out)
+    return written
+
+
+# make_demo_data writes only here (relative to the working directory, as configs/quickstart.yaml names it):
+# a typo in a real config's data path must fail as a missing file, not train on generated recipes.
+QUICKSTART_DIR = Path("data/quickstart")
+
+
+def is_quickstart_path(path: str | Path) -> bool:
+    """True for a path inside data/quickstart/ of the working directory."""
+    p = Path(os.path.normpath(Path(path).expanduser().absolute()))
+    base = Path(os.path.normpath(QUICKSTART_DIR.absolute()))
+    return p == base or base in p.parents
+
+
+def ensure_demo_data(
+    train_files: list[str], model_dir: str, *, n: int, fmt: str | None, dry_run: bool = False
+) -> list[Path]:
+    """make_demo_data: write the quickstart's missing sample recipes and tiny model, only inside
+    data/quickstart/ (other missing paths are left to fail as missing, with a warning saying why nothing was
+    written there). A dry run writes nothing and logs what a run would write. Returns those paths."""
+    wanted = [
+        Path(f)
+        for f in train_files
+        if not any(ch in f for ch in "*?[") and not is_hub_dataset(f) and not Path(f).exists()
+    ]
+    if not (Path(model_dir) / "config.json").exists():
+        wanted.append(Path(model_dir))
+    written = []
+    for path in wanted:
+        what = "the tiny FLAN-T5" if path == Path(model_dir) else f"{n} sample recipes"
+        if not is_quickstart_path(path):
+            log.warning(
+                "make_demo_data: not writing %s to %s: demo data is written only under %s/",
+                what,
+                path,
+                QUICKSTART_DIR,
+            )
+            continue
+        written.append(path)
+        if dry_run:
+            log.info("dry run: make_demo_data would write %s to %s", what, path)
+        elif path == Path(model_dir):
+            log.info("make_demo_data: building the tiny FLAN-T5 in %s", path)
+            build_tiny_model(path, seed=0)
+        else:
+            log.info("make_demo_data: writing %d sample recipes to %s", n, path)
+            write_sample(path, n, seed=0, fmt=fmt)
+    return written

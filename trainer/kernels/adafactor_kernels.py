@@ -1,0 +1,388 @@
+"""Adafactor's update (trainer.run.optim.Adafactor) for many same-shape weights at once, on a GPU.
+
+Each kernel reads every weight of the group through a device table of addresses, so the weights, gradients
+and states stay where they are (no stacked copies in and out) and a group of any size costs four launches
+(two for vectors) instead of a compiled call's ~8 per weight, which in a CUDA graph left the GPU idle between
+small kernels. Per factored weight (rows, cols), the passes are:
+
+1. `_row_stats`: (grad^2 + eps) summed along each row (the row state updated) and, per block of rows, down
+   each column (fp32 partial sums);
+2. `_col_stats`: the partial sums summed in a fixed order (the column state updated), and the row state's
+   mean;
+3. `_update_rms`: the update r * c * grad squared and summed per block of rows (vectors: their state updated
+   here);
+4. `_apply`: the update clipped by its RMS, weight decay, and the weight written (with Kahan compensation:
+   rounded to the weight's dtype, the rounding error kept in the compensation buffer).
+
+The gradient is read three times, each time times the step's gradient scale (gradient clipping, as a factor
+instead of a pass that writes the gradients over), and the weight and its buffer once each way: ~14 bytes
+per bf16 weight.
+Sums are fixed-order (no atomics): the same inputs give the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Tile of a factored weight a program works through: BLOCK_ROWS rows, BLOCK_COLS columns at a time, by
+# NUM_WARPS warps, loads pipelined STAGES deep. On an H100 at FLAN-T5-XL's shapes a step takes 20.1 ms this
+# way, 26.0 with 64 x 64 tiles by 8 warps, 61 with 64 x 128 tiles by 4 (registers spilled; `python3
+# bench/optimizer_step.py --sweep`); fewer rows per tile means more fp32 partial column sums: ~0.3 GB for
+# XL's 288 weights of 2048 x 2048.
+BLOCK_ROWS = 16
+BLOCK_COLS = 256
+NUM_WARPS = 4
+STAGES = 2
+# A vector weight (one program each) walks its elements this many at a time.
+VECTOR_BLOCK = 1024
+# Columns per program when the column sums are finished.
+COL_STATS_BLOCK = 1024
+
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _tensor(Table, n, TY: tl.constexpr):
+    """The n-th tensor of a table of addresses, as a pointer to TY. Every address is a multiple of 16
+    (`WeightGroup.supports`): said so, the loads and stores are 16-byte vectors, not one element each."""
+    return tl.multiple_of(tl.load(Table + n), 16).to(tl.pointer_type(TY))
+
+
+@triton.jit(do_not_specialize=["row_blocks"])
+def _row_stats(
+    G,
+    Row,
+    ColPartial,
+    Scalars,
+    rows,
+    cols,
+    row_blocks,
+    eps,
+    TY: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    n, rb = tl.program_id(0), tl.program_id(1)
+    grad = _tensor(G, n, TY)
+    grad_scale = tl.load(Scalars + 3)
+    r = rb * BR + tl.arange(0, BR)
+    inside_rows = r < rows
+    row_sum = tl.zeros([BR], tl.float32)
+    partial = ColPartial + (n.to(tl.int64) * row_blocks + rb) * cols
+    for c0 in tl.range(0, cols, BC, num_stages=STAGES):
+        c = c0 + tl.arange(0, BC)
+        inside = inside_rows[:, None] & (c < cols)[None, :]
+        g = tl.load(grad + r.to(tl.int64)[:, None] * cols + c[None, :], mask=inside, other=0.0).to(tl.float32)
+        g *= grad_scale
+        sq = tl.where(inside, g * g + eps, 0.0)
+        row_sum += tl.sum(sq, 1)
+        tl.store(partial + c, tl.sum(sq, 0), mask=c < cols)
+    beta = tl.load(Scalars + 1)
+    row = _tensor(Row, n, tl.float32)
+    old = tl.load(row + r, mask=inside_rows, other=0.0)
+    tl.store(row + r, old * beta + row_sum / cols * (1.0 - beta), mask=inside_rows)
+
+
+@triton.jit(do_not_specialize=["row_blocks"])
+def _col_stats(Col, Row, ColPartial, RowMean, Scalars, rows, cols, row_blocks, BC: tl.constexpr):
+    n, cb = tl.program_id(0), tl.program_id(1)
+    c = cb * BC + tl.arange(0, BC)
+    inside = c < cols
+    total = tl.zeros([BC], tl.float32)
+    for rb in range(0, row_blocks):
+        total += tl.load(ColPartial + (n.to(tl.int64) * row_blocks + rb) * cols + c, mask=inside, other=0.0)
+    beta = tl.load(Scalars + 1)
+    col = _tensor(Col, n, tl.float32)
+    old = tl.load(col + c, mask=inside, other=0.0)
+    tl.store(col + c, old * beta + total / rows * (1.0 - beta), mask=inside)
+    if cb == 0:
+        row = _tensor(Row, n, tl.float32)
+        acc = tl.zeros([BC], tl.float32)
+        for r0 in range(0, rows, BC):
+            r = r0 + tl.arange(0, BC)
+            acc += tl.load(row + r, mask=r < rows, other=0.0)
+        tl.store(RowMean + n, tl.sum(acc, 0) / rows)
+
+
+@triton.jit
+def _factored_update(grad, grad_scale, row, col, RowMean, n, r, c, rows, cols):
+    """The unclipped update of a factored weight's tile (rows r, columns c): r_factor * c_factor * grad."""
+    inside = (r < rows)[:, None] & (c < cols)[None, :]
+    g = tl.load(grad + r.to(tl.int64)[:, None] * cols + c[None, :], mask=inside, other=0.0).to(tl.float32)
+    g *= grad_scale
+    r_factor = tl.rsqrt(tl.load(row + r, mask=r < rows, other=1.0) / tl.load(RowMean + n))
+    c_factor = tl.rsqrt(tl.load(col + c, mask=c < cols, other=1.0))
+    return r_factor[:, None] * c_factor[None, :] * g
+
+
+@triton.jit(do_not_specialize=["row_blocks"])
+def _update_rms(
+    G,
+    Row,
+    Col,
+    Sq,
+    RowMean,
+    RmsPartial,
+    Scalars,
+    rows,
+    cols,
+    row_blocks,
+    eps,
+    FACTORED: tl.constexpr,
+    TY: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    n, rb = tl.program_id(0), tl.program_id(1)
+    grad = _tensor(G, n, TY)
+    row, col, sq = _tensor(Row, n, tl.float32), _tensor(Col, n, tl.float32), _tensor(Sq, n, tl.float32)
+    beta, grad_scale = tl.load(Scalars + 1), tl.load(Scalars + 3)
+    r = rb * BR + tl.arange(0, BR)
+    acc = tl.zeros([BR, BC], tl.float32)
+    for c0 in tl.range(0, cols, BC, num_stages=STAGES):
+        c = c0 + tl.arange(0, BC)
+        inside = (r < rows)[:, None] & (c < cols)[None, :]
+        if FACTORED:
+            u = _factored_update(grad, grad_scale, row, col, RowMean, n, r, c, rows, cols)
+        else:  # a vector (one row): its state is updated here, and the update made from the new state
+            g = tl.load(grad + c[None, :], mask=inside, other=0.0).to(tl.float32) * grad_scale
+            state = tl.load(sq + c[None, :], mask=inside, other=1.0) * beta + (g * g + eps) * (1.0 - beta)
+            tl.store(sq + c[None, :], state, mask=inside)
+            u = tl.rsqrt(state) * g
+        acc += tl.where(inside, u * u, 0.0)
+    tl.store(RmsPartial + n.to(tl.int64) * row_blocks + rb, tl.sum(tl.sum(acc, 1), 0))
+
+
+@triton.jit(do_not_specialize=["row_blocks", "numel"])
+def _apply(
+    P,
+    G,
+    Comp,
+    Row,
+    Col,
+    Sq,
+    RowMean,
+    RmsPartial,
+    Scalars,
+    rows,
+    cols,
+    row_blocks,
+    numel,
+    clip_threshold,
+    FACTORED: tl.constexpr,
+    KAHAN: tl.constexpr,
+    TY: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    n, rb = tl.program_id(0), tl.program_id(1)
+    weight, grad = _tensor(P, n, TY), _tensor(G, n, TY)
+    row, col, sq = _tensor(Row, n, tl.float32), _tensor(Col, n, tl.float32), _tensor(Sq, n, tl.float32)
+    blocks = tl.arange(0, ROW_BLOCKS)
+    total = tl.sum(
+        tl.load(RmsPartial + n.to(tl.int64) * row_blocks + blocks, mask=blocks < row_blocks, other=0.0)
+    )
+    clip = tl.maximum(tl.sqrt(total / numel) / clip_threshold, 1.0)
+    lr, weight_decay, grad_scale = tl.load(Scalars), tl.load(Scalars + 2), tl.load(Scalars + 3)
+    r = rb * BR + tl.arange(0, BR)
+    for c0 in tl.range(0, cols, BC, num_stages=STAGES):
+        c = c0 + tl.arange(0, BC)
+        inside = (r < rows)[:, None] & (c < cols)[None, :]
+        if FACTORED:
+            u = _factored_update(grad, grad_scale, row, col, RowMean, n, r, c, rows, cols)
+        else:
+            g = tl.load(grad + c[None, :], mask=inside, other=0.0).to(tl.float32) * grad_scale
+            u = tl.rsqrt(tl.load(sq + c[None, :], mask=inside, other=1.0)) * g
+        u = u / clip * lr
+        at = r.to(tl.int64)[:, None] * cols + c[None, :]
+        w = tl.load(weight + at, mask=inside, other=0.0).to(tl.float32)
+        if KAHAN:
+            comp = _tensor(Comp, n, TY)
+            w += tl.load(comp + at, mask=inside, other=0.0).to(tl.float32)
+        w = w - w * (weight_decay * lr) - u
+        rounded = w.to(TY)
+        tl.store(weight + at, rounded, mask=inside)
+        if KAHAN:  # what the weight's dtype could not hold this step
+            tl.store(comp + at, (w - rounded.to(tl.float32)).to(TY), mask=inside)
+
+
+def _table(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+    return (
+        addresses.pin_memory().to(device, non_blocking=True)
+        if device.type == "cuda"
+        else addresses.to(device)
+    )
+
+
+@dataclass(eq=False)
+class WeightGroup:
+    """Same-shape, same-dtype contiguous weights of one device with their gradients and Adafactor states,
+    as tables of addresses the kernels read. Valid while none of these tensors moves (`addresses`)."""
+
+    count: int
+    rows: int
+    cols: int
+    factored: bool
+    kahan: bool
+    dtype: torch.dtype
+    addresses: tuple[int, ...]
+    tables: dict[str, torch.Tensor]
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        """Whether the kernels can update `weight`: a plain contiguous CUDA tensor of at most two dimensions
+        (more would need the leading ones factored separately) in a dtype they know, with a contiguous
+        gradient of its dtype, both at addresses that are multiples of 16 bytes (views into a larger buffer
+        need not be; trainer.infra.distributed's gradient buffer aligns them)."""
+        grad = weight.grad
+        return (
+            weight.is_cuda
+            and type(weight.data) is torch.Tensor
+            and weight.dim() <= 2
+            and weight.dtype in _TRITON_DTYPES
+            and weight.is_contiguous()
+            and grad is not None
+            and grad.dtype == weight.dtype
+            and grad.is_contiguous()
+            and weight.data_ptr() % 16 == 0
+            and grad.data_ptr() % 16 == 0
+        )
+
+    @staticmethod
+    def tensors_of(weights: list[torch.Tensor], states: list[dict]) -> dict[str, list[torch.Tensor]]:
+        """What the kernels read and write, by table name. A state the weights lack (the factored ones of a
+        vector, a Kahan buffer without compensation) is never read: the weight stands in for it."""
+        out = {"p": list(weights), "g": [w.grad for w in weights]}
+        for table, key in [("comp", "kahan_comp"), ("row", "exp_avg_sq_row"), ("col", "exp_avg_sq_col")]:
+            out[table] = [s.get(key, w) for w, s in zip(weights, states, strict=True)]
+        out["sq"] = [s.get("exp_avg_sq", w) for w, s in zip(weights, states, strict=True)]
+        return out
+
+    @classmethod
+    def build(cls, weights: list[torch.Tensor], states: list[dict]) -> WeightGroup:
+        first = weights[0]
+        tensors = cls.tensors_of(weights, states)
+        if any(t.data_ptr() % 16 for ts in tensors.values() for t in ts):
+            raise ValueError("Adafactor's kernels need tensors at addresses that are multiples of 16 bytes")
+        rows, cols, factored = matrix_layout(tuple(first.shape))
+        return cls(
+            count=len(weights),
+            rows=rows,
+            cols=cols,
+            factored=factored,
+            kahan="kahan_comp" in states[0],
+            dtype=first.dtype,
+            addresses=cls.addresses_of(tensors),
+            tables={name: _table(ts, first.device) for name, ts in tensors.items()},
+        )
+
+    @staticmethod
+    def addresses_of(tensors: dict[str, list[torch.Tensor]]) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for ts in tensors.values() for t in ts)
+
+    def update(self, scalars: torch.Tensor, eps: float, clip_threshold: float) -> None:
+        """One Adafactor step of every weight of the group. scalars: [lr, beta2t, weight decay, gradient
+        scale], fp32, on the weights' device."""
+        t, ty = self.tables, _TRITON_DTYPES[self.dtype]
+        device = scalars.device
+        br, bc = (BLOCK_ROWS, BLOCK_COLS) if self.factored else (1, VECTOR_BLOCK)
+        row_blocks = triton.cdiv(self.rows, br)
+        grid = (self.count, row_blocks)
+        row_mean = torch.empty(self.count, dtype=torch.float32, device=device)
+        rms_partial = torch.empty(self.count * row_blocks, dtype=torch.float32, device=device)
+        if self.factored:
+            col_partial = torch.empty(self.count * row_blocks * self.cols, dtype=torch.float32, device=device)
+            _row_stats[grid](
+                t["g"],
+                t["row"],
+                col_partial,
+                scalars,
+                self.rows,
+                self.cols,
+                row_blocks,
+                eps,
+                TY=ty,
+                BR=br,
+                BC=bc,
+                STAGES=STAGES,
+                num_warps=NUM_WARPS,
+            )
+            _col_stats[(self.count, triton.cdiv(self.cols, COL_STATS_BLOCK))](
+                t["col"],
+                t["row"],
+                col_partial,
+                row_mean,
+                scalars,
+                self.rows,
+                self.cols,
+                row_blocks,
+                BC=COL_STATS_BLOCK,
+            )
+        _update_rms[grid](
+            t["g"],
+            t["row"],
+            t["col"],
+            t["sq"],
+            row_mean,
+            rms_partial,
+            scalars,
+            self.rows,
+            self.cols,
+            row_blocks,
+            eps,
+            FACTORED=self.factored,
+            TY=ty,
+            BR=br,
+            BC=bc,
+            STAGES=STAGES,
+            num_warps=NUM_WARPS,
+        )
+        _apply[grid](
+            t["p"],
+            t["g"],
+            t["comp"],
+            t["row"],
+            t["col"],
+            t["sq"],
+            row_mean,
+            rms_partial,
+            scalars,
+            self.rows,
+            self.cols,
+            row_blocks,
+            float(self.rows * self.cols),
+            clip_threshold,
+            FACTORED=self.factored,
+            KAHAN=self.kahan,
+            TY=ty,
+            BR=br,
+            BC=bc,
+            ROW_BLOCKS=triton.next_power_of_2(row_blocks),
+            STAGES=STAGES,
+            num_warps=NUM_WARPS,
+        )
+
+
+def matrix_layout(shape: tuple[int, ...]) -> tuple[int, int, bool]:
+    """(rows, columns, factored) the kernels see a weight of `shape` as: a matrix as itself (its second
+    moment factored), anything smaller as one row."""
+    if len(shape) == 2:
+        return shape[0], shape[1], True
+    return 1, math.prod(shape), False
+
+
+def scratch_bytes(count: int, shape: tuple[int, ...]) -> int:
+    """Bytes of fp32 partial sums an update of `count` weights of `shape` allocates."""
+    rows, cols, factored = matrix_layout(shape)
+    row_blocks = triton.cdiv(rows, BLOCK_ROWS) if factored else 1
+    return 4 * count * (1 + row_blocks + (row_blocks * cols if factored else 0))

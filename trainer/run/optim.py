@@ -1,0 +1,432 @@
+"""Optimizers and learning-rate schedules.
+
+bf16 weights lose small updates: once |update| < |w| * 2**-9 the sum rounds back to w. With
+`bf16_update: kahan` every optimizer keeps a bf16 compensation buffer per weight that carries the rounding
+error into the next step (Kahan summation), so the effective weight is accurate to ~16 bits of mantissa:
+- AdamW: torch-optimi's `AdamW(kahan_sum=True)` (states in the weight dtype, foreach/triton kernels).
+- Adafactor: `Adafactor` below, transformers' algorithm (factored second moment, update clipping) with the
+  same compensation. torch-optimi has no Adafactor.
+`bf16_update: naive` uses torch's AdamW (fused on CUDA) / Adafactor without compensation, for comparison.
+fp32 weights need no compensation and use torch's AdamW.
+
+The learning-rate schedules are transformers.get_scheduler's, over a horizon of optimizer steps that the loop
+may move (set_horizon: a run with a time budget ends its schedule where the budget ends).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from trainer.config import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.kernels.adafactor_kernels import WeightGroup
+
+log = logging.getLogger(__name__)
+
+
+class Adafactor(torch.optim.Optimizer):
+    """Adafactor (Shazeer & Stern 2018) with T5's fine-tuning settings and optional Kahan-compensated updates.
+
+    Matches `transformers.optimization.Adafactor(scale_parameter=False, relative_step=False,
+    warmup_init=False, beta1=None)`: an external learning rate, a factored second moment for matrices, update
+    clipping at RMS `clip_threshold`. The update is computed in fp32; with `kahan=True` the part of it that
+    the bf16 weight cannot represent is kept in a bf16 buffer and added back on the next step.
+
+    On a GPU the weights of one shape are updated together by trainer.kernels.adafactor_kernels (four launches
+    per shape, each weight read where it lies); on the CPU one at a time by `adafactor_update`; FSDP's sharded
+    weights (DTensors) by `sharded_adafactor_update`, on each rank's shards, with two all-reduces per step.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        eps: tuple[float, float] = (1e-30, 1e-3),
+        clip_threshold: float = 1.0,
+        decay_rate: float = -0.8,
+        weight_decay: float = 0.0,
+        kahan: bool = True,
+    ):
+        defaults = dict(
+            lr=lr,
+            eps=eps,
+            clip_threshold=clip_threshold,
+            decay_rate=decay_rate,
+            weight_decay=weight_decay,
+            # Read by torch's zero_grad: the gradients zeroed by one launch per dtype, not one per weight.
+            foreach=True,
+        )
+        super().__init__(params, defaults)
+        self.kahan = kahan
+        # The step's device scalars, one (lr, beta2t, weight decay, gradient scale) tensor per group, device
+        # and distinct step count, kept from step to step so that a captured `apply` (trainer.run.cuda_graphs)
+        # reads this step's.
+        self._scalars: dict[tuple, torch.Tensor] = {}
+        # The kernels' address tables per batch of same-shape weights, kept from step to step while those
+        # tensors stay put.
+        self._weight_groups: dict[tuple, WeightGroup] = {}
+        self._work: list[tuple[list[torch.Tensor], torch.Tensor, dict, WeightGroup | None]] = []
+        self._advanced = False  # `advance` prepared a step that `apply` has not run yet
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """The update: the step `advance` prepared (advanced here when it was not), applied. The loop calls
+        this rather than `apply`, so that torch's schedulers see the optimizer step before theirs."""
+        loss = closure() if closure is not None else None
+        if not self._advanced:
+            self.advance()
+        self.apply()
+        return loss
+
+    @torch.no_grad()
+    def advance(self, grad_scale: torch.Tensor | None = None) -> tuple:
+        """The host's part of a step: states for new weights, step counts, the step's scalars queued to the
+        device, and the batches of same-shape weights `apply` updates. Returns their layout: equal layouts
+        make equal `apply` calls (the same tensors at the same addresses), which a captured `apply` needs.
+        `grad_scale`: a one-element device tensor the update multiplies every gradient by as it reads it
+        (gradient clipping's coefficient, `clip_coefficient`), so the gradients are not written over first."""
+        self._work, self._advanced = [], True
+        for gi, group in enumerate(self.param_groups):
+            # Same-shape weights at the same step count, updated together.
+            batches: dict[tuple, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state)
+                state["step"] += 1
+                kind = (p.shape, p.dtype, p.device, "kahan_comp" in state, _on_kernels(p))
+                batches.setdefault((state["step"], kind), []).append(p)
+            slots: dict[tuple, torch.Tensor] = {}  # (device, step) -> its scalars
+            for (step, kind), params in batches.items():
+                _, _, device, _, kernels = kind
+                if (device, step) not in slots:
+                    slots[device, step] = self._queue_scalars(gi, len(slots), device, step, group, grad_scale)
+                weight_group = self._weight_group((gi, kind), params) if kernels else None
+                self._work.append((params, slots[device, step], group, weight_group))
+        return tuple(
+            (tuple(map(id, params)), id(scalars), weight_group and weight_group.addresses)
+            for params, scalars, _, weight_group in self._work
+        )
+
+    def retreat(self) -> None:
+        """Take back the `advance` of a step that is skipped (a non-finite loss or gradient): the step counts
+        as they were. The next `advance` queues its scalars again."""
+        for params, *_ in self._work:
+            for p in params:
+                self.state[p]["step"] -= 1
+        self._work, self._advanced = [], False
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """The device's part of the step `advance` prepared: every weight's update; the host only launches."""
+        self._advanced = False
+        from torch.distributed.tensor import DTensor
+
+        sharded = []
+        for params, scalars, group, weight_group in self._work:
+            eps, clip_threshold = group["eps"][0], group["clip_threshold"]
+            if weight_group is not None:
+                weight_group.update(scalars, eps, clip_threshold)
+                continue
+            if isinstance(params[0], DTensor):
+                sharded += [(p, self.state[p], scalars, eps, clip_threshold) for p in params]
+                continue
+            for p in params:
+                state = self.state[p]
+                adafactor_update(
+                    p,
+                    p.grad,
+                    state.get("exp_avg_sq_row"),
+                    state.get("exp_avg_sq_col"),
+                    state.get("exp_avg_sq"),
+                    state.get("kahan_comp"),
+                    scalars,
+                    eps,
+                    clip_threshold,
+                )
+        if sharded:
+            sharded_adafactor_update(sharded)
+
+    def _weight_group(self, key: tuple, params: list[torch.Tensor]) -> WeightGroup:
+        """The kernels' tables for `params`, made again only when a tensor moved (new gradients, loaded
+        states)."""
+        from trainer.kernels.adafactor_kernels import WeightGroup  # Triton: on a GPU only (_on_kernels)
+
+        states = [self.state[p] for p in params]
+        kept = self._weight_groups.get(key)
+        if kept is None or kept.addresses != WeightGroup.addresses_of(WeightGroup.tensors_of(params, states)):
+            kept = self._weight_groups[key] = WeightGroup.build(params, states)
+        return kept
+
+    def _queue_scalars(
+        self, group_index: int, slot: int, device, step: int, group: dict, grad_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[lr, beta2t, weight decay, gradient scale] of `step` copied into the kept device tensor of (group,
+        device, slot). A tensor, because they change every step and a captured update must read this step's;
+        the gradient scale is copied from its device tensor (1 without one)."""
+        values = torch.tensor(
+            [group["lr"], 1.0 - math.pow(step, group["decay_rate"]), group["weight_decay"], 1.0],
+            dtype=torch.float32,
+        )
+        key = (group_index, device, slot)
+        if key not in self._scalars:
+            self._scalars[key] = torch.empty(4, dtype=torch.float32, device=device)
+        scalars = self._scalars[key]
+        if device.type == "cuda":
+            # From pinned memory the copy is queued; from pageable memory the host would wait for the GPU to
+            # finish what is queued before it.
+            values = values.pin_memory()
+        scalars.copy_(values, non_blocking=True)
+        if grad_scale is not None:
+            scalars[3:].copy_(grad_scale.reshape(1), non_blocking=True)
+        return scalars
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import zeros as dtensor_zeros
+
+        state["step"] = 0
+        if p.dim() >= 2:
+            rows, cols = p.shape[:-1], p.shape[:-2] + p.shape[-1:]
+            if isinstance(p, DTensor):  # FSDP's shard: the statistics whole on every rank
+                whole = dict(dtype=torch.float32, device_mesh=p.device_mesh, placements=[Replicate()])
+                state["exp_avg_sq_row"] = dtensor_zeros(rows, **whole)
+                state["exp_avg_sq_col"] = dtensor_zeros(cols, **whole)
+            else:
+                state["exp_avg_sq_row"] = p.new_zeros(rows, dtype=torch.float32)
+                state["exp_avg_sq_col"] = p.new_zeros(cols, dtype=torch.float32)
+        else:
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        if self.kahan and p.dtype != torch.float32:
+            state["kahan_comp"] = torch.zeros_like(p)
+
+
+def _on_kernels(p: torch.Tensor) -> bool:
+    """Whether trainer.kernels.adafactor_kernels update `p` (a GPU's; imported there only: they need
+    Triton)."""
+    if not p.is_cuda:
+        return False
+    from trainer.kernels.adafactor_kernels import WeightGroup
+
+    return WeightGroup.supports(p)
+
+
+def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_threshold: float) -> None:
+    """One Adafactor step of one weight, in place, in torch ops: the second-moment statistics (`row`/`col`
+    for matrices, `sq` otherwise), the weight `p` and its Kahan buffer `comp` (or None). scalars: [lr,
+    beta2t, weight decay, gradient scale] as a float32 tensor on p's device. What
+    trainer.kernels.adafactor_kernels computes on a GPU."""
+    beta2t, grad_scale = scalars[1], scalars[3]
+    grad = grad.float() * grad_scale
+    update = grad.square() + eps
+    if row is not None:
+        row.mul_(beta2t).add_(update.mean(dim=-1) * (1.0 - beta2t))
+        col.mul_(beta2t).add_(update.mean(dim=-2) * (1.0 - beta2t))
+        r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+        update = r_factor * col.unsqueeze(-2).rsqrt() * grad
+    else:
+        sq.mul_(beta2t).add_(update * (1.0 - beta2t))
+        update = sq.rsqrt() * grad
+    write_update(p, comp, update, update.square().mean().sqrt(), scalars, clip_threshold)
+
+
+def write_update(p, comp, update, rms, scalars, clip_threshold: float) -> None:
+    """The end of an Adafactor step: `update` (fp32, unclipped) clipped by its `rms`, times the learning
+    rate, weight decay, and the weight `p` written in place; with a Kahan buffer `comp` (16-bit weights) the
+    part of the new weight its dtype cannot hold is kept there for the next step."""
+    lr, weight_decay = scalars[0], scalars[2]
+    update = update / (rms / clip_threshold).clamp(min=1.0) * lr
+    w = p.float()
+    if comp is not None:
+        w = w + comp.float()
+    w = w - w * (weight_decay * lr) - update
+    if comp is None:
+        p.copy_(w)
+    else:  # 16-bit weights
+        rounded = w.to(p.dtype)
+        p.copy_(rounded)
+        comp.copy_(w - rounded.float())  # what the weight's dtype could not hold this step
+
+
+def sharded_adafactor_update(weights: list[tuple]) -> None:
+    """`adafactor_update` of FSDP's sharded weights, all at once: `weights` are (p, its state, scalars, eps,
+    clip_threshold), p a DTensor split by rows (FSDP2's Shard(0)) whose gradient is split the same way.
+
+    Each rank works on its own rows (`to_local`), as a DTensor op would, but with two all-reduces for all the
+    weights instead of collectives per weight and op: one for what the factored statistics need from every
+    rank (each row's mean over its columns, which fills in the whole row state every rank keeps, and each
+    column's partial sum over this rank's rows), one for each update's sum of squares (its RMS). The row and
+    column states are whole on every rank (Replicate), the vector states and the Kahan buffer split like the
+    weight. The update is computed again in the last pass rather than kept: no fp32 copy of the shards."""
+    import torch.distributed as dist
+
+    if any(p.dim() > 2 for p, *_ in weights):
+        raise ValueError("Adafactor on FSDP's shards updates weights of one or two dimensions (T5's)")
+    mesh = weights[0][0].device_mesh
+    group, rank, ranks = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    device = weights[0][0].to_local().device
+
+    def local(t):
+        return t.to_local() if t is not None else None
+
+    def rows_of(p) -> tuple[int, int]:  # this rank's rows of p: torch.chunk's split of dim 0
+        per_rank = -(-p.shape[0] // ranks)
+        start = min(p.shape[0], rank * per_rank)
+        return start, min(p.shape[0], start + per_rank)
+
+    def factored_update(p, state, grad):
+        start, end = rows_of(p)
+        assert grad.shape[0] == end - start, "FSDP2 splits a weight's rows as torch.chunk does"
+        row, col = local(state["exp_avg_sq_row"]), local(state["exp_avg_sq_col"])
+        r_factor = (row[start:end] / row.mean()).rsqrt().unsqueeze(-1)
+        return r_factor * col.unsqueeze(-2).rsqrt() * grad
+
+    def scaled_grad(p, scalars):
+        return local(p.grad).float() * scalars[3]
+
+    # 1. Row means and column partial sums of (grad^2 + eps), every weight's in one buffer; vector states.
+    sizes = [p.shape[0] + p.shape[1] if p.dim() == 2 else 0 for p, *_ in weights]
+    stats = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    offset = 0
+    for (p, state, scalars, eps, _), size in zip(weights, sizes, strict=True):
+        update = scaled_grad(p, scalars).square() + eps
+        beta2t = scalars[1]
+        if p.dim() == 2:
+            start, end = rows_of(p)
+            stats[offset + start : offset + end] = update.mean(dim=-1)
+            stats[offset + p.shape[0] : offset + size] = update.sum(dim=-2)
+        else:
+            local(state["exp_avg_sq"]).mul_(beta2t).add_(update * (1.0 - beta2t))
+        offset += size
+    dist.all_reduce(stats, group=group)
+    # 2. The factored states (whole on every rank), and each update's sum of squares over this rank's part.
+    squares = torch.zeros(len(weights), dtype=torch.float32, device=device)
+    offset = 0
+    for i, ((p, state, scalars, _, _), size) in enumerate(zip(weights, sizes, strict=True)):
+        grad, beta2t = scaled_grad(p, scalars), scalars[1]
+        if p.dim() == 2:
+            rows = p.shape[0]
+            local(state["exp_avg_sq_row"]).mul_(beta2t).add_(stats[offset : offset + rows] * (1.0 - beta2t))
+            col_mean = stats[offset + rows : offset + size] / rows
+            local(state["exp_avg_sq_col"]).mul_(beta2t).add_(col_mean * (1.0 - beta2t))
+            update = factored_update(p, state, grad)
+        else:
+            update = local(state["exp_avg_sq"]).rsqrt() * grad
+        squares[i] = update.square().sum()
+        offset += size
+    dist.all_reduce(squares, group=group)
+    # 3. The update again, clipped by its RMS over the whole weight, written into this rank's shard.
+    for i, (p, state, scalars, _, clip_threshold) in enumerate(weights):
+        grad = scaled_grad(p, scalars)
+        if p.dim() == 2:
+            update = factored_update(p, state, grad)
+        else:
+            update = local(state["exp_avg_sq"]).rsqrt() * grad
+        rms = (squares[i] / p.numel()).sqrt()
+        write_update(local(p), local(state.get("kahan_comp")), update, rms, scalars, clip_threshold)
+
+
+def clip_coefficient(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """The factor gradient clipping multiplies the gradients by, min(1, max_norm / norm) (as
+    torch.nn.utils.clip_grad_norm_ computes it), on the norm's device; None for `max_norm` 0 (the norm is
+    only measured, as in Hugging Face)."""
+    if max_norm <= 0:
+        return None
+    return (max_norm / (grad_norm.float() + 1e-6)).clamp(max=1.0)
+
+
+def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer named by cfg.optimizer / cfg.bf16_update for `model`'s trainable weights."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    low_precision = params[0].dtype in (torch.bfloat16, torch.float16)
+    kahan = low_precision and cfg.bf16_update == "kahan"
+    if cfg.optimizer == "adafactor":
+        opt = Adafactor(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, kahan=kahan)
+        log.info("optimizer: Adafactor (T5 settings, factored), %s updates", "Kahan" if kahan else "plain")
+        return opt
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    if kahan:
+        import optimi
+
+        opt = optimi.AdamW(
+            params,
+            lr=cfg.learning_rate,
+            betas=betas,
+            eps=cfg.adam_epsilon,
+            weight_decay=cfg.weight_decay,
+            kahan_sum=True,
+        )
+        log.info("optimizer: torch-optimi AdamW with Kahan-compensated bf16 updates")
+        return opt
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(
+        params,
+        lr=cfg.learning_rate,
+        betas=betas,
+        eps=cfg.adam_epsilon,
+        weight_decay=cfg.weight_decay,
+        fused=fused or None,
+        foreach=None if fused else True,
+    )
+    what = "naive bf16 updates" if low_precision else f"{params[0].dtype} weights"
+    log.info("optimizer: torch AdamW (%s), %s", "fused" if fused else "foreach", what)
+    return opt
+
+
+def warmup_steps(cfg, total_steps: int) -> int:
+    """The warm-up's optimizer steps: cfg.warmup_steps, or below 1 that ratio of `total_steps`, rounded up (as
+    transformers' TrainingArguments.get_warmup_steps)."""
+    if cfg.warmup_steps >= 1:
+        return int(cfg.warmup_steps)
+    return math.ceil(total_steps * cfg.warmup_steps)
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """`transformers.get_scheduler`'s cfg.lr_scheduler_type schedule of `optimizer` over `total_steps`
+    optimizer steps (its horizon: the run's steps, or where its time budget ends), with cfg's warm-up and
+    lr_scheduler_kwargs; its state_dict goes into checkpoints. ConfigError for kwargs the schedule does not
+    take or needs."""
+    from transformers import get_scheduler
+
+    try:
+        return get_scheduler(
+            cfg.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=warmup_steps(cfg, total_steps),
+            num_training_steps=total_steps,
+            scheduler_specific_kwargs=dict(cfg.lr_scheduler_kwargs),
+        )
+    # A kwarg the schedule does not take, or one it needs (min_lr, num_decay_steps).
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"lr_scheduler_type {cfg.lr_scheduler_type}, lr_scheduler_kwargs {cfg.lr_scheduler_kwargs}: {e}",
+            key=("lr_scheduler_type", "lr_scheduler_kwargs"),
+        ) from None
+
+
+def check_scheduler(cfg, horizon: int) -> None:
+    """Build cfg's schedule once: a bad lr_scheduler_kwargs is a ConfigError before the model loads."""
+    _stand_in_schedule(cfg, horizon, cfg.learning_rate)
+
+
+def set_horizon(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg, horizon: int) -> None:
+    """Make `scheduler` (build_scheduler's) end at `horizon`: its next `step()` and those after follow the
+    schedule built for `horizon` (a warm-up ratio included), from the step it is at."""
+    built = _stand_in_schedule(cfg, horizon, scheduler.optimizer.defaults["lr"])
+    scheduler.lr_lambdas = [built.lr_lambdas[0] for _ in scheduler.lr_lambdas]
+
+
+def _stand_in_schedule(cfg, horizon: int, lr: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """cfg's schedule over `horizon` steps of a stand-in optimizer with peak learning rate `lr`: a real
+    optimizer's learning rates are left as they are."""
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    return build_scheduler(stand_in, cfg, horizon)

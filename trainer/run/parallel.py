@@ -1,0 +1,54 @@
+"""The model as the run trains it under torchrun: `ddp` (rank 0's weights broadcast, the whole model on every
+rank) or `fsdp` (FSDP2 around the loss module, one unit per T5 block). What the two strategies are and how
+the ranks talk: trainer.infra.distributed."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from trainer.infra.distributed import collective, is_distributed, world_size
+from trainer.model.loss import Seq2SeqLMLoss
+
+log = logging.getLogger(__name__)
+
+# FSDP2's compute dtype: the weights are all-gathered in it. (The CPU tests run the packed Triton kernels in
+# Triton's interpreter, which computes fp16 right but not bf16: they set fp16 here.)
+FSDP_COMPUTE_DTYPE = torch.bfloat16
+
+
+def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
+    """The module the loop computes the loss through: `model` itself for one process and for `ddp` (whose
+    ranks start from rank 0's weights: broadcast here), FSDP2 around `Seq2SeqLMLoss(model)` for `fsdp`. Build
+    the optimizer afterwards (FSDP replaces the parameters by shards)."""
+    if not is_distributed():
+        return model
+    if cfg.distributed_strategy == "ddp":
+        with collective("broadcasting rank 0's weights"), torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=0)
+        log.info(
+            "distributed: ddp over %d ranks (the whole model on each, gradients summed by one all-reduce "
+            "per optimizer step)",
+            world_size(),
+        )
+        return model
+    loss_module = Seq2SeqLMLoss(model)
+    mp = MixedPrecisionPolicy(param_dtype=FSDP_COMPUTE_DTYPE, reduce_dtype=torch.float32)
+    blocks = [*model.encoder.block, *model.decoder.block]
+    for block in blocks:
+        fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.fsdp_reshard_after_forward)
+    fully_shard(loss_module, mp_policy=mp)
+    log.info(
+        "distributed: FSDP2 over %d ranks, %d T5 blocks + root, bf16 compute, fp32 gradient reduction %s, "
+        "%s sharded weights and optimizer states%s",
+        world_size(),
+        len(blocks),
+        "after every micro-batch" if cfg.fsdp_sync_each_micro_batch else "once per optimizer step",
+        next(model.parameters()).dtype,
+        "" if cfg.fsdp_reshard_after_forward else ", gathered weights kept from forward to backward",
+    )
+    return loss_module
