@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from trainer.cli import _build_parser, _one_override_per_set
+from trainer.cli import build_parser, one_override_per_set
 from trainer.cli import main as cli_main
 
 
@@ -26,12 +26,12 @@ def test_set_takes_one_value_so_the_paths_after_it_stay_paths(sample_csv, tiny_m
     assert "source tokens (max 64)" in out  # both overrides count
     # Several KEY=VALUE words after one --set still count, each of them; the first other word is a path.
     argv = ["data", "inspect", "--set=c=3", "a=1", "--set", "b=[x, y]", "d=", "x.csv", "y.csv"]
-    args = _build_parser().parse_args(_one_override_per_set(argv))
+    args = build_parser().parse_args(one_override_per_set(argv))
     assert args.paths == ["x.csv", "y.csv"] and args.set == ["c=3", "a=1", "b=[x, y]", "d="]
 
 
 def test_help_speaks_to_users():
-    text = _build_parser().format_help()
+    text = build_parser().format_help()
     # The description comes right after the usage lines, however wide the terminal wraps them.
     assert "\n\nFine-tune FLAN-T5 on recipe files" in text
     assert "library code" not in text and "decided here" not in text
@@ -185,7 +185,7 @@ def test_every_option_of_every_command_says_what_it_does():
             elif not isinstance(action, argparse._HelpAction):
                 yield command, action
 
-    found = list(options(_build_parser(), "trainer"))
+    found = list(options(build_parser(), "trainer"))
     assert len(found) > 40
     assert [f"{cmd} {'/'.join(a.option_strings) or a.dest}" for cmd, a in found if not a.help] == []
 

@@ -101,9 +101,9 @@ def test_bad_yaml_names_the_file(tmp_path):
 
 
 def test_every_set_counts_and_paths_expand_the_home_directory(tmp_path):
-    from trainer.cli import _build_parser
+    from trainer.cli import build_parser
 
-    args = _build_parser().parse_args(
+    args = build_parser().parse_args(
         ["train", "--config", "c.yaml", "--set", "max_steps=3", "--set", "seed=1"]
     )
     assert args.set == ["max_steps=3", "seed=1"]
@@ -128,9 +128,9 @@ def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
     with pytest.raises(ConfigError, match=r"override 'train_files=\{a: 1, a: 2\}': key 'a' is given twice"):
         TrainConfig.load(None, ["train_files={a: 1, a: 2}"])
     # YAML's merge key overrides on purpose; and --set after the file is how a value is changed.
-    from trainer.config import _read_yaml
+    from trainer.config import read_yaml
 
-    values, lines = _read_yaml("base: &b {x: 1}\nother:\n  <<: *b\n  x: 2\n", "merge.yaml")
+    values, lines = read_yaml("base: &b {x: 1}\nother:\n  <<: *b\n  x: 2\n", "merge.yaml")
     assert values["other"] == {"x": 2} and lines == {"base": 1, "other": 2}
     assert TrainConfig.load(CONFIGS / "quickstart.yaml", ["max_steps=3", "max_steps=4"]).max_steps == 4
 

@@ -446,7 +446,7 @@ def fail(args):  # as DCP raises it: one exception per failed rank
     raise CheckpointException("save failed", {0: (failure, traceback.StackSummary())})
 
 
-trainer.cli._run = fail
+trainer.cli.run_command = fail
 sys.exit(trainer.cli.main(["train", "--config", "unused.yaml"]))
 """
 

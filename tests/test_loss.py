@@ -4,7 +4,7 @@ gradients."""
 import pytest
 import torch
 
-from trainer.kernels.cross_entropy import _LinearCrossEntropy, linear_cross_entropy
+from trainer.kernels.cross_entropy import LinearCrossEntropy, linear_cross_entropy
 
 
 def _reference(hidden, weight, labels):
@@ -47,7 +47,7 @@ def test_rows_labelled_ignore_count_for_nothing_when_passed_in(chunk_tokens):
     hidden, weight, labels = _case(1)
 
     def all_rows(h, w, y):
-        return _LinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), w, y.reshape(-1), chunk_tokens)
+        return LinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), w, y.reshape(-1), chunk_tokens)
 
     ours = _loss_and_grads(all_rows, hidden, weight, labels)
     ref = _loss_and_grads(_reference, hidden, weight, labels)

@@ -29,7 +29,6 @@ from trainer.model.model_shape import KNOWN_CONFIGS, LoraShape, ModelShape, load
 from trainer.model.swaps import use_fused_t5_ops
 from trainer.plan.memory_plan import (
     SAFETY_MARGIN,
-    _sharded_state,
     budget_peak,
     choose_max_tokens,
     largest_batch_size,
@@ -39,6 +38,7 @@ from trainer.plan.memory_plan import (
     plan_packed_rows,
     plan_run,
     probe_shapes,
+    sharded_state,
 )
 from trainer.plan.plan_report import parse_size
 
@@ -757,7 +757,7 @@ def test_fsdp_shards_are_the_bytes_a_real_fsdp_step_keeps(tmp_path):
     measured = json.loads(out.read_text())
 
     shape = ModelShape.from_config(tiny_config())
-    weights, _, gradients, _, states = _sharded_state(shape, "bfloat16", "adafactor", "kahan", 2, True, True)
+    weights, _, gradients, _, states = sharded_state(shape, "bfloat16", "adafactor", "kahan", 2, True, True)
     assert measured["weights"] == weights == 2 * shape.num_params() // 2  # half of the model's bf16 bytes
     assert measured["gradients"] == gradients
     assert measured["states"] == states - 4 * measured["tensors"]

@@ -41,7 +41,7 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _one_override_per_set(argv: list[str]) -> list[str]:
+def one_override_per_set(argv: list[str]) -> list[str]:
     """`--set a=1 b=2` as `--set a=1 --set b=2`: every KEY=VALUE word after a --set counts, and the first
     other word (say, a file for `data inspect`) stays a positional argument."""
     out: list[str] = []
@@ -175,7 +175,8 @@ def config_keys_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `trainer` command line: every subcommand and option, with its help."""
     from trainer import __version__
     from trainer.config import DATA_FORMATS
 
@@ -281,7 +282,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(_one_override_per_set(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(one_override_per_set(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT
     )
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     # Secrets (W&B key, Discord webhook, HF token) are masked in every log line from here on.
     install_log_redaction()
     try:
-        return _run(args)
+        return run_command(args)
     except OutputDirLocked as e:  # another trainer writes into this output_dir: the message names it
         print(f"trainer: {redact(str(e))}", file=sys.stderr)
         return 2
@@ -340,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
 _LIBRARY_COMMANDS = {"plan", "tiny-model", "generate", "evaluate", "serve", "inspect"}
 
 
-def _run(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command; its exit code (expected faults are raised to `main`, which says them)."""
     if {args.command, getattr(args, "data_command", None)} & _LIBRARY_COMMANDS:
         from trainer.infra.library_logs import route_library_output
 

@@ -547,7 +547,7 @@ class TrainConfig:
                 text = path.read_text(encoding="utf-8")
             except OSError as e:
                 raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-            loaded, lines = _read_yaml(text, str(path))
+            loaded, lines = read_yaml(text, str(path))
             if loaded is None:
                 loaded = {}
             if not isinstance(loaded, dict):
@@ -559,7 +559,7 @@ class TrainConfig:
             key = key.strip()
             if not sep or not key:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
-            value = _read_yaml(raw, f"override {item!r}")[0] if raw.strip() else None
+            value = read_yaml(raw, f"override {item!r}")[0] if raw.strip() else None
             # An override replaces the file's value, whichever name either of them uses.
             sources[key] = f"--set {item}"
             values.update(_take_hf_names({key: value}, sources, sources[key]))
@@ -825,7 +825,7 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _read_yaml(text: str, name: str) -> tuple[Any, dict[str, int]]:
+def read_yaml(text: str, name: str) -> tuple[Any, dict[str, int]]:
     """The YAML document in `text` and the line of each top-level key. Invalid YAML or a duplicate key is a
     ConfigError in one line naming `name` (a file, or `override 'k=v'`) and the line."""
     override = name.startswith("override ")

@@ -20,7 +20,10 @@ import torch
 CHUNK_TOKENS = 4096
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
+class LinearCrossEntropy(torch.autograd.Function):
+    """The LM head's matmul and the cross-entropy over chunks of rows: no full fp32 logits tensor forward or
+    backward (`linear_cross_entropy` is its entry point)."""
+
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_tokens):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -92,4 +95,4 @@ def linear_cross_entropy(
     if not (rows.is_cuda and torch.cuda.is_current_stream_capturing()):
         keep = labels != -100
         rows, labels = rows[keep], labels[keep]
-    return _LinearCrossEntropy.apply(rows, weight, labels, chunk_tokens)
+    return LinearCrossEntropy.apply(rows, weight, labels, chunk_tokens)

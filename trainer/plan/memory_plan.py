@@ -420,7 +420,7 @@ def plan_memory(
     lora: LoRA adapters over the frozen base (trainer.model.lora; the module docstring says what changes).
     strategy, processes: `ddp` is one process's plan on every GPU (its gradients are summed in place; NCCL's
     own buffers live outside PyTorch's allocator, in the card's margin); `fsdp` over several processes is
-    `_sharded_state` below, the activations as in one process (bf16 compute). (LoRA trains without fsdp.)
+    `sharded_state` below, the activations as in one process (bf16 compute). (LoRA trains without fsdp.)
     """
     e = _DTYPE_BYTES[dtype]
     b, s, t = rows, src_len, tgt_len
@@ -439,7 +439,7 @@ def plan_memory(
     gathered = unsharded_gradients = 0
     sharded = strategy == "fsdp" and processes > 1 and lora is None
     if sharded:
-        weights, gathered, gradients, unsharded_gradients, states = _sharded_state(
+        weights, gathered, gradients, unsharded_gradients, states = sharded_state(
             shape,
             dtype,
             optimizer,
@@ -544,7 +544,7 @@ def plan_memory(
     )
 
 
-def _sharded_state(
+def sharded_state(
     shape: ModelShape,
     dtype: str,
     optimizer: str,
