@@ -50,10 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_run import QUIET_RUN, make_records, mean_lengths, train_rows, write_data
+from bench_run import QUIET_RUN, make_records, mean_lengths, read_preset, train_rows, write_data
 
-REPO = Path(__file__).resolve().parent.parent
-PRESET = REPO / "configs" / "flan-t5-xl-rtx5090.yaml"
 CANDIDATES = {
     "default": "",  # PyTorch's own settings: neither variable set
     "expandable": "expandable_segments:True",
@@ -77,11 +75,10 @@ def run_config(work: Path, conf: str, tiny: bool) -> dict:
     """The preset's trainer settings for this benchmark: its data, an evaluation with generations and a
     checkpoint under `work`, this candidate's allocator settings."""
     import torch
-    import yaml
 
     records = make_records(n=512 if tiny else 4096)
     data, model_dir = write_data(work, records, "tiny" if tiny else "xl")
-    values = yaml.safe_load(PRESET.read_text(encoding="utf-8"))
+    values = read_preset()
     values.update(
         QUIET_RUN,
         model_name_or_path=str(model_dir),

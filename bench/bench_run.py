@@ -21,6 +21,31 @@ QUIET_RUN = dict(
 )
 
 VOCAB = 32128  # FLAN-T5's
+PRESET = Path(__file__).resolve().parent.parent / "configs" / "flan-t5-xl-rtx5090.yaml"
+# The preset's optimization: what the quality and exactness benchmarks keep from it.
+OPTIMIZATION_KEYS = (
+    "optimizer",
+    "bf16_update",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "max_grad_norm",
+)
+
+
+def read_preset() -> dict:
+    """configs/flan-t5-xl-rtx5090.yaml's keys as the file sets them: the benchmarks follow the preset."""
+    import yaml
+
+    return yaml.safe_load(PRESET.read_text(encoding="utf-8"))
+
+
+def preset_optimization() -> dict:
+    """The preset's optimizer, learning rate, schedule, Kahan updates and clipping."""
+    preset = read_preset()
+    return {k: preset[k] for k in OPTIMIZATION_KEYS if k in preset}
+
+
 RECORDS = 4096
 
 
@@ -81,3 +106,23 @@ def train_rows(output_dir: Path) -> list[dict]:
 
     rows = [json.loads(line) for line in (Path(output_dir) / TRAIN_LOG).read_text().splitlines()]
     return [r for r in rows if "loss" in r]
+
+
+def run_one_in_subprocess(script: str, args: list[str], timeout: float) -> dict:
+    """`script` with `args` (`--one NAME ...`) in a fresh process (its own memory cap and counters), which
+    writes its JSON result to the file `--result` names; a result with the error instead when it fails or
+    times out."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, script, *args, "--result", out.name]
+        try:
+            proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            return {"config": args[1], "ok": False, "error": f"timed out after {timeout:.0f} s"}
+        text = Path(out.name).read_text()
+        if proc.returncode != 0 or not text:
+            return {"config": args[1], "ok": False, "error": (proc.stdout + proc.stderr)[-2000:]}
+        return json.loads(text)

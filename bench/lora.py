@@ -30,14 +30,12 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_run import QUIET_RUN, make_records, train_rows, write_data
+from bench_run import QUIET_RUN, make_records, run_one_in_subprocess, train_rows, write_data
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
@@ -146,20 +144,6 @@ def run_one(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> dict:
     )
 
 
-def in_subprocess(args: list[str], timeout: float) -> dict:
-    """This script with `args` in a fresh process (its own memory cap and counters); its JSON result."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, __file__, *args, "--result", out.name]
-        try:
-            proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
-        except subprocess.TimeoutExpired:
-            return {"config": args[1], "ok": False, "error": f"timed out after {timeout:.0f} s"}
-        text = Path(out.name).read_text()
-        if proc.returncode != 0 or not text:
-            return {"config": args[1], "ok": False, "error": (proc.stdout + proc.stderr)[-2000:]}
-        return json.loads(text)
-
-
 def main() -> int:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -195,7 +179,7 @@ def main() -> int:
     results = []
     for name in args.configs.split(","):
         t0 = time.time()
-        results.append(in_subprocess(["--one", name, *extra], timeout=args.timeout))
+        results.append(run_one_in_subprocess(__file__, ["--one", name, *extra], timeout=args.timeout))
         print(f"{name}: {time.time() - t0:.0f} s {json.dumps(results[-1])}", flush=True)
 
     print()

@@ -45,13 +45,12 @@ import time
 from pathlib import Path
 
 import yaml
-from bench_run import QUIET_RUN, make_records, train_rows, write_data
+from bench_run import QUIET_RUN, make_records, read_preset, train_rows, write_data
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
-PRESET = REPO / "configs" / "flan-t5-xl-rtx5090.yaml"
 GPU_CAP_GIB = 32.0
 GRAPH_TOKENS = 8192  # graphsN's micro-batch (512 with --tiny)
 GIB = 2**30
@@ -63,7 +62,7 @@ GIB = 2**30
 def preset_values(overrides: list[str], tiny: bool, device: str) -> dict:
     """The preset's config with `--set` applied, then what a timing run changes: the bench's model and data
     (filled in later), random weights, no evaluation, checkpoints or reporting, the memory cap."""
-    values = yaml.safe_load(PRESET.read_text(encoding="utf-8"))
+    values = read_preset()
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:

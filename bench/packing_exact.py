@@ -31,22 +31,17 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from bench_run import preset_optimization
 
-REPO = Path(__file__).resolve().parent.parent
-PRESET = REPO / "configs" / "flan-t5-xl-rtx5090.yaml"
 MICRO_BATCHES = {"padded_a": 2, "padded_b": 3}
 WITHIN = 2.0  # a run's mean distance at most this many times the control's
 
 
 def config(model_dir: Path, data: Path, tiny: bool, rows: int):
     """The trainer config of these runs: the preset's optimization, packed rows of `rows` per micro-batch."""
-    import yaml
-
     from trainer.config import TrainConfig
 
-    preset = yaml.safe_load(PRESET.read_text(encoding="utf-8"))
-    keys = ("optimizer", "bf16_update", "learning_rate", "lr_scheduler_type", "warmup_steps", "max_grad_norm")
-    values = {k: preset[k] for k in keys if k in preset} | dict(
+    values = preset_optimization() | dict(
         model_name_or_path=str(model_dir),
         train_files=[str(data)],
         dtype="float32" if tiny else "bfloat16",

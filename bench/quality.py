@@ -60,10 +60,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_run
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-PRESET = REPO / "configs" / "flan-t5-xl-rtx5090.yaml"
 BASELINE = "padded"
 PASS_MARGIN = 0.01  # a lever passes when its mean eval loss is at most 1% above the baseline's
 SENTINELS = 100  # the tokenizer's <extra_id_N>
@@ -110,12 +110,8 @@ class Variant:
 
 def preset_optimization() -> dict:
     """The rtx5090 preset's optimization settings, which the baseline keeps."""
-    import yaml
-
-    preset = yaml.safe_load(PRESET.read_text(encoding="utf-8"))
-    keys = ("optimizer", "bf16_update", "learning_rate", "lr_scheduler_type", "warmup_steps", "max_grad_norm")
-    return {k: preset[k] for k in keys if k in preset} | {
-        "pad_to_multiple_of": preset.get("pad_to_multiple_of")
+    return bench_run.preset_optimization() | {
+        "pad_to_multiple_of": bench_run.read_preset().get("pad_to_multiple_of")
     }
 
 

@@ -42,12 +42,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_run import QUIET_RUN, VOCAB, make_records, mean_lengths, train_rows, write_data
+from bench_run import (
+    QUIET_RUN,
+    VOCAB,
+    make_records,
+    mean_lengths,
+    read_preset,
+    run_one_in_subprocess,
+    train_rows,
+    write_data,
+)
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "hf_peer.py"
-PRESET = Path(__file__).resolve().parent.parent / "configs" / "flan-t5-xl-rtx5090.yaml"
 # The preset's keys that decide the step's speed and memory (the data, model and run length are the bench's).
 PRESET_KEYS = (
     "dtype",
@@ -80,9 +88,7 @@ BASE = dict(
 
 def preset_values() -> dict:
     """The rtx5090 preset's speed and memory keys, as the file sets them."""
-    import yaml
-
-    values = yaml.safe_load(PRESET.read_text())
+    values = read_preset()
     return {k: values[k] for k in PRESET_KEYS if k in values}
 
 
@@ -279,20 +285,6 @@ def run_peer(preset: str, tiny: bool, timeout: float) -> dict:
     return {"config": f"hf_{preset}", "ok": False, "error": (proc.stdout + proc.stderr)[-1500:]}
 
 
-def in_subprocess(args: list[str], timeout: float) -> dict:
-    """Run this script with `args` in a fresh process (clean memory counters) and read its JSON result."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, __file__, *args, "--result", out.name]
-        try:
-            proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
-        except subprocess.TimeoutExpired:
-            return {"config": args[1], "ok": False, "error": f"timed out after {timeout:.0f} s"}
-        text = Path(out.name).read_text()
-        if proc.returncode != 0 or not text:
-            return {"config": args[1], "ok": False, "error": (proc.stdout + proc.stderr)[-1500:]}
-        return json.loads(text)
-
-
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -346,9 +338,12 @@ def main() -> int:
         steps += ["--profile-dir", args.profile_dir]
     for variant in [v for v in args.variants.split(",") if v]:
         t0 = time.time()
-        results.append(in_subprocess(["--one", variant, *steps, *extra], timeout=480) | {"side": "ours"})
+        results.append(
+            run_one_in_subprocess(__file__, ["--one", variant, *steps, *extra], timeout=480)
+            | {"side": "ours"}
+        )
         print(f"{variant}: {time.time() - t0:.0f} s {json.dumps(results[-1])}", flush=True)
-    check = in_subprocess(["--one", "loss-check", *extra], timeout=240)
+    check = run_one_in_subprocess(__file__, ["--one", "loss-check", *extra], timeout=240)
     print(f"loss check: {json.dumps(check)}", flush=True)
 
     from trainer.model.tiny_model import flan_t5_config
