@@ -11,7 +11,10 @@ more micro-steps; with several processes (`ddp`) every rank halves together, whi
 from __future__ import annotations
 
 import logging
+import math
 import warnings
+
+import torch
 
 from trainer.config import TrainConfig
 from trainer.data.loader import to_device
@@ -86,10 +89,6 @@ def optimizer_step(
     job) and gradient norm. `graph`: the MicroStepGraph that ran the micro-steps (it replays the update);
     `replicated`: ddp's all-reduced gradient buffer (trainer.infra.distributed.ReplicatedGradients), or
     None."""
-    import math
-
-    import torch
-
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = distributed.grad_norm(params)
     adafactor = optimizer if isinstance(optimizer, Adafactor) else None
@@ -142,8 +141,6 @@ def accumulate_with_oom_backoff(
     gradients and halve together, so the effective batch stays the same on every rank. Otherwise
     `replicated` (trainer.infra.distributed.ReplicatedGradients) sums the gradients over ranks. Under FSDP2 a
     rank's micro-step is full of collectives the others wait in: there is no such point, and the run stops."""
-    import torch
-
     while True:
         out_of_memory = False
         if replicated is not None:
@@ -201,8 +198,6 @@ def probe_memory(
     can yield (random ids), through the OOM back-off, so a budget that does not fit is halved now rather than
     hours into the run (`replicated`: ddp's gradient buffer, where the gradients go as in training). The
     gradients are dropped."""
-    import torch
-
     shapes = probe_shapes(cfg, plan)
     g = torch.Generator().manual_seed(0)
     for rows, src, tgt in shapes:
