@@ -16,8 +16,9 @@ What `HfApi.create_repo` and `HfApi.upload_folder` (through `create_commit`) cal
   uploaded before) and `deletedFile` / `deletedFolder` lines; applied at once, 200 with the commit's id.
 
 Every request needs `Authorization: Bearer <token>` (401 otherwise), but the LFS upload URL, which is
-presigned (as S3's are: the client sends no token there). `script.delay` holds commits up; `free_port_url()`
-is an endpoint where nothing listens. Every request is
+presigned (as S3's are: the client sends no token there). `script.delay` holds commits up,
+`script.hold_first_commit_until` the first one until a condition holds; `free_port_url()` is an endpoint where
+nothing listens. Every request is
 recorded as it arrives and, once answered, with its headers and body (where a test looks for the token).
 """
 
@@ -33,6 +34,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -43,6 +45,7 @@ import yaml
 USER = "recipe-tester"
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".model")
 LFS_MIN_BYTES = 10 * 1024 * 1024
+HOLD_LIMIT_S = 300.0
 
 
 @dataclass
@@ -77,6 +80,8 @@ class Script:
     """How the server misbehaves; change the fields at any time."""
 
     delay: float = 0.0  # seconds before answering a commit
+    # The first commit is held until this says so (checked every 50 ms, for at most HOLD_LIMIT_S).
+    hold_first_commit_until: Callable[[], bool] | None = None
 
 
 def git_blob_oid(data: bytes) -> str:
@@ -299,6 +304,11 @@ class HubServer:
     def _commit(self, repo: Repo, body: bytes) -> tuple[int, Any]:
         if self.script.delay:
             time.sleep(self.script.delay)
+        release = self.script.hold_first_commit_until
+        if release is not None and not repo.commits:
+            end = time.monotonic() + HOLD_LIMIT_S  # a test whose condition never comes fails, never hangs
+            while not release() and time.monotonic() < end:
+                time.sleep(0.05)
         lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
         header = lines[0]
         if header["key"] != "header":

@@ -57,14 +57,17 @@ def _env(tmp_path: Path, endpoint: str, token: str, webhook: str) -> dict[str, s
 
 
 def _train(config: Path, env: dict[str, str]) -> tuple[int, str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer", "train", "--config", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return done.returncode, done.stdout + done.stderr
+    """Run `trainer train`; its console goes to `<config>.console` as it prints (tests watch it meanwhile)."""
+    console = config.with_suffix(".console")
+    with console.open("w") as f:
+        done = subprocess.run(
+            [sys.executable, "-m", "trainer", "train", "--config", str(config)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+        )
+    return done.returncode, console.read_text()
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -93,16 +96,20 @@ def test_checkpoint_strategy_uploads_final_and_the_newest_checkpoint(
     hub_server,  # noqa: F811
     discord_server,  # noqa: F811
 ):
+    """A Hub slower than the training: step 2's upload is still in flight when step 4's checkpoint and final/
+    are saved, so they go in one commit at the end, which must still hold step 4's checkpoint."""
     config, out = _config(
         tmp_path, tiny_model_dir, sample_csv, "ckpt", hub_strategy="checkpoint", hub_private_repo=True
     )
+    console_file = config.with_suffix(".console")
+    final_queued = "final/ (step 4) is queued"
+    hub_server.script.hold_first_commit_until = lambda: final_queued in console_file.read_text()
     code, console = _train(config, _env(tmp_path, hub_server.endpoint, hub_server.token, discord_server.url))
     assert code == 0, console
 
     assert hub_server.repos[REPO_ID].private
     commits = hub_server.commits(REPO_ID)
-    assert commits[-1].summary == "End of training", [c.summary for c in commits]
-    assert all(c.summary.startswith("Training in progress, step ") for c in commits[:-1])
+    assert [c.summary for c in commits] == ["Training in progress, step 2", "End of training"]
     files = hub_server.files(REPO_ID)
     # The root is final/, byte for byte, but for the card, written for the Hub.
     final = _files(out / "final")

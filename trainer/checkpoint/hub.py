@@ -123,9 +123,10 @@ class StagedUpload:
         return cls(path, record["step"], record["message"], record["final"], record["delete"])
 
     def absorb(self, older: StagedUpload) -> None:
-        """Take over a waiting, older upload: its checkpoint folders this one lacks move into this commit
-        (all_checkpoints uploads every checkpoint); its root files and last-checkpoint/ are this one's."""
-        for folder in sorted(older.tree.glob("checkpoint-*")):
+        """Take over a waiting, older upload: its folders this one lacks move into this commit
+        (all_checkpoints uploads every checkpoint; final/ takes the newest checkpoint's last-checkpoint/
+        along); its root files are this one's."""
+        for folder in sorted(p for p in older.tree.iterdir() if p.is_dir()):
             if not (self.tree / folder.name).exists():
                 os.rename(folder, self.tree / folder.name)
         self.delete_patterns = sorted(set(self.delete_patterns) | set(older.delete_patterns))
