@@ -129,6 +129,9 @@ class Run:
 
     cfg: TrainConfig
     plan: RunPlan
+    # cfg with the plan's choices filled in (RunPlan.applied_to): the config the run trains with, as its
+    # checkpoints store it and the loader and the prompt template read it
+    trained: TrainConfig
     data: Data
     device: torch.device
     output_dir: Path
@@ -216,6 +219,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
         if cfg.packing:  # the loader chose the rows' lengths from the data: the plan's blocks fit those
             plan = plan_packed_rows(plan, cfg, data.train_stream.stats()["packed_shape"])
         check_scheduler(cfg, data.total_steps)
+        trained = plan.applied_to(cfg)
         if dry_run:
             log_memory_plan(cfg, plan, world_size)
             log.info("dry run: the config, the model files and the data are fine; the model is not loaded")
@@ -223,7 +227,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
         state = RunState(world_size=world_size)
         if resume_from:
             saved = ckpt.load_trainer_state(resume_from)
-            now = resume.saved_config(plan.applied_to(cfg))
+            now = resume.saved_config(trained)
             resume.check_resume_config(resume_from, saved.get("config", {}), now)
             resume.warn_config_changes(saved.get("config", {}), now)
             state = RunState.from_trainer_state(saved)
@@ -244,11 +248,12 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             hub = HubUploader(cfg, output_dir, reporter)
             exits.callback(hub.close)
         model, train_module, replicated, optimizer, scheduler = build_model(
-            cfg, plan, data, device, state, resume_from
+            cfg, plan, trained, data, device, state, resume_from
         )
         run = Run(
             cfg=cfg,
             plan=plan,
+            trained=trained,
             data=data,
             device=device,
             output_dir=output_dir,
@@ -303,32 +308,21 @@ def check_paths(cfg: TrainConfig) -> None:
         raise ConfigError(f"output_dir {cfg.output_dir}: {existing} is not writable")
 
 
-def open_stream(
-    cfg: TrainConfig,
-    plan: RunPlan,
-    tokenizer_file: str,
-    split: str,
-    rank: int,
-    world_size: int,
-    paths: list[str] | None = None,
-):
-    # data.stream_for takes the batching from a config: it gets the config with the plan's budget applied
-    # (and eval_fraction 0 with eval_files).
-    return stream_for(
-        plan.applied_to(cfg), tokenizer_file, split, paths=paths, rank=rank, world_size=world_size
-    )
-
-
 def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Data:
     """The tokenizer and the train and held-out streams (data indexed, skipped records counted and reported),
     and the number of optimizer steps."""
     tokenizer_file = str(resolve_tokenizer_file(cfg.model_name_or_path))
-    train_stream = open_stream(cfg, plan, tokenizer_file, "train", rank, world_size)
+    # The loader takes the batching from a config: the plan's budget applied (and eval_fraction 0 with
+    # eval_files). The prompt template reads the same.
+    planned = plan.applied_to(cfg)
+    train_stream = stream_for(planned, tokenizer_file, "train", rank=rank, world_size=world_size)
     eval_stream = None
     if cfg.eval_files:
-        eval_stream = open_stream(cfg, plan, tokenizer_file, "eval", rank, world_size, paths=cfg.eval_files)
+        eval_stream = stream_for(
+            planned, tokenizer_file, "eval", paths=cfg.eval_files, rank=rank, world_size=world_size
+        )
     elif cfg.eval_fraction > 0:
-        eval_stream = open_stream(cfg, plan, tokenizer_file, "eval", rank, world_size)
+        eval_stream = stream_for(planned, tokenizer_file, "eval", rank=rank, world_size=world_size)
     stats = train_stream.stats()
     eval_stats = eval_stream.stats() if eval_stream is not None else None
     held_out = eval_stats["records"] if eval_stats is not None else 0
@@ -356,7 +350,7 @@ def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Da
     if cfg.eval_files and (eval_skips := skipped_summary(eval_stats, held_out)):
         log.warning("eval data: %s", eval_skips)
     skipped = sum(stats["skipped"].values()) + (sum(eval_stats["skipped"].values()) if cfg.eval_files else 0)
-    template = PromptTemplate.from_config(plan.applied_to(cfg))
+    template = PromptTemplate.from_config(planned)
     # Rank 0 scores the generations; under FSDP every rank runs them (trainer.eval.in_training).
     generates = rank == 0 or cfg.distributed_strategy == "fsdp"
     records = load_generation_records(cfg, eval_stream, needed=generates)
@@ -572,7 +566,13 @@ def start_reporting(
 
 
 def build_model(
-    cfg: TrainConfig, plan: RunPlan, data: Data, device, state: RunState, resume_from: Path | None
+    cfg: TrainConfig,
+    plan: RunPlan,
+    trained: TrainConfig,
+    data: Data,
+    device,
+    state: RunState,
+    resume_from: Path | None,
 ):
     """Model (loaded once: from the checkpoint when resuming), what the loss runs through (the model, or FSDP2
     around it), the all-reduced gradients of ddp over several ranks (or None), optimizer and schedule, with
@@ -614,7 +614,7 @@ def build_model(
             state.loader,
             state.world_size,
             data.train_stream,
-            plan.applied_to(cfg),
+            trained,
             data.tokenizer_file,
         )
     state.world_size = distributed.world_size()
@@ -905,7 +905,7 @@ def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
         run.data.template,
         run.data.tokenizer_file,
         run.train_module,
-        max_batch_tokens=eval_batch_tokens(run.plan.applied_to(cfg), state.oom.split),
+        max_batch_tokens=eval_batch_tokens(run.trained, state.oom.split),
     )
     log.info("step %d: %s", state.step, metrics_line(result.metrics))
     run.meter.evaluated(state.step, result.metrics)
@@ -961,9 +961,9 @@ def save(run: Run, state: RunState) -> Path:
             tokenizer_file=run.data.tokenizer_file,
             rng=state.rng,
             trainer_state=state.trainer_state(
-                resume.saved_config(run.plan.applied_to(cfg)), run.plan.micro_batch(state.oom.split)
+                resume.saved_config(run.trained), run.plan.micro_batch(state.oom.split)
             ),
-            prompt_config=run.plan.applied_to(cfg),
+            prompt_config=run.trained,
         )
     state.saved_step = state.step
     if run.hub is not None:  # staged before the rotation below may remove the checkpoint
@@ -1018,7 +1018,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
             cfg.model_name_or_path,
             run.data.tokenizer_file,
             final,
-            prompt_config=run.plan.applied_to(cfg),
+            prompt_config=run.trained,
             card=card,
             weights_from=best_weights,
         )
