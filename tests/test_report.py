@@ -371,8 +371,8 @@ RUN_STEPS = 6
 # Reporter.close() gives queued Discord messages this long at exit (its default; the loop calls close()).
 CLOSE_TIMEOUT_S = 10.0
 # What closing the notifier says it waited may exceed its deadline by the time a loaded machine takes to
-# schedule the thread again.
-CLOSE_SLACK_S = 1.0
+# schedule the thread again: generous, and far below the slow server's 120 s.
+CLOSE_SLACK_S = 5.0
 CLOSE_LINE = (
     r"(?P<left>\d+) message\(s\) not sent within the (?P<timeout>[\d.]+)s close timeout "
     r"\(waited (?P<waited>[\d.]+) s\)"
