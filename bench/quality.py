@@ -737,7 +737,12 @@ def summarize(results: dict) -> dict:
             s[f"{key}_vs_baseline"] = _difference(s[key], base[key]) if base and name != BASELINE else None
         if base and name != BASELINE and not results["variants"][name]["hf"]:
             gaps = [s[f"{k}_vs_baseline"][0] for k in ("equal_steps", "equal_tokens")]
-            if not any(math.isnan(g) for g in gaps):
+            errors = [s[f"{k}_vs_baseline"][1] for k in ("equal_steps", "equal_tokens")]
+            if any(math.isnan(g) for g in gaps):
+                pass
+            elif any(math.isnan(e) for e in errors):  # one seed on either side: no noise to judge against
+                s["verdict"] = "none (one seed)"
+            else:
                 s["verdict"] = "PASS" if all(g <= PASS_MARGIN for g in gaps) else "FAIL"
     return dict(baseline_target_tokens=tokens, variants=summary)
 
@@ -753,18 +758,26 @@ def table(results: dict) -> str:
     summary, variants = results["summary"]["variants"], results["variants"]
 
     def loss(ms: tuple[float, float]) -> str:
-        return "-" if math.isnan(ms[0]) else f"{ms[0]:.4f} ± {ms[1]:.4f} ({100 * ms[1] / ms[0]:.2f}%)"
+        if math.isnan(ms[0]):
+            return "-"
+        if math.isnan(ms[1]):
+            return f"{ms[0]:.4f} (one seed)"
+        return f"{ms[0]:.4f} ± {ms[1]:.4f} ({100 * ms[1] / ms[0]:.2f}%)"
 
     def gap(d) -> str:
         if d is None:
             return "baseline"
         if math.isnan(d[0]):
             return "-"
+        if math.isnan(d[1]):
+            return f"{100 * d[0]:+.2f}% (no standard error)"
         noise = " (noise)" if abs(d[0]) < 2 * d[1] else ""
         return f"{100 * d[0]:+.2f}% ± {100 * d[1]:.2f}%{noise}"
 
     def score(ms: tuple[float, float], scale: float = 1.0) -> str:
-        return "-" if math.isnan(ms[0]) else f"{scale * ms[0]:.2f} ± {scale * ms[1]:.2f}"
+        if math.isnan(ms[0]):
+            return "-"
+        return f"{scale * ms[0]:.2f}" + ("" if math.isnan(ms[1]) else f" ± {scale * ms[1]:.2f}")
 
     lines = [
         "| variant | seeds | eval loss, equal steps | vs baseline | eval loss, equal target tokens "
