@@ -36,6 +36,7 @@ from trainer.data.prompt import (
     template_parts,
 )
 from trainer.infra.disk import write_text_atomic
+from trainer.model.model_files import is_adapter_dir
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,7 @@ def open_model_dir(model_dir: str | os.PathLike[str], task: str | None = None) -
     path = Path(model_dir).expanduser()
     if not path.is_dir():
         raise ModelDirError(f"{path}: no such model directory")
-    # A LoRA run's checkpoint holds a PEFT adapter (adapter_config.json, naming its base) instead of a model.
-    model_file = "adapter_config.json" if (path / "adapter_config.json").is_file() else "config.json"
+    model_file = "adapter_config.json" if is_adapter_dir(path) else "config.json"
     for name in (model_file, "tokenizer.json"):
         if not (path / name).is_file():
             raise ModelDirError(f"{path}: not a model directory saved with save_pretrained (no {name})")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from trainer.infra.memory import GIB
-from trainer.model.model_files import dtype_kwarg, from_pretrained
+from trainer.model.model_files import dtype_kwarg, from_pretrained, is_adapter_dir
 from trainer.model.swaps import use_fused_t5_ops, use_triton_attention_where_it_runs
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,6 @@ def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, attn: 
 
         return load_merged(path, **kwargs)
     return from_pretrained(path, **kwargs)
-
-
-def is_adapter_dir(path: str | Path) -> bool:
-    """A LoRA run's checkpoint or final model: a PEFT adapter (adapter_config.json, naming its base), no
-    model of its own."""
-    path = Path(path)
-    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
 
 
 def load_model(

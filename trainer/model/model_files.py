@@ -254,6 +254,13 @@ def _check_bin(path: Path) -> None:
         raise ModelFilesError(f"{path} is truncated (its zip directory is missing; {size:,} bytes)")
 
 
+def is_adapter_dir(path: str | Path) -> bool:
+    """A LoRA run's checkpoint or final model: a PEFT adapter (adapter_config.json, naming its base), no
+    model of its own."""
+    path = Path(path)
+    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+
+
 def dtype_kwarg() -> str:
     """transformers 5 takes `dtype=`, 4.5x `torch_dtype=`."""
     # transformers takes seconds to import: loaded when a model is (the CLI's light commands import this
