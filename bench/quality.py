@@ -736,14 +736,13 @@ def summarize(results: dict) -> dict:
         for key in ("equal_steps", "equal_tokens"):
             s[f"{key}_vs_baseline"] = _difference(s[key], base[key]) if base and name != BASELINE else None
         if base and name != BASELINE and not results["variants"][name]["hf"]:
-            gaps = [s[f"{k}_vs_baseline"][0] for k in ("equal_steps", "equal_tokens")]
-            errors = [s[f"{k}_vs_baseline"][1] for k in ("equal_steps", "equal_tokens")]
-            if any(math.isnan(g) for g in gaps):
-                pass
-            elif any(math.isnan(e) for e in errors):  # one seed on either side: no noise to judge against
+            diffs = [s[f"{k}_vs_baseline"] for k in ("equal_steps", "equal_tokens")]
+            if any(math.isnan(gap) for gap, _ in diffs):  # a run without the equal-tokens point: no verdict
+                continue
+            if any(math.isnan(se) for _, se in diffs):  # one seed on either side: no noise to judge against
                 s["verdict"] = "none (one seed)"
             else:
-                s["verdict"] = "PASS" if all(g <= PASS_MARGIN for g in gaps) else "FAIL"
+                s["verdict"] = "PASS" if all(gap <= PASS_MARGIN for gap, _ in diffs) else "FAIL"
     return dict(baseline_target_tokens=tokens, variants=summary)
 
 
