@@ -57,9 +57,14 @@ def _env(tmp_path: Path, endpoint: str, token: str, webhook: str) -> dict[str, s
     return env
 
 
+def _console(config: Path) -> Path:
+    """Where `_train` writes the run's console as it prints (a test can watch it meanwhile)."""
+    return config.with_suffix(".console")
+
+
 def _train(config: Path, env: dict[str, str]) -> tuple[int, str]:
-    """Run `trainer train`; its console goes to `<config>.console` as it prints (tests watch it meanwhile)."""
-    console = config.with_suffix(".console")
+    """Run `trainer train`: its exit code and console (stdout and stderr, as they interleave)."""
+    console = _console(config)
     with console.open("w") as f:
         done = subprocess.run(
             [sys.executable, "-m", "trainer", "train", "--config", str(config)],
@@ -102,9 +107,8 @@ def test_checkpoint_strategy_uploads_final_and_the_newest_checkpoint(
     config, out = _config(
         tmp_path, tiny_model_dir, sample_csv, "ckpt", hub_strategy="checkpoint", hub_private_repo=True
     )
-    console_file = config.with_suffix(".console")
     final_queued = "final/ (step 4) is queued"
-    hub_server.script.hold_first_commit_until = lambda: final_queued in console_file.read_text()
+    hub_server.script.hold_first_commit_until = lambda: final_queued in _console(config).read_text()
     code, console = _train(config, _env(tmp_path, hub_server.endpoint, hub_server.token, discord_server.url))
     assert code == 0, console
 
