@@ -147,9 +147,7 @@ def worker(config: Path) -> int:
         return wrapper
 
     loop.optimizer_step = timed("optimizer", loop.optimizer_step)
-    distributed.ReplicatedGradients.all_reduce = timed(
-        "all_reduce", distributed.ReplicatedGradients.all_reduce
-    )
+    distributed.GradientBuffer.all_reduce = timed("all_reduce", distributed.GradientBuffer.all_reduce)
     cfg = TrainConfig.from_dict(yaml.safe_load(config.read_text()), source=str(config))
     rc = loop.train(cfg)
     rank = int(os.environ.get("RANK", 0))
@@ -249,7 +247,7 @@ def launch(name: str, nproc: int, values: dict, out: Path, device: str, warmup: 
         planned_peak_gib=planned,
         plan_error=planned / max(reserved) - 1 if planned and all(reserved) else None,
         optimizer_step_s=mean_after(ranks[0]["optimizer_s"], warm),
-        all_reduce_s=mean_after(ranks[0]["all_reduce_s"], warm),
+        all_reduce_s=mean_after(ranks[0]["all_reduce_s"], warm) if nproc > 1 else None,
     )
     return result
 

@@ -357,15 +357,15 @@ def test_the_trainer_skips_checkpointing_only_where_the_plan_has_room():
     cfg = dataclasses.replace(
         cfg, packing=False, cuda_graphs=False, max_tokens=32768, gradient_accumulation_steps=2
     )
-    assert choose(cfg, 32 * GIB) == (4, 0)  # (decoder, encoder) on a 32 GB card
-    assert choose(cfg, 24 * GIB) == (0, 0)  # no room left
+    assert choose(cfg, 32 * GIB) == (5, 0)  # (decoder, encoder) on a 32 GB card
+    assert choose(cfg, 24 * GIB) == (1, 0)  # room for one
     assert choose(cfg, 80 * GIB) == (24, 24)  # every block keeps its activations on an 80 GB card
     off = dataclasses.replace(cfg, gradient_checkpointing=False)
     assert choose(off, 80 * GIB) == (0, 0)
     # Encoder blocks only once every decoder block keeps its activations; a number the config sets is kept.
     assert choose(dataclasses.replace(cfg, decoder_blocks_without_checkpointing=2), 80 * GIB) == (2, 0)
     decoder, encoder = choose(dataclasses.replace(cfg, encoder_blocks_without_checkpointing=8), 32 * GIB)
-    assert encoder == 8 and decoder < 4  # the encoder's blocks take room from the decoder's
+    assert encoder == 8 and decoder < 5  # the encoder's blocks take room from the decoder's
 
 
 def test_activation_terms_without_checkpointing():

@@ -7,11 +7,11 @@ no process group is started and every helper here is a no-op, so a single-proces
 - `ddp` (replicated data parallel): every rank holds the whole model, its gradients and the optimizer states,
   and trains exactly as one process does (the same memory, the weight gradients added into `.grad` by the
   matmuls, the Adafactor kernels, CUDA graphs). Rank 0's weights are broadcast once at the start; the
-  gradients are views of one flat buffer per dtype (`ReplicatedGradients`), summed over ranks in place by one
-  all-reduce after the step's last micro-batch. With gradient accumulation torch's DDP would overlap its
-  bucketed all-reduce with the last micro-batch's backward only; its buckets took memory beyond one
-  process's, it needs autograd's own gradient accumulation (no in-place weight gradients), and a CUDA graph
-  cannot replay its hooks.
+  gradients are views of one flat buffer per dtype (`GradientBuffer`, as in a single process), summed over
+  ranks in place by one all-reduce after the step's last micro-batch. With gradient accumulation torch's DDP
+  would overlap its bucketed all-reduce with the last micro-batch's backward only; its buckets took memory
+  beyond one process's, it needs autograd's own gradient accumulation (no in-place weight gradients), and a
+  CUDA graph cannot replay its hooks.
 - `fsdp` (FSDP2, `fully_shard`): weights, gradients and optimizer states are split across ranks. Each T5 block
   is one unit, the root (embeddings, LM head, final norms) another. A unit's weights are all-gathered in bf16
   just before use; gradients are reduce-scattered in fp32; the sharded weights and the optimizer states keep
@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-# Where each gradient starts in ReplicatedGradients' buffer: as the caching allocator aligns its blocks, so
+# Where each gradient starts in GradientBuffer' buffer: as the caching allocator aligns its blocks, so
 # that the matmuls writing into them and the Adafactor kernels (16-byte vector loads) see what they would see
 # for gradients of their own.
 GRADIENT_ALIGNMENT_BYTES = 512
@@ -167,11 +167,14 @@ def is_sharded(module: torch.nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-class ReplicatedGradients:
-    """`ddp` over several ranks: the gradients of `params` as views of one flat buffer per dtype, each view
-    starting at a multiple of GRADIENT_ALIGNMENT_BYTES, summed over ranks in place by one all-reduce per
-    buffer (`all_reduce`). No memory beyond the gradients themselves; the gradients stay where they are
-    from step to step (zeroed in place), as a CUDA graph needs them."""
+class GradientBuffer:
+    """The gradients of `params` as views of one flat buffer per dtype, allocated once before the first
+    activation, each view starting at a multiple of GRADIENT_ALIGNMENT_BYTES. Gradients that autograd
+    allocates in the first backward land between that micro-step's activations and leave the caching
+    allocator's memory fragmented for the rest of the run; a buffer made first does not. The gradients stay
+    where they are from step to step (zeroed in place), as a CUDA graph needs them. Under `ddp` with several
+    ranks they are summed over ranks in place by one all-reduce per buffer (`all_reduce`), with no memory
+    beyond the gradients themselves."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
@@ -206,18 +209,21 @@ class ReplicatedGradients:
                 p.grad = view
 
     def all_reduce(self) -> None:
-        """Sum every rank's gradients in place (queued on the GPU: the host does not wait)."""
+        """Sum every rank's gradients in place (queued on the GPU: the host does not wait); nothing with one
+        process."""
+        if not is_distributed():
+            return
         with collective("summing the gradients"):
             for buffer in self.buffers.values():
                 dist.all_reduce(buffer)
 
 
-def replicated_gradients(model: torch.nn.Module, cfg) -> ReplicatedGradients | None:
-    """The all-reduced gradient buffer of `model`'s trainable weights under `ddp` with several ranks, else
-    None."""
-    if not is_distributed() or cfg.distributed_strategy != "ddp":
+def gradient_buffer(train_module: torch.nn.Module) -> GradientBuffer | None:
+    """The gradient buffer of `train_module`'s trainable weights; None under FSDP2, whose gradients are
+    shards that it makes itself."""
+    if is_sharded(train_module):
         return None
-    return ReplicatedGradients([p for p in model.parameters() if p.requires_grad])
+    return GradientBuffer([p for p in train_module.parameters() if p.requires_grad])
 
 
 @contextlib.contextmanager

@@ -82,13 +82,12 @@ def optimizer_step(
     n_target: int,
     max_grad_norm: float,
     graph=None,
-    replicated=None,
+    grad_buffer=None,
 ) -> tuple[float, float]:
     """After `accumulate_gradients`: clip, then update unless the loss or the gradient norm is not finite
     (that step is skipped); the schedule advances either way. Returns the step's loss (token mean over the
     job) and gradient norm. `graph`: the MicroStepGraph that ran the micro-steps (it replays the update);
-    `replicated`: ddp's all-reduced gradient buffer (trainer.infra.distributed.ReplicatedGradients), or
-    None."""
+    `grad_buffer`: the gradients' buffer (trainer.infra.distributed.GradientBuffer), or None under FSDP2."""
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = distributed.grad_norm(params)
     adafactor = optimizer if isinstance(optimizer, Adafactor) else None
@@ -110,9 +109,8 @@ def optimizer_step(
         graph.update(adafactor, layout)
     else:
         optimizer.step()  # Adafactor's applies the step its `advance` prepared above
-    # A CUDA graph adds into the gradients where they are, and ddp's are views of its all-reduced buffer:
-    # they stay, zeroed.
-    optimizer.zero_grad(set_to_none=graph is None and replicated is None)
+    # Gradients in their buffer stay where they are, zeroed (a CUDA graph adds into them there).
+    optimizer.zero_grad(set_to_none=graph is None and grad_buffer is None)
     with warnings.catch_warnings():
         if not updated:  # torch warns when the first update is skipped; the loop says so itself
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)`", UserWarning)
@@ -131,7 +129,7 @@ def accumulate_with_oom_backoff(
     stop=None,
     n_target: int | None = None,
     graph=None,
-    replicated=None,
+    grad_buffer=None,
 ):
     """accumulate_gradients, halving the micro-batch (doubling oom.split) on out-of-memory and retrying the
     same data, at most cfg.max_oom_halvings times in the run.
@@ -139,12 +137,12 @@ def accumulate_with_oom_backoff(
     Several ranks (`ddp`): every rank runs its micro-batches (a rank out of memory stops at that micro-batch)
     and then all agree, in one all-reduce on the CPU, whether any ran out; if one did, all drop their
     gradients and halve together, so the effective batch stays the same on every rank. Otherwise
-    `replicated` (trainer.infra.distributed.ReplicatedGradients) sums the gradients over ranks. Under FSDP2 a
+    `grad_buffer` (trainer.infra.distributed.GradientBuffer) sums the gradients over ranks. Under FSDP2 a
     rank's micro-step is full of collectives the others wait in: there is no such point, and the run stops."""
     while True:
         out_of_memory = False
-        if replicated is not None:
-            replicated.attach()
+        if grad_buffer is not None:
+            grad_buffer.attach()
         try:
             result = accumulate_gradients(
                 model, group, oom.split, stop, n_target, graph, cfg.fsdp_sync_each_micro_batch
@@ -160,8 +158,8 @@ def accumulate_with_oom_backoff(
             out_of_memory = True  # handled below, outside the except block, so the traceback's tensors go
         failed_ranks = distributed.ranks_where(out_of_memory)
         if not failed_ranks:
-            if replicated is not None and result is not None:
-                replicated.all_reduce()
+            if grad_buffer is not None and result is not None:
+                grad_buffer.all_reduce()
             return result
         if graph is not None:  # its memory pool holds a micro-step's activations; halves are a new shape
             graph.reset()
@@ -192,12 +190,12 @@ def accumulate_with_oom_backoff(
 
 
 def probe_memory(
-    train_module, cfg: TrainConfig, plan: RunPlan, oom: OomBackoff, device, replicated=None
+    train_module, cfg: TrainConfig, plan: RunPlan, oom: OomBackoff, device, grad_buffer=None
 ) -> None:
     """oom_probe: before training, one forward+backward on each of the largest micro-batch shapes the loader
     can yield (random ids), through the OOM back-off, so a budget that does not fit is halved now rather than
-    hours into the run (`replicated`: ddp's gradient buffer, where the gradients go as in training). The
-    gradients are dropped."""
+    hours into the run (`grad_buffer`: the gradients' buffer, where they go as in training). The gradients
+    are dropped."""
     shapes = probe_shapes(cfg, plan)
     g = torch.Generator().manual_seed(0)
     for rows, src, tgt in shapes:
@@ -212,7 +210,7 @@ def probe_memory(
             batch["encoder_positions"] = torch.arange(src).expand(rows, src).contiguous()
             batch["decoder_positions"] = torch.arange(tgt).expand(rows, tgt).contiguous()
         batches = [to_device(batch, device)]
-        accumulate_with_oom_backoff(train_module, batches, oom, cfg, plan, step=0, replicated=replicated)
+        accumulate_with_oom_backoff(train_module, batches, oom, cfg, plan, step=0, grad_buffer=grad_buffer)
         train_module.zero_grad(set_to_none=True)
     memory.free_memory()
     log.info(

@@ -139,7 +139,7 @@ class Run:
     # the HF model (checkpoints, generation); with LoRA PEFT's model around it (trainer.model.lora)
     model: Any
     train_module: Any  # what the loss is computed through: the model, or FSDP2 around it
-    replicated: Any  # trainer.infra.distributed.ReplicatedGradients (ddp over several ranks), or None
+    grad_buffer: Any  # trainer.infra.distributed.GradientBuffer, or None under FSDP2
     optimizer: Any
     scheduler: Any
     reporter: Reporter
@@ -247,7 +247,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
         if cfg.push_to_hub and rank == 0:  # closed before the reporter: its last message can still go out
             hub = HubUploader(cfg, output_dir, reporter)
             exits.callback(hub.close)
-        model, train_module, replicated, optimizer, scheduler = build_model(
+        model, train_module, grad_buffer, optimizer, scheduler = build_model(
             cfg, plan, trained, data, device, state, resume_from
         )
         run = Run(
@@ -260,7 +260,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             is_main=rank == 0,
             model=model,
             train_module=train_module,
-            replicated=replicated,
+            grad_buffer=grad_buffer,
             optimizer=optimizer,
             scheduler=scheduler,
             reporter=reporter,
@@ -598,7 +598,7 @@ def build_model(
         model = add_adapters(model, cfg)
     model.train()
     train_module = parallel.wrap(model, cfg, device)
-    replicated = distributed.replicated_gradients(model, cfg)
+    grad_buffer = distributed.gradient_buffer(train_module)
     if not distributed.is_sharded(train_module):  # FSDP acts on autograd's own gradient accumulation
         accumulate_weight_grads_in_place(model)
     optimizer = build_optimizer(model, cfg, device)
@@ -607,7 +607,7 @@ def build_model(
         ckpt.load_training_state(resume_from, model, optimizer, scheduler)
         log.info("resumed from step %d (%s)", state.step, resume_from)
     if cfg.oom_probe and device.type == "cuda" and not resume_from:
-        probe_memory(train_module, cfg, plan, state.oom, device, replicated)
+        probe_memory(train_module, cfg, plan, state.oom, device, grad_buffer)
     if state.loader is not None:
         state.loader = resume.resume_position(
             resume_from,
@@ -619,7 +619,7 @@ def build_model(
         )
     state.world_size = distributed.world_size()
     state.rng = ckpt.rng_state()  # the RNG states at the step boundary, which a checkpoint stores
-    return model, train_module, replicated, optimizer, scheduler
+    return model, train_module, grad_buffer, optimizer, scheduler
 
 
 def micro_step_graph(cfg: TrainConfig, device: torch.device, model, train_module):
@@ -722,7 +722,7 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
                 stop,
                 n_target=current.counts.target_tokens,
                 graph=run.graph,
-                replicated=run.replicated,
+                grad_buffer=run.grad_buffer,
             )
         run.heartbeat.beat(state.step)
         if result is None:  # stop requested mid-step: the partial gradients are dropped
@@ -742,7 +742,7 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
                 *result,
                 max_grad_norm=cfg.max_grad_norm,
                 graph=run.graph,
-                replicated=run.replicated,
+                grad_buffer=run.grad_buffer,
             )
         state.loader = current.loader_after
         state.step += 1
