@@ -145,6 +145,27 @@ def test_checkpointed_blocks_replay_their_dropout_in_the_recompute(tiny_model_di
     assert other[0] != plain[0]
 
 
+def test_dropping_the_graphs_waits_for_a_replay_still_running(tiny_model_dir):
+    """reset() (before an evaluation, after running out of memory) gives the graphs' memory pool back to the
+    device: a replay still queued on the GPU would then run on unmapped memory (an illegal memory access,
+    at random). It waits for the GPU first."""
+    from trainer.run.cuda_graphs import WARMUP, MicroStepGraph
+
+    model = load(tiny_model_dir, dropout_rate=0.0)
+    loss_module = Seq2SeqLMLoss(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    graph = MicroStepGraph(lambda **b: loss_module(**b), params)
+    for b in micro_batches(WARMUP + 2):
+        graph.run(b, 1.0 / 1000)
+    assert graph.captures == 1
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead of the last replay
+    graph.run(micro_batches(1)[0], 1.0 / 1000)
+    assert not torch.cuda.current_stream().query()  # the replay is still queued
+    graph.reset()
+    assert torch.cuda.current_stream().query()  # it finished before the pool went back
+    assert graph.graph is None
+
+
 def test_the_optimizer_update_replays_as_a_graph_exactly_like_an_eager_step(tiny_model_dir):
     """Adafactor's update captured in the micro-step graph's pool: after a few steps (the host advancing the
     step counts, whose scalars the graph reads), one replayed update from given gradients writes the weights

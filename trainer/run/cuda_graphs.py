@@ -118,6 +118,12 @@ class MicroStepGraph:
     def reset(self) -> None:
         """Drop the graphs and their memory pool; the next micro-step captures again."""
         had_graph = self.graph is not None
+        if had_graph:
+            # The last replay may still be running on the current stream. The allocator waits only for the
+            # capture's stream before it unmaps the pool's memory (expandable segments), so a replay still
+            # in flight would read and write unmapped memory: an illegal memory access, at random, more
+            # often on a busy GPU.
+            torch.cuda.synchronize()
         self.graph, self.key, self.static, self.scale, self.loss = None, None, {}, None, None
         self.update_graph, self.update_key = None, None
         if had_graph:
