@@ -122,9 +122,10 @@ def variants(args, packed_rows: int) -> dict[str, Variant]:
 
     preset = preset_optimization()
     warmup = max(1, round(0.05 * args.steps))
-    schedule = f"lr {preset['learning_rate']:g} {preset['lr_scheduler_type']}" + (
-        f", warm-up {preset['warmup_steps']}" if preset.get("warmup_steps") else ""
-    )
+    schedule = f"lr {preset['learning_rate']:g} {preset['lr_scheduler_type']}"
+    preset_warmup = preset.get("warmup_steps") or 0  # below 1: a share of the steps
+    if preset_warmup:
+        schedule += f", warm-up {preset_warmup:.0%}" if preset_warmup < 1 else f", warm-up {preset_warmup}"
     adamw = dict(
         optimizer="adamw", learning_rate=args.adamw_lr, lr_scheduler_type="linear", warmup_steps=warmup
     )
