@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-# Where each gradient starts in GradientBuffer' buffer: as the caching allocator aligns its blocks, so
+# Where each gradient starts in a GradientBuffer: as the caching allocator aligns its blocks, so
 # that the matmuls writing into them and the Adafactor kernels (16-byte vector loads) see what they would see
 # for gradients of their own.
 GRADIENT_ALIGNMENT_BYTES = 512
