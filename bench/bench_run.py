@@ -92,6 +92,18 @@ def write_data(out: Path, records, shape: str) -> tuple[Path, Path]:
     return data, model_dir
 
 
+def without_dropout(model_dir: Path, out: Path) -> Path:
+    """`model_dir` with dropout off, as the new directory `out`: its files linked, its config rewritten. A
+    step's loss and gradients then depend on the weights and the records alone."""
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    (out / "config.json").write_text(json.dumps(config | {"dropout_rate": 0.0}), encoding="utf-8")
+    return out
+
+
 def mean_lengths(records) -> tuple[float, float]:
     """Mean source and target length of `records` (</s> included)."""
     return (

@@ -20,12 +20,13 @@ equally good bf16 computations do, which is what their losses do after a few ste
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench_run import without_dropout
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO_BATCHES = 16  # in all; 8 per rank under FSDP2
@@ -84,17 +85,6 @@ def gradients(model_dir: str, mode: str, device_name: str, out: str) -> None:
     if rank == 0:
         torch.save(grads, out)
     distributed.destroy()
-
-
-def without_dropout(model_dir: Path, out: Path) -> Path:
-    """`model_dir` with dropout off, in `out`: its files linked, its config rewritten."""
-    out.mkdir()
-    for f in model_dir.iterdir():
-        if f.name != "config.json":
-            (out / f.name).symlink_to(f.resolve())
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    (out / "config.json").write_text(json.dumps(config | {"dropout_rate": 0.0}), encoding="utf-8")
-    return out
 
 
 def relative_error(got: dict, want: dict) -> float:

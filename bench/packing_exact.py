@@ -24,14 +24,13 @@ import argparse
 import dataclasses
 import json
 import math
-import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from bench_run import preset_optimization
+from bench_run import preset_optimization, without_dropout
 
 MICRO_BATCHES = {"padded_a": 2, "padded_b": 3}
 WITHIN = 2.0  # a run's mean distance at most this many times the control's
@@ -157,12 +156,7 @@ def main() -> int:
             parser.error("--model and --data are needed (or --tiny)")
         else:
             model_dir, data = Path(args.model), Path(args.data)
-        no_dropout = Path(tmp) / "no-dropout"  # a step's loss then depends on weights and records alone
-        shutil.copytree(model_dir, no_dropout)
-        model_config = json.loads((no_dropout / "config.json").read_text(encoding="utf-8"))
-        (no_dropout / "config.json").write_text(
-            json.dumps(model_config | {"dropout_rate": 0.0}), encoding="utf-8"
-        )
+        no_dropout = without_dropout(Path(model_dir), Path(tmp) / "no-dropout")
         cfg = config(no_dropout, data, args.tiny, args.rows)
         device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
         ways = step_batches(cfg, args.steps)
