@@ -21,14 +21,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import bench_run
+
 REPO = Path(__file__).resolve().parent.parent
+# The preset's optimizer, learning rate, schedule, Kahan updates and clipping, as the file sets them.
 PRESET_SETTINGS = [
     "dtype=bfloat16",
-    "optimizer=adafactor",
-    "bf16_update=kahan",
-    "learning_rate=1e-3",
-    "lr_scheduler_type=linear",
-    "warmup_steps=0.05",
+    *(f"{key}={value}" for key, value in bench_run.preset_optimization().items()),
     "packing=true",
     "eval_steps=100",
     "save_steps=100",

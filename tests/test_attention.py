@@ -13,7 +13,7 @@ import triton.language as tl
 
 from trainer.kernels import attention
 from trainer.kernels.attention import t5_attention
-from trainer.kernels.dropout import uniform16
+from trainer.kernels.dropout import dropout_keep, dropout_resolution, uniform16
 from trainer.model.fused_t5 import use_triton_attention
 
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16
@@ -144,8 +144,25 @@ def _uniform16_kernel(Seed, Out, BLOCK: tl.constexpr):
 
 def random_numbers(seed: int, n: int = 1 << 16) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.int32, device=DEVICE)
-    _uniform16_kernel[(n // 1024,)](torch.tensor([seed], device=DEVICE), out, BLOCK=1024)
+    _uniform16_kernel[(n // 4096,)](torch.tensor([seed], device=DEVICE), out, BLOCK=4096)
     return out.cpu().double()
+
+
+@triton.jit
+def _keep_kernel(Seed, Out, dropout_p, BLOCK: tl.constexpr):
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Out + index, dropout_keep(tl.load(Seed), index, dropout_p).to(tl.int32))
+
+
+@pytest.mark.parametrize("p", [0.1, dropout_resolution(0.1), 0.5, 1 / 65536, 0.0])
+def test_dropout_keeps_the_elements_whose_number_reaches_p(p):
+    # Every dropout in the kernels keeps u >= p * 2**16, so that the keep rate is exactly 1 - p for the
+    # rounded p they get; and for any other p. 2**20 numbers: each 16-bit value ~16 times, the ones next to
+    # the threshold included.
+    n = 1 << 20
+    keep = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    _keep_kernel[(n // 4096,)](torch.tensor([777], device=DEVICE), keep, p, BLOCK=4096)
+    assert torch.equal(keep.cpu().bool(), random_numbers(777, n) >= p * 65536)
 
 
 def test_dropout_random_numbers_are_uniform_and_uncorrelated():
