@@ -95,7 +95,7 @@ def preset_values() -> dict:
 VARIANTS = {
     "preset": preset_values(),  # what `docker compose up` runs
     # The preset with AdamW (Kahan bf16 weights) at the quality benchmark's rate: 10 GiB of moments more, so
-    # the memory plan recomputes most blocks at 32 GiB (README: the optimizer and its learning rate).
+    # the memory plan recomputes most blocks at 32 GiB (docs/quality.md).
     "preset_adamw": preset_values() | {"optimizer": "adamw", "learning_rate": 3e-4},
     "ours": {},
     "ours_compile": {"torch_compile": True},
