@@ -52,10 +52,10 @@ class MfuMeasurement:
 
 
 # The MFU behind every time prediction: the rtx5090 preset (FLAN-T5-XL, packed rows in 8k-token micro-batches
-# x 8 replayed as CUDA graphs, Adafactor + Kahan bf16) on an H100 capped at 32 GiB, 48,534 real tokens/s =
-# 41.4% of 989 TFLOP/s. Update both fields together after a new measurement.
+# x 8 replayed as CUDA graphs, Adafactor + Kahan bf16) on an H100 capped at 32 GiB, 49,566 real tokens/s =
+# 42.3% of 989 TFLOP/s. Update both fields together after a new measurement.
 MEASURED_MFU = MfuMeasurement(
-    mfu=0.414,
+    mfu=0.423,
     how="`python3 bench/train_throughput.py --variants preset` on an H100 at 32 GiB, 2026-11-26",
 )
 ASSUMED_RECORDS = 1_000_000  # the epoch the prediction describes when the data cannot be read
