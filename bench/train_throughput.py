@@ -92,11 +92,12 @@ def preset_values() -> dict:
     return {k: values[k] for k in PRESET_KEYS if k in values}
 
 
+PRESET_VALUES = preset_values()
 VARIANTS = {
-    "preset": preset_values(),  # what `docker compose up` runs
+    "preset": PRESET_VALUES,  # what `docker compose up` runs
     # The preset with AdamW (Kahan bf16 weights) at the quality benchmark's rate: 10 GiB of moments more, so
     # the memory plan recomputes most blocks at 32 GiB (docs/quality.md).
-    "preset_adamw": preset_values() | {"optimizer": "adamw", "learning_rate": 3e-4},
+    "preset_adamw": PRESET_VALUES | {"optimizer": "adamw", "learning_rate": 3e-4},
     "ours": {},
     "ours_compile": {"torch_compile": True},
     "ours_empty_cache_every_step": {"empty_cache_steps": 1},
