@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -15,12 +16,13 @@ SERVING = re.compile(r"serving .* on (http://127\.0\.0\.1:\d+) ")
 class ServeProcess:
     """`python -m trainer serve --model MODEL --port 0 ARGS...`; `url` once it listens, `log` its output."""
 
-    def __init__(self, model: Path, *args: str, timeout: float = 300.0):
+    def __init__(self, model: Path, *args: str, timeout: float = 300.0, env: dict[str, str] | None = None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainer", "serve", "--model", str(model), "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         self.lines: list[str] = []
         self._ready = threading.Event()

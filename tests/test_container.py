@@ -606,6 +606,11 @@ def test_serve_service_is_opt_in_and_serves_the_final_model_on_this_machine():
     )
     assert serve["ports"] == [f"127.0.0.1:8000:{argv[argv.index('--port') + 1]}"]
     assert _service(env={"SERVE_PORT": "9000"}, name="serve")["ports"] == ["127.0.0.1:9000:8000"]
+    # the key for a shared page comes from .env, and only it: no W&B key or Hub token in the server
+    assert serve["environment"] == ["SERVE_API_KEY="] and "env_file" not in serve
+    assert _service(env={"SERVE_API_KEY": "k" * 32}, name="serve")["environment"] == [
+        "SERVE_API_KEY=" + "k" * 32
+    ]
     devices = serve["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert serve["healthcheck"]["test"][:2] == ["CMD", "python"]

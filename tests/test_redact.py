@@ -17,6 +17,7 @@ SECRETS = {
     "HUGGING_FACE_HUB_TOKEN": "hf_OtherSecretToken987654",
     "DISCORD_WEBHOOK_URL": "https://discord.com/api/webhooks/123456789/Abc-DEF_ghi.jkl+mno/p",
     "DISCORD_WEBHOOK": "https://discordapp.com/api/webhooks/42424242/legacyTokenValue",
+    "SERVE_API_KEY": "sk-serve-0123456789abcdef",
 }
 
 

@@ -27,6 +27,7 @@ from trainer.eval.generate import (
     DEFAULT_BATCH_TOKENS,
     UsageError,
     add_model_arguments,
+    batch_token_budget,
     decoding_given,
     decoding_settings,
     generate_rows,
@@ -210,14 +211,15 @@ def run_evaluate(args: argparse.Namespace) -> int:
         )
     model = load_for_generation(model_dir, args.device)
     started = time.monotonic()
-    loss = eval_loss(model, record_batches(chosen, args.max_batch_tokens), next(model.parameters()).device)
+    # the loss's batches hold logits (32k vocabulary x fp32 a token): the default budget unless one is given
+    loss_batches = record_batches(chosen, args.max_batch_tokens or DEFAULT_BATCH_TOKENS)
+    loss = eval_loss(model, loss_batches, next(model.parameters()).device)
     log.info("eval loss %.4f over %d records", loss, len(chosen))
     decoding, said = decoding_settings(model, template, given)
     log.info("%s", said)
     torch.manual_seed(args.seed)
-    scores, rows = generation_eval(
-        model, model_dir.tokenizer_file, template, chosen, decoding, args.max_batch_tokens
-    )
+    budget = batch_token_budget(model, args.max_batch_tokens)
+    scores, rows = generation_eval(model, model_dir.tokenizer_file, template, chosen, decoding, budget)
     metrics = {"loss": loss, **scores}
     log.info("evaluated %d records in %.1f s", len(rows), time.monotonic() - started)
     print(format_table(metrics, len(rows)))

@@ -3,12 +3,13 @@
 The model directory carries its prompt template (`recipe_template.json`, trainer/data/prompt.py); a plain
 Hugging Face model directory without one is prompted with the task preset. Prompts are rendered and tokenized
 by the training loader's Rust code (`RecipeRenderer`), from recipe files in any format the loader reads or
-from `--ingredients`/`--title`. Generation is batched by length under a token budget (longest prompts first,
-so a budget that does not fit fails at once), in bf16 on a GPU, with the KV cache; rows come out in input
-order. Decoding options take Hugging Face's names; what is not given comes from the model's generation_config.
+from `--ingredients`/`--title`. Generation runs on the decoding engine (trainer.eval.decoding), in bf16 on a
+GPU, as many prompts at once as a budget of cache tokens holds; beam search on Hugging Face's `generate`.
+Rows come out in input order. Decoding options take Hugging Face's names; what is not given comes from the
+model's generation_config.
 
-`generate_ids` is the batched generation itself (the training loop's evaluation and bench/generate_speed.py
-use it); `generate_rows` adds decoding and reading the recipes back.
+`generate_ids` is the batched generation itself (the training loop's evaluation, `trainer serve`'s beam
+search and bench/generate_speed.py use it); `generate_rows` adds decoding and reading the recipes back.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -42,7 +44,11 @@ log = logging.getLogger(__name__)
 
 # Hugging Face GenerationConfig names -> (type, Hugging Face's default, help); `--num-beams` works too.
 DECODING_OPTIONS: dict[str, tuple[type, Any, str]] = {
-    "num_beams": (int, 1, "beams per prompt (1: greedy or sampling)"),
+    "num_beams": (
+        int,
+        1,
+        "beams per prompt (1: greedy or sampling; beam search runs on Hugging Face's generate)",
+    ),
     "max_new_tokens": (
         int,
         None,
@@ -55,9 +61,12 @@ DECODING_OPTIONS: dict[str, tuple[type, Any, str]] = {
     "no_repeat_ngram_size": (int, 0, "never repeat an n-gram of this size (0: off)"),
     "repetition_penalty": (float, 1.0, "penalise tokens already generated (1.0: off)"),
 }
-# rows x beams x (prompt + new tokens) per batch. FLAN-T5-XL keeps ~192 KiB of KV cache per token (24 decoder
-# layers x self and cross attention x keys and values x 2048 x bf16): 32k tokens are ~6 GiB.
+# Cache tokens decoded at once: rows x beams x (prompt + new tokens). FLAN-T5-XL keeps 192 KiB of cache per
+# token (24 decoder layers x keys and values x 2048 x bf16): 32k tokens are 6 GiB. Without --max-batch-tokens:
+# on a GPU what a share of its free memory holds, at most AUTO_BATCH_TOKENS_MAX; on the CPU the default.
 DEFAULT_BATCH_TOKENS = 32768
+AUTO_BATCH_TOKENS_MAX = 131072
+AUTO_FREE_MEMORY_SHARE = 0.5  # the rest: the encoder's activations as prompts join, the logits, fragmentation
 
 
 @dataclass(frozen=True)
@@ -129,10 +138,33 @@ def load_for_generation(model_dir: ModelDir, device: str | None = None):
 
 
 def prepare_for_generation(model):
-    """Eval mode and the KV cache on (training loads models with it off)."""
+    """Eval mode, the KV cache on (training loads models with it off), and the decoder's self-attention
+    projections packed for the decoding engine (trainer.model.t5_decoding.pack_self_attention)."""
+    from trainer.model.t5_decoding import pack_self_attention, supports_static_decoding
+
     model.eval()
     model.config.use_cache = True
+    if supports_static_decoding(model) is None:
+        pack_self_attention(model)
     return model
+
+
+def batch_token_budget(model, given: int | None) -> int:
+    """`given` (--max-batch-tokens), or without one: on a GPU the cache tokens that AUTO_FREE_MEMORY_SHARE of
+    its free memory holds (4,096 to AUTO_BATCH_TOKENS_MAX), on the CPU DEFAULT_BATCH_TOKENS."""
+    import torch
+
+    if given is not None:
+        return given
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return DEFAULT_BATCH_TOKENS
+    config = model.config
+    element = next(model.parameters()).element_size()
+    per_token = config.num_decoder_layers * 2 * config.num_heads * config.d_kv * element
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = int(AUTO_FREE_MEMORY_SHARE * free // per_token)
+    return max(4096, min(AUTO_BATCH_TOKENS_MAX, budget))
 
 
 def decoding_settings(model, template: PromptTemplate, given: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -177,17 +209,33 @@ def generate_ids(
     pad_id: int = 0,
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
     on_batch: Callable[[int], None] | None = None,
-    streamer: Callable[[list[int]], Any] | None = None,
     **generate_kwargs,
 ) -> list[list[int]]:
     """Generated ids (without the decoder start token, through `</s>`) for each prompt's ids, in input order.
 
-    Prompts are sorted by length and batched so that rows x beams x (prompt + max_new_tokens) stays under
-    `max_batch_tokens`; each batch is padded to its longest prompt and decoded with the KV cache.
-    `generate_kwargs` go to `model.generate` (Hugging Face names); `on_batch(rows)` follows each batch.
-    `streamer(batch)`: a transformers streamer for a batch whose rows are the prompts `batch` (indices, in
-    row order), given each decoding step's tokens as `model.generate` makes them (not with beam search).
+    `generate_kwargs` take `model.generate`'s names. Greedy and sampled decoding run on the decoding engine
+    (trainer.eval.decoding: static caches, CUDA graphs, continuous batching in as many rows as
+    `max_batch_tokens` holds at (longest prompt + max_new_tokens) tokens a row). What only Hugging Face's
+    `generate` does (beam search, constraints; sharded weights, `synced_gpus`) runs there, in batches sorted
+    by length under the same budget (rows x beams x (prompt + new tokens)). `on_batch(rows)` after rows
+    finish.
     """
+    import torch
+
+    from trainer.eval.decoding import Decoding, decode, static_decoding_reason
+
+    decoding = static_decoding_reason(model, generate_kwargs)
+    if isinstance(decoding, Decoding):
+        with torch.no_grad():
+            out, _ = decode(model, prompts, decoding, max_batch_tokens=max_batch_tokens, on_done=on_batch)
+        return out
+    log.info("decoding with Hugging Face's generate (%s)", decoding)
+    return hf_generate_ids(model, prompts, pad_id, max_batch_tokens, on_batch, generate_kwargs)
+
+
+def hf_generate_ids(model, prompts, pad_id, max_batch_tokens, on_batch, generate_kwargs) -> list[list[int]]:
+    """`generate_ids` through Hugging Face's `model.generate`: prompts sorted by length, in batches with rows
+    x beams x (prompt + max_new_tokens) under `max_batch_tokens`, each padded to its longest prompt."""
     import torch
 
     config = model.generation_config
@@ -208,8 +256,6 @@ def generate_ids(
             for row, i in enumerate(batch):
                 ids[row, : len(prompts[i])] = torch.as_tensor(prompts[i])
                 mask[row, : len(prompts[i])] = 1
-            if streamer is not None:
-                generate_kwargs["streamer"] = streamer(batch)
             seqs = model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True, **generate_kwargs
             )
@@ -352,8 +398,8 @@ def add_model_arguments(p: argparse.ArgumentParser, data_format: bool = True) ->
         "--max-batch-tokens",
         "--max_batch_tokens",
         type=int,
-        default=DEFAULT_BATCH_TOKENS,
-        help="rows x beams x (prompt + max_new_tokens) per batch (default %(default)s)",
+        help="cache tokens decoded at once, rows x beams x (prompt + max_new_tokens) (default: what half the "
+        f"GPU's free memory holds, at most {AUTO_BATCH_TOKENS_MAX:,}; {DEFAULT_BATCH_TOKENS:,} on the CPU)",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="random seed of sampling (and of evaluate's --max-records draw)"
@@ -374,6 +420,9 @@ def check_decoding(given: dict[str, Any], flag: str = "--") -> None:
     for name in ("num_beams", "max_new_tokens", "top_k"):
         if given.get(name, 1) < 1:
             raise UsageError(f"{flag}{name} must be >= 1, got {given[name]}")
+    for name in ("temperature", "repetition_penalty", "top_p"):  # NaN passes every comparison
+        if not math.isfinite(given.get(name, 1.0)):
+            raise UsageError(f"{flag}{name} must be a finite number, got {given[name]}")
     for name in ("temperature", "repetition_penalty"):
         if given.get(name, 1.0) <= 0:
             raise UsageError(f"{flag}{name} must be > 0, got {given[name]}")
@@ -387,7 +436,7 @@ def decoding_given(args: argparse.Namespace) -> dict[str, Any]:
     """The decoding options given on the command line, checked."""
     given = {name: getattr(args, name) for name in DECODING_OPTIONS if getattr(args, name) is not None}
     check_decoding(given)
-    if args.max_batch_tokens < 1:
+    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
         raise UsageError(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
     return given
 
@@ -399,7 +448,8 @@ def add_generate_parser(sub) -> None:
         help="generate recipes with a trained model",
         description="Generate recipes with a trained model, prompted as it was trained. Writes one JSON "
         "row per prompt: id, source, generated, title, ingredients, directions, and reference when the input "
-        "has one.",
+        "has one. Greedy and sampled decoding run on the trainer's decoding engine (static caches, CUDA "
+        "graphs, continuous batching); beam search runs on Hugging Face's generate.",
     )
     add_model_arguments(p)
     p.add_argument(
@@ -499,7 +549,12 @@ def run_generate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     started = time.monotonic()
     rows = generate_rows(
-        model, model_dir.tokenizer_file, model_dir.template, records, decoding, args.max_batch_tokens
+        model,
+        model_dir.tokenizer_file,
+        model_dir.template,
+        records,
+        decoding,
+        batch_token_budget(model, args.max_batch_tokens),
     )
     log.info("generated %d recipes in %.1f s", len(rows), time.monotonic() - started)
     write_jsonl(rows, args.output)

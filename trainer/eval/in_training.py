@@ -2,8 +2,9 @@
 scored as `trainer evaluate` scores them.
 
 `evaluate` returns the metrics under Hugging Face's names (`eval_loss`, `eval_rougeL`,
-`eval_ingredient_coverage`, ...: trainer.eval.recipe_metrics) and the first few generated recipes with their
-own scores; the loop logs them to the train log, W&B and Discord and keeps the best checkpoint by one of them.
+`eval_ingredient_coverage`, ...: trainer.eval.recipe_metrics; `eval_runtime`, its seconds) and the first few
+generated recipes with their own scores; the loop logs them to the train log, W&B and Discord and keeps the
+best checkpoint by one of them.
 
 The records generated for are a fixed sample (`load_generation_records`: `eval_generation_records` of them,
 drawn with the run's seed), the same at every evaluation, so that the metrics move with the model and not
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,16 +82,21 @@ def evaluate(
     default `model`). Collective under torchrun."""
     loss_module = model if loss_module is None else loss_module
     loss_module.eval()
+    started = time.perf_counter()
     try:
         stream.set_epoch(0)  # each rank its shard of the held-out batches, the same ones every time
         held_out = itertools.islice(stream, cfg.eval_max_batches)
         metrics = {"eval_loss": eval_loss(loss_module, held_out, device)}
+        generating = time.perf_counter()
         scores, samples = generation_scores(
             model, loss_module, records, cfg, template, tokenizer_file, max_batch_tokens
         )
     finally:
         loss_module.train()
     metrics.update({f"eval_{name}": value for name, value in scores.items()})
+    # Hugging Face's eval_runtime (seconds), and the generation's part of it
+    metrics["eval_runtime"] = time.perf_counter() - started
+    metrics["eval_generation_runtime"] = time.perf_counter() - generating
     return EvalResult(metrics, samples)
 
 

@@ -12,14 +12,18 @@
 The prompt is rendered and tokenized by the training loader's renderer from the model's recipe_template.json,
 as `trainer generate` does (`cli_record`), and decoded with its options (`decoding_settings`).
 
-Batching. One thread runs the model. It takes the first waiting request, collects those that arrive within
-`--batch-window-ms`, groups them by decoding options (one `model.generate` call needs one set), and runs each
-group through `trainer generate`'s batcher (`generate_ids`: sorted by length, padded batches under
-`--max-batch-tokens`). Streamed and whole requests share those batches: `model.generate` makes every row's
-next token at each step anyway, and a streamer (`RowStreamer`) hands each streamed row its own, so a page
-reading its recipe costs no batch slot of its own and keeps concurrent requests batched. (Beam search reorders
-its beams until the end: a streamed request with num_beams > 1 gets its recipe in one piece.) A batch runs to
-its end; requests that arrive meanwhile form the next one.
+Continuous batching. One thread runs the decoding engine (trainer.eval.decoding) in a loop: before each
+decoder step, waiting requests take free slots (the encoder runs for them together), every busy slot
+advances by one token, streamed requests get the text their token adds, and finished ones leave and free
+their slot. A request never waits for another's recipe to end; requests with different decoding options
+share the steps. Beam search is Hugging Face's `generate` (its beams reorder until the end): such a request
+runs alone between two steps and is answered in one piece. The queue of waiting requests is bounded
+(`--max-waiting`): a full server answers 503 with a Retry-After, at once.
+
+With SERVE_API_KEY in the environment, the page and the API want it: `Authorization: Bearer KEY` from API
+clients, or HTTP Basic with the key as the password from a browser (which asks once and sends it with the
+page's own requests); /health answers without it (health checks), with its status alone. The key is never
+logged.
 
 Why Starlette on uvicorn: the API is one JSON endpoint, a stream and a page. Starlette (ASGI, BSD, stable
 1.x, what FastAPI, vLLM's and Gradio's servers are built on) gives routing and streamed responses, and uvicorn
@@ -33,10 +37,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import contextlib
 import difflib
+import hmac
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -53,6 +61,7 @@ from trainer.eval.generate import (
     ModelDir,
     UsageError,
     add_model_arguments,
+    batch_token_budget,
     check_decoding,
     cli_record,
     decoding_given,
@@ -68,18 +77,19 @@ from trainer.eval.serve_page import page
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024  # a request is a list of ingredients and a few numbers
-MAX_NEW_TOKENS = 2048  # a request's max_new_tokens at most (each costs a decoding step of the whole batch)
 MAX_BEAMS = 8
 REQUEST_FIELDS = ("ingredients", "title", "stream")
 DEFAULT_PORT = 8000
+API_KEY_ENV = "SERVE_API_KEY"
 
 
 class BadRequest(ValueError):
     """A request the server refuses: one line, answered with `status`."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers
 
 
 @dataclass
@@ -88,10 +98,14 @@ class Job:
     recipe is written (streamed requests), then ("done", row) or ("error", message)."""
 
     record: dict[str, Any]  # rendered by the loader: source, source_ids
-    decoding: dict[str, Any]  # model.generate's keyword arguments
+    kwargs: dict[str, Any]  # model.generate's keyword arguments
+    decoding: Any  # the engine's trainer.eval.decoding.Decoding, or why only Hugging Face's generate runs it
     stream: bool
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    ids: list[int] = field(default_factory=list)  # the tokens so far (streamed requests)
+    sent: str = ""  # the text sent so far
+    cancelled: bool = False  # the client went away (or was answered): nothing more to make
 
     def send(self, kind: str, value: Any) -> None:
         """From the model thread: an event for the request's coroutine."""
@@ -99,107 +113,156 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
 
-class RowStreamer:
-    """A transformers streamer for a batch of rows (`generate_ids`' streamer): each decoding step gives it
-    every row's next token; a streamed row's job receives the text its tokens add, decoded as a whole so far
-    (SentencePiece joins pieces across tokens). Rows stop at their end-of-sequence token."""
-
-    def __init__(self, jobs: list[Job], tokenizer, eos_ids: set[int]):
-        self.jobs, self.tokenizer, self.eos_ids = jobs, tokenizer, eos_ids
-        self.ids: list[list[int]] = [[] for _ in jobs]
-        self.sent = ["" for _ in jobs]
-        self.finished = [not job.stream for job in jobs]
-
-    def put(self, value) -> None:
-        if value.dim() > 1:  # the decoder's start tokens, before the first step
-            return
-        for row, token in enumerate(value.tolist()):
-            if self.finished[row]:
-                continue
-            if token in self.eos_ids:
-                self.finished[row] = True
-                continue
-            self.ids[row].append(token)
-            text = self.tokenizer.decode(self.ids[row], skip_special_tokens=True)
-            # A piece that changes the text before it (rare) waits: the "done" event has the whole recipe.
-            if text.startswith(self.sent[row]) and len(text) > len(self.sent[row]):
-                self.jobs[row].send("token", text[len(self.sent[row]) :])
-                self.sent[row] = text
-
-    def end(self) -> None:
-        pass
-
-
 class Batcher:
-    """The model thread: requests in, batches through generate_ids, rows (and streamed tokens) out."""
+    """The model thread: requests in, the decoding engine's steps, streamed tokens and rows out."""
 
-    def __init__(self, model, model_dir: ModelDir, max_batch_tokens: int, window_s: float):
+    def __init__(
+        self, model, model_dir: ModelDir, max_batch_tokens: int, max_new_tokens: int, max_waiting: int
+    ):
         from tokenizers import Tokenizer
+
+        from trainer.eval.decoding import DecodingEngine
 
         self.model, self.model_dir = model, model_dir
         self.tokenizer = Tokenizer.from_file(os.fspath(model_dir.tokenizer_file))
-        self.max_batch_tokens, self.window_s = max_batch_tokens, window_s
-        eos = model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.max_batch_tokens, self.max_new_tokens = max_batch_tokens, max_new_tokens
         self.pad_id = model.config.pad_token_id or 0
-        self.waiting: queue.Queue[Job] = queue.Queue()
-        self.batches = 0
+        source = model_dir.template.max_source_length
+        slots = max(1, max_batch_tokens // (source + max_new_tokens + 1))
+        self.engine = DecodingEngine(
+            model, slots=slots, max_source_tokens=source, max_new_tokens=max_new_tokens
+        )
+        log.info(
+            "decoding: %d requests at a time (prompts of up to %d tokens, %d new tokens), caches %.2f GiB%s",
+            slots,
+            source,
+            max_new_tokens,
+            self.engine.cache_bytes / 2**30,
+            ", CUDA graphs" if self.engine.use_graphs else "",
+        )
+        self.waiting: queue.Queue[Job] = queue.Queue(maxsize=max_waiting)
+        self.active: dict[int, Job] = {}  # slot -> its request
         self.prompts = 0
+        self.most_at_once = 0  # the most requests that shared a step
+        self.finished_at: list[float] = []  # when recent requests finished (the 503's Retry-After)
         self._thread = threading.Thread(target=self._run, name="serve-model", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
-        self.waiting.put(job)
+    def submit(self, job: Job) -> bool:
+        """Queue `job`; False when the queue is full."""
+        try:
+            self.waiting.put_nowait(job)
+        except queue.Full:
+            return False
+        return True
+
+    def retry_after_s(self) -> int:
+        """Seconds until the queue has probably drained, from the last minute's pace (1 to 60)."""
+        now = time.monotonic()
+        recent = [t for t in self.finished_at if now - t < 60]
+        per_s = len(recent) / 60 if recent else 0.0
+        return int(min(60, max(1, math.ceil(self.waiting.qsize() / per_s)))) if per_s else 5
 
     def _run(self) -> None:
         while True:
-            jobs = [self.waiting.get()]
-            end = time.monotonic() + self.window_s
-            while (left := end - time.monotonic()) > 0:
-                try:
-                    jobs.append(self.waiting.get(timeout=left))
-                except queue.Empty:
-                    break
-            while True:  # and whatever else is already waiting
-                try:
-                    jobs.append(self.waiting.get_nowait())
-                except queue.Empty:
-                    break
-            groups: dict[str, list[Job]] = {}
-            for job in jobs:
-                groups.setdefault(json.dumps(job.decoding, sort_keys=True), []).append(job)
-            for group in groups.values():
-                self._generate(group)
+            for job in self._admit():
+                self._generate_with_hf(job)
+            if not self.active:
+                continue
+            self.most_at_once = max(self.most_at_once, len(self.active))
+            try:
+                self.engine.step()
+                tokens, done, _ = self.engine.tokens_now()
+            except Exception as e:  # out of memory and the like: these requests fail, not the server
+                self._fail(list(self.active), e)
+                continue
+            for slot, job in list(self.active.items()):
+                if job.cancelled:
+                    self.engine.release(slot)
+                    del self.active[slot]
+                    continue
+                if job.stream:  # every busy slot made one token (an end-of-sequence token adds no text)
+                    self._stream(job, tokens[slot])
+                if done[slot]:
+                    self._finish(slot, job)
 
-    def _generate(self, jobs: list[Job]) -> None:
-        decoding = dict(jobs[0].decoding)
-        streamer = None
-        if any(job.stream for job in jobs) and decoding.get("num_beams", 1) == 1:
+    def _admit(self) -> list[Job]:
+        """Start waiting requests in free slots (waiting for one when none runs); returns the requests only
+        Hugging Face's generate runs (beam search)."""
+        free = self.engine.free_slots()
+        starting: list[Job] = []
+        others: list[Job] = []
+        while len(starting) < len(free):
+            try:
+                job = self.waiting.get(block=not self.active and not starting and not others)
+            except queue.Empty:
+                break
+            (others if isinstance(job.decoding, str) else starting).append(job)
+            if others:
+                break  # run it before taking more
+        if starting:
+            slots = free[: len(starting)]
+            try:
+                self.engine.start(
+                    slots, [job.record["source_ids"] for job in starting], [job.decoding for job in starting]
+                )
+            except Exception as e:
+                for job in starting:
+                    job.send("error", _failure(e))
+                log.warning("generation failed for %d request(s): %s", len(starting), _failure(e))
+                return others
+            self.active.update(zip(slots, starting, strict=True))
+        return others
 
-            def streamer(batch: list[int]) -> RowStreamer:
-                return RowStreamer([jobs[i] for i in batch], self.tokenizer, self.eos_ids)
+    def _stream(self, job: Job, token: int) -> None:
+        """Send a streamed request the text its newest token adds (the whole so far decoded at once:
+        SentencePiece joins pieces across tokens)."""
+        job.ids.append(token)
+        text = self.tokenizer.decode(job.ids, skip_special_tokens=True)
+        # A piece that changes the text before it (rare) waits: the "done" event has the whole recipe.
+        if text.startswith(job.sent) and len(text) > len(job.sent):
+            job.send("token", text[len(job.sent) :])
+            job.sent = text
 
+    def _finish(self, slot: int, job: Job) -> None:
+        ids = self.engine.take(slot)
+        del self.active[slot]
+        self._answer(job, ids)
+
+    def _answer(self, job: Job, ids: list[int]) -> None:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        parsed = parse_recipe(text, self.model_dir.template.target_template)
+        fields = parsed.fields() if parsed else {"title": None, "ingredients": None, "directions": None}
+        job.send("done", {"source": job.record["source"], "generated": text, **fields})
+        self.prompts += 1
+        now = time.monotonic()
+        self.finished_at = [t for t in self.finished_at if now - t < 60] + [now]
+
+    def _fail(self, slots: list[int], error: Exception) -> None:
+        log.warning("generation failed for %d request(s): %s", len(slots), _failure(error))
+        for slot in slots:
+            self.engine.release(slot)
+            self.active.pop(slot).send("error", _failure(error))
+
+    def _generate_with_hf(self, job: Job) -> None:
+        """A request only Hugging Face's generate runs (beam search), alone, in one piece."""
         try:
-            ids = generate_ids(
+            (ids,) = generate_ids(
                 self.model,
-                [job.record["source_ids"] for job in jobs],
+                [job.record["source_ids"]],
                 pad_id=self.pad_id,
                 max_batch_tokens=self.max_batch_tokens,
-                streamer=streamer,
-                **decoding,
+                **job.kwargs,
             )
-        except Exception as e:  # out of memory, a bad option combination: these requests fail, not the server
-            log.warning("generation failed for %d request(s): %s: %s", len(jobs), type(e).__name__, e)
-            for job in jobs:
-                job.send("error", f"generation failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+        except Exception as e:
+            log.warning("generation failed for 1 request: %s", _failure(e))
+            job.send("error", _failure(e))
             return
-        self.batches += 1
-        self.prompts += len(jobs)
-        template = self.model_dir.template.target_template
-        for job, text in zip(jobs, self.tokenizer.decode_batch(ids, skip_special_tokens=True), strict=True):
-            parsed = parse_recipe(text, template)
-            fields = parsed.fields() if parsed else {"title": None, "ingredients": None, "directions": None}
-            job.send("done", {"source": job.record["source"], "generated": text, **fields})
+        self._answer(job, ids)
+
+
+def _failure(e: Exception) -> str:
+    return f"generation failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
 
 def _typed(name: str, value: Any, kind: type) -> Any:
@@ -222,14 +285,17 @@ class RecipeServer:
     """What the routes share: the model directory, its renderer, the server's decoding defaults, the
     batcher."""
 
-    def __init__(self, model_dir: ModelDir, batcher: Batcher, defaults: dict[str, Any], device: str):
+    def __init__(
+        self, model_dir: ModelDir, batcher: Batcher, defaults: dict[str, Any], device: str, api_key: str = ""
+    ):
         self.model_dir, self.batcher, self.defaults, self.device = model_dir, batcher, defaults, device
+        self.api_key = api_key
         self.renderer = model_dir.template.renderer(model_dir.tokenizer_file)
         self.needs = prompt_fields(model_dir.template)
 
-    def parse(self, body: bytes) -> tuple[dict[str, Any], dict[str, Any], bool]:
-        """A request body as (the rendered prompt, model.generate's options, whether to stream), or
-        BadRequest naming what is wrong."""
+    def parse(self, body: bytes) -> tuple[dict[str, Any], dict[str, Any], Any, bool]:
+        """A request body as (the rendered prompt, model.generate's options, the engine's Decoding or why
+        Hugging Face's generate runs it, whether to stream), or BadRequest naming what is wrong."""
         try:
             request = json.loads(body)
         except ValueError as e:  # also a body that is not UTF-8
@@ -266,14 +332,36 @@ class RecipeServer:
             record = cli_record(self.renderer, self.model_dir.template, title, ingredients, flag="")
         except UsageError as e:
             raise BadRequest(str(e)) from None
-        if given.get("max_new_tokens", 0) > MAX_NEW_TOKENS:
-            raise BadRequest(
-                f"max_new_tokens must be <= {MAX_NEW_TOKENS} here, got {given['max_new_tokens']}"
-            )
         if given.get("num_beams", 1) > MAX_BEAMS:
             raise BadRequest(f"num_beams must be <= {MAX_BEAMS}, got {given['num_beams']}")
-        decoding, _ = decoding_settings(self.batcher.model, self.model_dir.template, given)
-        return record, decoding, stream
+        from trainer.eval.decoding import Decoding
+
+        kwargs, _ = decoding_settings(self.batcher.model, self.model_dir.template, given)
+        decoding = Decoding.of(self.batcher.model, kwargs)
+        limit = self.batcher.max_new_tokens
+        new_tokens = decoding.max_new_tokens if isinstance(decoding, Decoding) else kwargs["max_new_tokens"]
+        if new_tokens > limit:
+            raise BadRequest(
+                f"max_new_tokens must be <= {limit} on this server (start it with --max_new_tokens N for "
+                f"longer recipes), got {new_tokens}"
+            )
+        return record, kwargs, decoding, stream
+
+    def authorized(self, request) -> bool:
+        """Whether `request` carries the API key (always, when none is set): `Authorization: Bearer KEY`, or
+        HTTP Basic with the key as the password (any user name)."""
+        if not self.api_key:
+            return True
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        given = value.strip()
+        if scheme.lower() == "basic":
+            try:
+                given = base64.b64decode(given, validate=True).decode("utf-8").partition(":")[2]
+            except (binascii.Error, UnicodeDecodeError):
+                return False
+        elif scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(given.encode(), self.api_key.encode())
 
     def app(self):
         """The Starlette application."""
@@ -283,39 +371,64 @@ class RecipeServer:
         from starlette.routing import Route
 
         html = page(self.model_dir.template, self.needs, str(self.model_dir.path))
+        unauthorized = JSONResponse(
+            {"error": f"this server wants its API key ({API_KEY_ENV}): Authorization: Bearer KEY"},
+            status_code=401,
+            headers={"WWW-Authenticate": 'Basic realm="trainer serve", charset="UTF-8"'},
+        )
 
         async def index(request: Request) -> Response:
-            return HTMLResponse(html)
+            return HTMLResponse(html) if self.authorized(request) else unauthorized
 
         async def health(request: Request) -> Response:
+            if not self.authorized(request):
+                return JSONResponse({"status": "ok"})
+            engine = self.batcher.engine
             return JSONResponse(
                 {
                     "status": "ok",
                     "model": str(self.model_dir.path),
                     "device": self.device,
                     "waiting": self.batcher.waiting.qsize(),
-                    "batches": self.batcher.batches,
+                    "decoding": engine.busy(),
+                    "slots": engine.slots,
+                    "steps": engine.steps,
+                    "most_at_once": self.batcher.most_at_once,
                     "prompts": self.batcher.prompts,
                 }
             )
 
         async def generate(request: Request) -> Response:
+            if not self.authorized(request):
+                return unauthorized
             try:
-                record, decoding, stream = self.parse(await read_body(request))
+                record, kwargs, decoding, stream = self.parse(await read_body(request))
             except BadRequest as e:
                 return JSONResponse({"error": str(e)}, status_code=e.status)
-            job = Job(record, decoding, stream, asyncio.get_running_loop())
-            self.batcher.submit(job)
+            job = Job(record, kwargs, decoding, stream, asyncio.get_running_loop())
+            if not self.batcher.submit(job):
+                wait = self.batcher.retry_after_s()
+                return JSONResponse(
+                    {
+                        "error": f"the server is full ({self.batcher.waiting.maxsize} requests waiting): "
+                        f"retry in {wait} s"
+                    },
+                    status_code=503,
+                    headers={"Retry-After": str(wait)},
+                )
             if stream:
                 return StreamingResponse(
                     events(job), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
                 )
-            while True:
-                kind, value = await job.events.get()
-                if kind == "done":
-                    return JSONResponse(value)
-                if kind == "error":
-                    return JSONResponse({"error": value}, status_code=500)
+            try:
+                while True:
+                    kind, value = await job.events.get()
+                    if kind == "done":
+                        return JSONResponse(value)
+                    if kind == "error":
+                        return JSONResponse({"error": value}, status_code=500)
+            finally:
+                job.cancelled = True  # the answer is sent, or the client went away: its slot is free
 
         return Starlette(
             routes=[
@@ -345,17 +458,21 @@ def _sse(kind: str, value: Any) -> str:
 
 
 async def events(job: Job) -> AsyncIterator[str]:
-    """A streamed request's server-sent events: `token` {"delta"}..., then `done` (the row) or `error`."""
-    while True:
-        kind, value = await job.events.get()
-        if kind == "token":
-            yield _sse("token", {"delta": value})
-        elif kind == "done":
-            yield _sse("done", value)
-            return
-        else:
-            yield _sse("error", {"error": value})
-            return
+    """A streamed request's server-sent events: `token` {"delta"}..., then `done` (the row) or `error`. A
+    client that goes away cancels its request."""
+    try:
+        while True:
+            kind, value = await job.events.get()
+            if kind == "token":
+                yield _sse("token", {"delta": value})
+            elif kind == "done":
+                yield _sse("done", value)
+                return
+            else:
+                yield _sse("error", {"error": value})
+                return
+    finally:
+        job.cancelled = True
 
 
 # -- the command line ------------------------------------------------------------------------------------
@@ -367,8 +484,12 @@ def add_serve_parser(sub) -> None:
         "serve",
         help="serve a trained model: a web page and a JSON API",
         description="Serve a trained model: a web page to try it (type ingredients, read the recipe as it "
-        "is written) and POST /generate, with Hugging Face's decoding options. Concurrent requests are "
-        "batched. The decoding options below are the defaults for requests that do not give them.",
+        "is written) and POST /generate, with Hugging Face's decoding options. Concurrent requests share "
+        "the decoder's steps (continuous batching: a request joins at the next step and leaves when its "
+        "recipe ends). The decoding options below are the defaults for requests that do not give them; "
+        "--max_new_tokens is also the most a request may ask for. Beam search (num_beams > 1) runs on "
+        f"Hugging Face's generate, one request at a time. With {API_KEY_ENV} in the environment, the page "
+        "and the API want that key.",
     )
     add_model_arguments(p, data_format=False)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -376,14 +497,24 @@ def add_serve_parser(sub) -> None:
         "--port", type=int, default=DEFAULT_PORT, help="port (0: any free one; default %(default)s)"
     )
     p.add_argument(
-        "--batch-window-ms",
-        "--batch_window_ms",
-        type=float,
-        default=10.0,
-        help="how long the first request of a batch waits for others to join it (default %(default)s)",
+        "--max-waiting",
+        "--max_waiting",
+        type=int,
+        default=256,
+        help="requests that may wait for a free slot; more are answered 503 with a Retry-After "
+        "(default %(default)s)",
     )
     p.set_defaults(run=run_serve)
     strict_subparser(p)
+
+
+def max_new_tokens(model, kwargs: dict[str, Any]) -> int:
+    """The server's longest recipe: its default max_new_tokens (given, the generation_config's or the
+    training's max_target_length)."""
+    from trainer.eval.decoding import Decoding
+
+    decoding = Decoding.of(model, {**kwargs, "num_beams": 1})
+    return decoding.max_new_tokens if isinstance(decoding, Decoding) else int(kwargs["max_new_tokens"])
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -392,8 +523,9 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     defaults = decoding_given(args)
-    if args.batch_window_ms < 0:
-        raise UsageError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms}")
+    if args.max_waiting < 1:
+        raise UsageError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    api_key = os.environ.get(API_KEY_ENV, "").strip()
     model_dir = open_model_dir(args.model, args.task)
     try:  # before the model loads: a port in use is one line, at once
         sock = socket.create_server((args.host, args.port))
@@ -403,10 +535,13 @@ def run_serve(args: argparse.Namespace) -> int:
         model = load_for_generation(model_dir, args.device)
         torch.manual_seed(args.seed)
         device = str(next(model.parameters()).device)
-        _, said = decoding_settings(model, model_dir.template, defaults)
+        kwargs, said = decoding_settings(model, model_dir.template, defaults)
         log.info("%s (a request's own options replace these)", said)
-        batcher = Batcher(model, model_dir, args.max_batch_tokens, args.batch_window_ms / 1000)
-        server = RecipeServer(model_dir, batcher, defaults, device)
+        budget = batch_token_budget(model, args.max_batch_tokens)
+        batcher = Batcher(model, model_dir, budget, max_new_tokens(model, kwargs), args.max_waiting)
+        server = RecipeServer(model_dir, batcher, defaults, device, api_key)
+        if api_key:
+            log.info("the page and the API want the key in %s", API_KEY_ENV)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         log.info("serving %s on http://%s:%d (POST /generate, the page at /)", model_dir.path, shown, port)

@@ -22,6 +22,7 @@ SECRET_ENV_VARS: tuple[str, ...] = (
     "DISCORD_WEBHOOK",
     "HF_TOKEN",
     "HUGGING_FACE_HUB_TOKEN",
+    "SERVE_API_KEY",
 )
 MASK = "***"
 # Values shorter than this are not treated as secrets: masking "1" or "abc" everywhere would wreck every

@@ -907,7 +907,13 @@ def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
         run.train_module,
         max_batch_tokens=eval_batch_tokens(run.trained, state.oom.split),
     )
-    log.info("step %d: %s", state.step, metrics_line(result.metrics))
+    log.info(
+        "step %d: %s (evaluation %.1f s, generation %.1f s of it; training paused)",
+        state.step,
+        metrics_line(result.metrics),
+        result.metrics["eval_runtime"],
+        result.metrics["eval_generation_runtime"],
+    )
     run.meter.evaluated(state.step, result.metrics)
     key = cfg.best_metric_key
     if key not in result.metrics:
