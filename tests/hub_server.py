@@ -18,7 +18,7 @@ What `HfApi.create_repo` and `HfApi.upload_folder` (through `create_commit`) cal
 Every request needs `Authorization: Bearer <token>` (401 otherwise), but the LFS upload URL, which is
 presigned (as S3's are: the client sends no token there). `script.delay` holds commits up,
 `script.hold_first_commit_until` the first one until a condition holds; `free_port_url()` is an endpoint where
-nothing listens. Every request is
+nothing listens, `silent_endpoint()` one that accepts connections and never answers. Every request is
 recorded as it arrives and, once answered, with its headers and body (where a test looks for the token).
 """
 
@@ -336,6 +336,16 @@ class HubServer:
             repo.commits.append(Commit(repo.repo_id, oid, header["value"]["summary"], dict(files)))
             self._lock.notify_all()
         return 200, {"commitUrl": f"{self.endpoint}/{repo.repo_id}/commit/{oid}", "commitOid": oid}
+
+
+@contextlib.contextmanager
+def silent_endpoint():
+    """An endpoint that takes every connection (the kernel completes the handshake for the listening socket)
+    and never answers a byte: a Hub that stalls. Yields its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(128)  # never accepted: requests are sent, and wait
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def free_port_url() -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from discord_server import dead_webhook_url, discord_server, files_containing  # noqa: F401
-from hub_server import USER, HubServer, free_port_url, hub_server  # noqa: F401
+from hub_server import USER, HubServer, free_port_url, hub_server, silent_endpoint  # noqa: F401
 from huggingface_hub import ModelCard
 from tiny_run import tiny_run_values
 
@@ -246,6 +246,33 @@ def test_a_slow_hub_never_holds_training_up_and_a_rerun_finishes_the_upload(
     assert not (out / PENDING_DIR).exists()
 
 
+def test_a_hub_that_never_answers_is_said_during_the_run_and_the_end_stays_bounded(
+    tmp_path,
+    tiny_model_dir,
+    sample_csv,
+    discord_server,  # noqa: F811
+):
+    """A Hub that takes connections and never answers: each request gives up after hub_request_timeout, the
+    upload is tried 3 times (5 s and 30 s apart), and the failure is in the log and in Discord while the run
+    still trains (a 60 s time budget); the run finishes (exit 0) and its end waits hub_upload_timeout."""
+    token = "hf_stalledRunToken0123456789abcdef"
+    with silent_endpoint() as url:
+        config, out = _config(
+            tmp_path, tiny_model_dir, sample_csv, "stalled", max_steps=1_000_000, max_time="60s",
+            save_steps=20, hub_request_timeout="1s", hub_upload_timeout=2,
+        )  # fmt: skip
+        code, console = _train(config, _env(tmp_path, url, token, discord_server.url))
+    assert code == 0, console
+    assert console.count(FAILED_LINE) == 1 and "ReadTimeout" in console, console
+    assert console.index(FAILED_LINE) < console.index("time budget reached"), console  # said during the run
+    titles = discord_server.titles()
+    finished = next(i for i, t in enumerate(titles) if t and t.startswith("Training finished"))
+    assert titles.index("Hub upload failed") < finished, titles
+    left = re.search(LEFT_LINE, console)
+    assert left and float(left["waited"]) <= 2 + WAIT_SLACK_S, console
+    _no_token_anywhere(token, out, console, discord_server, None)
+
+
 def test_push_to_hub_without_a_token_or_with_a_bad_name_is_one_line(tmp_path, tiny_model_dir, sample_csv):
     config, _ = _config(tmp_path, tiny_model_dir, sample_csv, "bad")
     env = _env(tmp_path, free_port_url(), "", "")
@@ -271,9 +298,10 @@ def test_push_to_hub_without_a_token_or_with_a_bad_name_is_one_line(tmp_path, ti
 
 
 @pytest.mark.parametrize("value", ["0", "soon"])
-def test_hub_upload_timeout_is_a_duration(value):
+@pytest.mark.parametrize("key", ["hub_upload_timeout", "hub_request_timeout"])
+def test_hub_timeouts_are_durations(key, value):
     from trainer.config import ConfigError, TrainConfig
 
-    with pytest.raises(ConfigError, match="hub_upload_timeout"):
-        TrainConfig.load(None, [f"hub_upload_timeout={value}"])
-    assert TrainConfig.load(None, ["hub_upload_timeout=90m"]).hub_upload_timeout_s == 5400
+    with pytest.raises(ConfigError, match=key):
+        TrainConfig.load(None, [f"{key}={value}"])
+    assert getattr(TrainConfig.load(None, [f"{key}=90m"]), f"{key}_s") == 5400

@@ -332,6 +332,11 @@ class TrainConfig:
         "How long the end of the run waits for the last upload (seconds or e.g. 90m); the rest stays pending "
         "in output_dir for the next run.",
     )
+    hub_request_timeout: float | str = _key(
+        "2m",
+        "How long one request to the Hub may wait for the next bytes before it fails and is tried again "
+        "(seconds or e.g. 2m): a Hub that stops answering is said in the log and Discord within minutes.",
+    )
 
     # --- distributed (torchrun; docs/distributed.md) ---
     distributed_strategy: Literal["ddp", "fsdp"] = _key(
@@ -432,6 +437,7 @@ class TrainConfig:
         if self.max_time is not None:
             parse_duration(self.max_time, "max_time")  # a clear error now, not when the loop reads it
         parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
+        parse_duration(self.hub_request_timeout, "hub_request_timeout")
         self._check_best_model_keys()
         # `~` in a path means the home directory, as in a shell.
         self.output_dir = os.path.expanduser(self.output_dir)
@@ -457,6 +463,10 @@ class TrainConfig:
     @property
     def hub_upload_timeout_s(self) -> float:
         return parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
+
+    @property
+    def hub_request_timeout_s(self) -> float:
+        return parse_duration(self.hub_request_timeout, "hub_request_timeout")
 
     @property
     def max_time_s(self) -> float | None:

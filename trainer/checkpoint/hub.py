@@ -17,8 +17,11 @@ is still waiting (under all_checkpoints it takes the waiting checkpoint folders 
 uploaded, in one commit). A staged save is removed once uploaded, so what is in hub-pending/ is what is not
 on the Hub yet: a restarted run uploads it first, and a run that is already finished uploads it and exits.
 
-A failed upload is tried 3 times, then logged once and said in Discord, and waits for the next save (it goes
-in that commit) or the next run; training never waits on the network. At the end the last upload gets
+Every request to the Hub times out once it waits `hub_request_timeout` for bytes (huggingface_hub's own
+requests have no timeout: a Hub that accepts a connection and never answers would hold the upload thread for
+the rest of the run, unseen). A failed upload (an error, a refusal, a stall) is tried 3 times, 5 s and 30 s
+apart, then logged once and said in Discord, during the run, and waits for the next save (it goes in that
+commit) or the next run; training never waits on the network. At the end the last upload gets
 `hub_upload_timeout`; what is not done then is said in one line, with the command that finishes it.
 """
 
@@ -63,6 +66,21 @@ MODEL_FILES = (
 ADAPTER_ROOT_FILES = ["adapter_config.json", "adapter_model.safetensors"]
 TRIES = 3
 RETRY_WAIT_S = (5.0, 30.0)  # before the 2nd and the 3rd try
+
+
+def time_out_hub_requests(timeout_s: float) -> None:
+    """Make every request huggingface_hub sends from this process fail after `timeout_s` without a byte
+    (connecting: at most 30 s), instead of waiting forever: its client, made by its own factory, with a
+    timeout."""
+    import huggingface_hub
+    from huggingface_hub.utils import _http  # the factory huggingface_hub makes its client with
+
+    def client_with_timeouts():
+        client = _http.default_client_factory()
+        client.timeout = type(client.timeout)(timeout_s, connect=min(timeout_s, 30.0))
+        return client
+
+    huggingface_hub.set_client_factory(client_with_timeouts)
 
 
 def repo_name(cfg: TrainConfig) -> str:
@@ -156,6 +174,7 @@ class HubUploader:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()  # the thread's bars would tear the training's progress bar and log apart
+        time_out_hub_requests(cfg.hub_request_timeout_s)
         self.cfg = cfg
         self.pending_dir = Path(output_dir) / PENDING_DIR
         self.reporter = reporter
