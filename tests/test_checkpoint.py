@@ -136,3 +136,63 @@ def test_what_a_killed_save_left_is_removed_and_nothing_else(tmp_path):
     assert sorted(p.name for p in removed) == ["checkpoint-2.tmp-99999", "checkpoint-3.tmp-123", "final.tmp"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "final"]
     assert ckpt.remove_stale_temporaries(tmp_path) == []
+
+
+def test_a_background_write_holds_the_state_of_its_step_and_is_the_same_checkpoint(tmp_path):
+    """The writer copies the state off the model before it returns: the next step may change the weights at
+    once, and the checkpoint written meanwhile still holds the step's; file for file it is the checkpoint a
+    write in the loop makes."""
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint.writer import CheckpointWriter
+
+    model, opt, sched = _setup()
+    x = torch.randint(2, 64, (2, 5))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    in_loop = _save(tmp_path / "loop", 3, model, opt, sched, note="same")
+    writer = CheckpointWriter(background=True)
+    contents = ckpt.gather_checkpoint(
+        tmp_path / "background",
+        3,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        trainer_state={"note": "same"},
+    )
+    assert writer.save(contents) is True
+    with torch.no_grad():  # the next step, while the write may be going on
+        for p in model.parameters():
+            p.add_(1.0)
+    writer.wait()
+    (done,) = writer.written()
+    writer.close()
+    assert done.step == 3 and done.path == tmp_path / "background" / "checkpoint-3" and done.seconds >= 0
+    files = sorted(p.relative_to(done.path).as_posix() for p in done.path.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(in_loop).as_posix() for p in in_loop.rglob("*") if p.is_file())
+    ours, theirs = load_file(done.path / "model.safetensors"), load_file(in_loop / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert ckpt.checkpoint_problem(done.path) is None
+    restored, opt2, sched2 = _setup()
+    opt2 = torch.optim.AdamW(restored.parameters(), lr=1e-3)
+    ckpt.load_training_state(
+        done.path, restored, opt2, torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
+    )
+    before = AutoModelForSeq2SeqLM.from_pretrained(in_loop)
+    for a, b in zip(restored.state_dict().values(), before.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # the step's weights, not the changed ones
+
+
+def test_without_host_memory_for_the_copy_saves_stay_in_the_loop():
+    from trainer.checkpoint.writer import HOST_MEMORY_RESERVE_BYTES, background_saves, tensor_bytes
+
+    gib = 1 << 30
+    assert background_saves(10 * gib, 64 * gib) is None
+    why = background_saves(10 * gib, 12 * gib)
+    assert why is not None and "10.0 GiB" in why and "12.0 GiB free" in why
+    assert background_saves(10 * gib, 10 * gib + HOST_MEMORY_RESERVE_BYTES) is None
+    assert background_saves(10 * gib, None) is None  # unknown: the copy is tried
+    shared = torch.zeros(256)
+    assert (
+        tensor_bytes({"a": shared, "b": shared, "c": [torch.zeros(8, dtype=torch.float16)], "n": 3}) == 1040
+    )

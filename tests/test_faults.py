@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -779,6 +780,54 @@ def _with_data_file_cut_while_blocked(tmp_path: Path, config: Path, data: Path, 
     finally:
         proc.kill()
     return proc.returncode, console
+
+
+def test_sigkill_at_any_moment_of_background_writes_leaves_only_complete_checkpoints(
+    tmp_path, tiny_model_dir, sample_csv
+):
+    """A checkpoint at every step, written in the background (a write takes longer than a step, so one is
+    nearly always in flight), and the run killed with SIGKILL 8 times at random moments: every
+    checkpoint-<step> directory is complete and resumable, what a kill cut short is a temporary directory the
+    next run removes, and the last run resumes from the newest checkpoint and finishes. Its log shows each
+    save waiting for the write before it."""
+    from trainer.checkpoint.store import checkpoint_problem, list_checkpoints
+
+    config, out = _config(
+        tmp_path, "kill", tiny_model_dir, sample_csv, max_steps=100_000, save_steps=1, save_total_limit=2
+    )
+    draw = random.Random(0)
+    cut_short = 0
+    for _ in range(8):
+        newest = max((step for step, _ in list_checkpoints(out)), default=0)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer", "train", "--config", str(config)],
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_for(
+                lambda n=newest: any(s > n + 1 for s, _ in list_checkpoints(out)), proc, "two new saves"
+            )
+            time.sleep(draw.uniform(0.0, 0.6))
+        finally:
+            proc.kill()
+            proc.wait()
+        for path in out.glob("checkpoint-*"):
+            if ".tmp-" in path.name:
+                cut_short += 1
+            else:
+                assert checkpoint_problem(path) is None, path
+    assert cut_short >= 1  # some kills fell inside a write: the test saw what it is about
+
+    newest = max(step for step, _ in list_checkpoints(out))
+    done = _trainer("train", "--config", str(config), "--set", f"max_steps={newest + 3}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"checkpoint-{newest}" in done.stderr and "left half-written by an earlier run" in done.stderr
+    assert not list(out.glob("checkpoint-*.tmp-*"))
+    events = re.findall(r"checkpoint-(\d+) (staged|written)", done.stderr)
+    expected = [(str(step), kind) for step in range(newest + 1, newest + 4) for kind in ("staged", "written")]
+    assert events == expected, events  # each write done before the next save is staged
 
 
 def test_a_data_error_mid_run_saves_the_last_completed_step_first(tmp_path, tiny_model_dir, sample_csv):

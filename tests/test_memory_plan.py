@@ -484,6 +484,11 @@ def test_trainer_plan_prints_components_and_fits(tmp_path, capsys):
         assert line in out
     assert "largest max_tokens that fits" in out
     assert "32.00" in out  # the card
+    # a checkpoint's copy in host memory: the trained weights (as large as their gradients) and the states
+    table = dict(re.findall(r"^(gradients|optimizer states)\s+([\d.]+)$", out, re.M))
+    staged = float(table["gradients"]) + float(table["optimizer states"])
+    said = re.search(r"^checkpoints: ([\d.]+) GiB of host memory", out, re.M)
+    assert said and abs(float(said[1]) - staged) <= 0.011, out
 
 
 def test_trainer_plan_fails_with_a_suggestion_when_the_batch_does_not_fit(tmp_path, capsys):

@@ -146,7 +146,8 @@ def test_no_api_key_logs_offline_and_says_so_once(wandb_env, caplog):
         )
         r.oom_backoff(step=3, micro_batch="2 rows", accumulation=16)
         r.nan_skipped(step=3, skipped_total=2)
-        r.finished(final_loss=0.5, duration_s=12.0, model_dir=str(out / "final"))
+        goodput = {"goodput": 0.9, "wall_s": 10.0, "steps_s": 9.0, "save_s": 0.5, "evaluation_s": 0.5}
+        r.finished(final_loss=0.5, duration_s=12.0, model_dir=str(out / "final"), goodput=goodput)
         run_id = r.run_id
         r.close()
     assert sum("logging offline" in rec.getMessage() for rec in caplog.records) == 1
@@ -161,6 +162,7 @@ def test_no_api_key_logs_offline_and_says_so_once(wandb_env, caplog):
     assert run["summary"]["eval/ingredient_coverage"] == 0.5
     assert run["summary"]["train/oom_backoffs"] == 1 and run["summary"]["train/skipped_nan_steps"] == 2
     assert run["summary"]["final_loss"] == 0.5
+    assert run["summary"]["goodput"] == 0.9 and run["summary"]["goodput/save_s"] == 0.5
     # The generations table: written as a wandb Table file with the agreed columns.
     table = json.loads((run_dir / "files" / run["summary"]["eval/generations/path"]).read_text())
     assert table["columns"] == SAMPLE_COLUMNS

@@ -85,7 +85,14 @@ def test_sigterm_saves_and_resume_continues_the_same_loss_sequence(
     assert evaluation["step"] == STEPS and evaluation["eval_loss"] > 0 and "time" in evaluation
     assert (straight / "final" / "model.safetensors").is_file()
     assert (straight / "final" / "tokenizer.json").is_file()
-    assert json.loads((straight / SUMMARY).read_text())["steps"] == STEPS
+    summary = json.loads((straight / SUMMARY).read_text())
+    assert summary["steps"] == STEPS
+    # What the wall clock went into: the steps and each kind of pause, as the last log lines say.
+    goodput = summary["goodput"]
+    paused = sum(goodput[f"{kind}_s"] for kind in ("save", "evaluation", "capture", "data"))
+    assert goodput["steps_s"] == pytest.approx(goodput["wall_s"] - paused)
+    assert goodput["evaluation_count"] == 1 and goodput["save_count"] >= 2  # the last step's, final/
+    assert 0 < goodput["goodput"] < 1 and f"goodput {100 * goodput['goodput']:.1f}%: " in caplog.text
     beat = json.loads((straight / "heartbeat").read_text())
     assert beat["step"] == STEPS and abs(beat["time"] - time.time()) < 600
 

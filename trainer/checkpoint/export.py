@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from trainer.checkpoint.model_card import write_model_card
-from trainer.checkpoint.store import is_adapter_model, save_pretrained
+from trainer.checkpoint.store import is_adapter_model, save_pretrained, whole_model_weights
 from trainer.data.prompt import save_prompt_template
 from trainer.infra import disk, distributed
 
@@ -51,7 +51,9 @@ def save_final_model(
 
                 save_merged(model, tmp, adapter_from=weights_from)
         elif weights_from is None:
-            save_pretrained(model, tmp)  # rank 0 writes the whole model (FSDP: gathered)
+            whole = whole_model_weights(model)  # under torchrun: gathered to rank 0 (collective)
+            if is_main:
+                save_pretrained(model, tmp, whole)
         elif is_main:
             _link_weights(Path(weights_from), tmp)
         if is_main:

@@ -20,8 +20,10 @@ by the next run once it holds output_dir's lock (`remove_stale_temporaries`). Co
 - `trainer_state.json`: step, loader position, world size, config, W&B run id, OOM-adjusted micro-batch, the
   best evaluation and the early-stopping count (trainer.run.run_state.RunState.trainer_state).
 
-Which checkpoint a run resumes from and how: trainer.checkpoint.resume; the finished model (`final/`):
-trainer.checkpoint.export.
+A save is two parts: `gather_checkpoint` takes the state at a step boundary (collective), `write_checkpoint`
+writes it; trainer.checkpoint.writer runs the second in a background thread from a copy in host memory, so
+that training goes on meanwhile (`save_checkpoint` runs both here). Which checkpoint a run resumes from and
+how: trainer.checkpoint.resume; the finished model (`final/`): trainer.checkpoint.export.
 
 Several ranks: every rank calls `save_checkpoint` (it is collective); the output directory must be one shared
 filesystem for all of them (a multi-node run needs a network filesystem there).
@@ -37,6 +39,7 @@ import random
 import re
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +78,38 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(
+@dataclass
+class CheckpointContents:
+    """What checkpoint-<step> holds, taken at a step boundary (`gather_checkpoint`) and written by
+    `write_checkpoint`, at once or, from a host-memory copy (trainer.checkpoint.writer), in the background."""
+
+    step: int
+    output_dir: Path
+    tmp: Path  # rank 0's temporary directory, known to every rank
+    dcp_state: dict[str, Any]  # {"model": ..., "optim": ...}: this rank's part, for dcp/
+    weights: dict[str, Any] | None  # model.safetensors' tensors (rank 0); None: none to write (an adapter
+    # is written into `tmp` by gather_checkpoint, and other ranks write none)
+    model: Any  # the HF model: its config and save_pretrained (the weights come from `weights`)
+    rng: dict[str, Any]
+    scheduler_state: dict[str, Any]
+    trainer_state: dict[str, Any]
+    tokenizer_file: str | Path | None
+    prompt_config: Any
+    needed_bytes: int  # what the disk needs for it (the newest checkpoint's size, else an estimate)
+
+    @property
+    def final(self) -> Path:
+        return self.output_dir / f"checkpoint-{self.step}"
+
+
+def save_checkpoint(output_dir: str | Path, step: int, **state) -> Path:
+    """Write checkpoint-<step> atomically and return its path (an existing one for `step` is replaced):
+    `gather_checkpoint(output_dir, step, **state)` then `write_checkpoint`, in this thread. Collective under
+    torchrun."""
+    return write_checkpoint(gather_checkpoint(output_dir, step, **state))
+
+
+def gather_checkpoint(
     output_dir: str | Path,
     step: int,
     *,
@@ -86,18 +120,19 @@ def save_checkpoint(
     tokenizer_file: str | Path | None = None,
     rng: dict[str, Any] | None = None,
     prompt_config=None,
-) -> Path:
-    """Write checkpoint-<step> atomically and return its path (an existing one for `step` is replaced).
+) -> CheckpointContents:
+    """What checkpoint-<step> will hold, as it is now: the state dicts (the tensors themselves, not copies:
+    they change with the next step), and rank 0's temporary directory, made. Under FSDP the whole model is
+    gathered to rank 0's memory for model.safetensors; a LoRA run's adapter (small) is written into the
+    temporary directory at once. Collective under torchrun.
 
     `model` is the HF model (not FSDP's loss module around it: its parameter names are the checkpoint's
-    keys). Under torchrun every rank calls this; rank 0 writes the shared files. `rng`: the RNG states to
-    store (default: the current ones); the loop passes those of the step boundary, since a step interrupted by
-    a signal has already drawn dropout masks. `prompt_config`: the config the model trains with, whose prompt
-    template (`recipe_template.json`) goes beside the tokenizer, so that the checkpoint generates on its
-    own."""
+    keys). `rng`: the RNG states to store (default: the current ones); the loop passes those of the step
+    boundary, since a step interrupted by a signal has already drawn dropout masks. `prompt_config`: the
+    config the model trains with, whose prompt template (`recipe_template.json`) goes beside the tokenizer, so
+    that the checkpoint generates on its own."""
     output_dir = Path(output_dir)
     rank = distributed.rank()
-    final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f"checkpoint-{step}.tmp-{os.getpid()}"
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -105,32 +140,66 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
     tmp = distributed.broadcast_object(tmp)  # rank 0's directory, made before any rank writes into it
-    # A failure or an interrupt (a second Ctrl-C) removes the partial directory; a full disk is one line
-    # naming the space free and needed. Earlier checkpoints are untouched.
     needed = checkpoint_bytes(output_dir) or disk.state_bytes(model, optimizer)
+    model_state, optim_state, _ = _states(model, optimizer)
+    weights = None
     with disk.removed_on_failure(tmp, needed_bytes=needed, remove=rank == 0):
-        save_pretrained(model, tmp)
-        model_state, optim_state, _ = _states(model, optimizer)
+        if is_adapter_model(model):  # LoRA (one process or DDP: every rank holds the same adapters)
+            if rank == 0:
+                # peft takes seconds to import: only LoRA runs import it (through trainer.model.lora)
+                from trainer.model.lora import save_adapter
+
+                save_adapter(model, tmp)
+        elif not distributed.is_distributed():
+            weights = model_state  # the same tensors as dcp/'s
+        else:
+            weights = whole_model_weights(model)
+    return CheckpointContents(
+        step=step,
+        output_dir=output_dir,
+        tmp=tmp,
+        dcp_state={"model": model_state, "optim": optim_state},
+        weights=weights,
+        model=model,
+        rng=rng if rng is not None else rng_state(),
+        scheduler_state=scheduler.state_dict(),
+        trainer_state=dict(trainer_state, step=step),
+        tokenizer_file=tokenizer_file,
+        prompt_config=prompt_config,
+        needed_bytes=needed,
+    )
+
+
+def write_checkpoint(contents: CheckpointContents, group=None) -> Path:
+    """Write `contents` into its temporary directory, the completion marker last, and rename it to
+    checkpoint-<step>; returns that path. A failure or an interrupt (a second Ctrl-C) removes the partial
+    directory; a full disk is one line naming the space free and needed; earlier checkpoints are untouched.
+    Collective under torchrun, over `group` (default: the run's; a background thread's writes pass their
+    own, trainer.infra.distributed.background_group)."""
+    rank = distributed.rank()
+    tmp, final = contents.tmp, contents.final
+    with disk.removed_on_failure(tmp, needed_bytes=contents.needed_bytes, remove=rank == 0):
+        if contents.weights is not None:
+            save_pretrained(contents.model, tmp, contents.weights)
         with _one_process_is_intended():
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / "dcp")
-        torch.save(rng if rng is not None else rng_state(), tmp / _rng_file(rank))
-        distributed.barrier()  # every rank's files are in place
+            dcp.save(contents.dcp_state, checkpoint_id=tmp / "dcp", process_group=group)
+        torch.save(contents.rng, tmp / _rng_file(rank))
+        distributed.barrier(group)  # every rank's files are in place
         if rank == 0:
-            if tokenizer_file is not None:
-                shutil.copy(tokenizer_file, tmp / "tokenizer.json")
-            if prompt_config is not None:
-                save_prompt_template(tmp, prompt_config)
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            state = dict(trainer_state, step=step)
+            if contents.tokenizer_file is not None:
+                shutil.copy(contents.tokenizer_file, tmp / "tokenizer.json")
+            if contents.prompt_config is not None:
+                save_prompt_template(tmp, contents.prompt_config)
+            torch.save(contents.scheduler_state, tmp / "scheduler.pt")
             with open(tmp / MARKER, "w", encoding="utf-8") as f:  # written last: the completion marker
-                json.dump(state, f, indent=2, default=str)
+                json.dump(contents.trainer_state, f, indent=2, default=str)
                 f.flush()
                 os.fsync(f.fileno())
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
             log.info("saved checkpoint %s", final)
-    distributed.barrier()  # no rank reads or rotates checkpoints before the rename
+    distributed.barrier(group)  # no rank reads or rotates checkpoints before the rename
     return final
 
 
@@ -152,25 +221,22 @@ def _states(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
     return {k: v for k, v in model_state.items() if k in trained}, optim_state, options
 
 
-def save_pretrained(model, path: str | Path) -> None:
-    """`model.save_pretrained(path)` of the whole model (a PEFT model's adapter), written by rank 0, its
-    config.json saying how its LM head is (trainer.model.model_files.write_config). Under FSDP the shards are
-    gathered first (collective: every rank calls this)."""
-    if is_adapter_model(model):  # LoRA (one process or DDP: every rank holds the same adapters)
-        if distributed.rank() == 0:
-            # peft takes seconds to import: only LoRA runs import it (through trainer.model.lora)
-            from trainer.model.lora import save_adapter
-
-            save_adapter(model, path)
-        return
+def whole_model_weights(model) -> dict[str, Any] | None:
+    """Under torchrun, the whole model's state dict gathered into rank 0's host memory (FSDP's shards, or
+    ddp's copy), None on the other ranks; in one process None (the model's own). Collective."""
     if not distributed.is_distributed():
-        model.save_pretrained(path, safe_serialization=True)
-        write_config(model, path)
-        return
+        return None
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if distributed.rank() == 0:  # cpu_offload + full_state_dict: only rank 0 receives the tensors
-        model.save_pretrained(path, state_dict=full, safe_serialization=True)
-        write_config(model, path)
+    return full if distributed.rank() == 0 else None  # cpu_offload + full_state_dict: rank 0 receives them
+
+
+def save_pretrained(model, path: str | Path, weights: dict[str, Any] | None = None) -> None:
+    """`model.save_pretrained(path)`, with `weights` as its state dict (None: the model's own), its
+    config.json saying how its LM head is (trainer.model.model_files.write_config)."""
+    # a copy of the dict: save_pretrained drops the tied weights' names from the one it is given
+    state_dict = None if weights is None else dict(weights)
+    model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+    write_config(model, path)
 
 
 @contextlib.contextmanager

@@ -120,10 +120,20 @@ def collective(what: str):
         raise PeerLost(message) from None
 
 
-def barrier() -> None:
+def barrier(group=None) -> None:
     if is_distributed():
         with collective("a barrier"):
-            dist.barrier()
+            dist.barrier(group=group)
+
+
+def background_group():
+    """A gloo process group of every rank, for collectives of a background thread (checkpoint writes): two
+    threads' collectives on one group would interleave in another order on each rank. None for one process.
+    Collective: every rank makes it."""
+    if not is_distributed():
+        return None
+    with collective("making a process group for background writes"):
+        return dist.new_group(backend="gloo")
 
 
 def broadcast_object(obj):

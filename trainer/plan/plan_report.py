@@ -160,6 +160,7 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None, processes: int 
     print(f"{'total (predicted peak)':<24}{peak.peak / GIB:>8.2f}")
     print(f"{'card':<24}{gpu_bytes / GIB:>8.2f}")
     print(f"{'headroom':<24}{(gpu_bytes - peak.peak) / GIB:>8.2f}")
+    print(checkpoint_memory_line(peak.gradients + peak.optimizer_states, processes))
     best = largest_token_budget(shape, gpu_bytes, src_cap=src_cap, tgt_cap=tgt_cap, **kw_all)
     typical = largest_token_budget(
         shape, gpu_bytes, src_cap=src_cap, tgt_cap=tgt_cap, worst_case=False, **kw_all
@@ -204,6 +205,19 @@ def processes_line(cfg, processes: int) -> str:
     ]
     split = f"{processes}, fsdp: weights, gradients and optimizer states split {processes} ways"
     return "; ".join([split, *how])
+
+
+def checkpoint_memory_line(staged_bytes: int, processes: int) -> str:
+    """What a checkpoint needs in host memory: the trained weights (as large as their gradients) and the
+    optimizer's states, copied off the GPU so that the write goes on in the background
+    (trainer.checkpoint.writer)."""
+    per = " per process" if processes > 1 else ""
+    extra = "; rank 0 also gathers the whole model for model.safetensors" if processes > 1 else ""
+    return (
+        f"checkpoints: {staged_bytes / GIB:.2f} GiB of host memory{per} (the trained weights and the "
+        f"optimizer's states{extra}), copied there so that the write goes on in the background; with less "
+        "free, saves stop training while they write"
+    )
 
 
 def memory_plan_line(cfg, plan: RunPlan, gpu_bytes: int) -> str:

@@ -458,13 +458,17 @@ class Reporter:
         stopped_by: str | None = None,
         steps: str | None = None,
         best: dict[str, Any] | None = None,
+        goodput: dict[str, float] | None = None,
     ) -> None:
         """The run finished at its last step, or `stopped_by` "early_stopping", or "max_time": at its time
-        budget, before its last step (`steps`: how far it got, in words); `best`: the best evaluation."""
+        budget, before its last step (`steps`: how far it got, in words); `best`: the best evaluation;
+        `goodput`: trainer.report.step_meter.StepMeter.goodput's values."""
         fields = [
             ("Final loss", _num(final_loss), True),
             ("Duration", format_duration(duration_s), True),
         ]
+        if goodput is not None:
+            fields.append(("Goodput", f"{100 * goodput['goodput']:.1f}% of the wall clock in steps", True))
         title = f"Training finished: {self._name}"
         if stopped_by == "max_time":
             title = f"Training finished, time budget reached: {self._name}"
@@ -481,6 +485,9 @@ class Reporter:
                 summary["stopped_by"] = stopped_by
             if best is not None:
                 summary.update(best_metric=best["value"], best_global_step=best["step"])
+            if goodput is not None:
+                summary["goodput"] = goodput["goodput"]
+                summary.update({f"goodput/{k}": v for k, v in goodput.items() if k != "goodput"})
             self._wandb.set_summary(summary)
 
     @_never_raise

@@ -31,6 +31,7 @@ optimizer's states), after the micro-step graph is dropped, to be captured again
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,6 +64,7 @@ class MicroStepGraph:
         self.warm: dict[tuple, int] = {}  # eager micro-steps run so far, per shape
         self.side = torch.cuda.Stream()
         self.captures = 0
+        self.capture_seconds = 0.0  # the host's time in captures, with their syncs (the run's goodput)
         # Under torchrun NCCL's watchdog thread queries its events while this thread captures: in CUDA's
         # default (global) capture mode another thread's call ends the capture with an error; only this
         # thread's calls are checked then. (The collectives themselves stay outside the graphs.)
@@ -99,7 +101,7 @@ class MicroStepGraph:
             graph = torch.cuda.CUDAGraph()
             # Its temporaries reuse the pool's free blocks (the micro-step's activations); the two graphs
             # replay in the order they were captured, never at once, as sharing a pool requires.
-            before = torch.cuda.memory_reserved()
+            before, started = torch.cuda.memory_reserved(), time.monotonic()
             try:
                 with torch.cuda.graph(
                     graph, pool=self.graph.pool(), stream=self.side, capture_error_mode=self.capture_mode
@@ -108,6 +110,7 @@ class MicroStepGraph:
             except BaseException:
                 self.reset()
                 raise
+            self.capture_seconds += time.monotonic() - started
             self.update_graph, self.update_key = graph, layout
             grown = (torch.cuda.memory_reserved() - before) / 2**30
             log.info(
@@ -139,6 +142,7 @@ class MicroStepGraph:
         return loss
 
     def _capture(self, batch: dict[str, torch.Tensor], key: tuple) -> None:
+        started = time.monotonic()
         self.reset()
         for p in self.params:  # the graph adds into gradients that exist
             if p.grad is None:
@@ -162,6 +166,7 @@ class MicroStepGraph:
             raise
         self.graph, self.key = graph, key
         self.captures += 1
+        self.capture_seconds += time.monotonic() - started
         rows = {k: tuple(v.shape) for k, v in batch.items() if k in ("input_ids", "labels")}
         pool = (torch.cuda.memory_reserved() - before) / 2**30
         log.info(

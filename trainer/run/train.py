@@ -35,6 +35,7 @@ from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.export import save_final_model
 from trainer.checkpoint.hub import HubUploader, check_hub_config, upload_pending
 from trainer.checkpoint.model_card import LoraSettings, ModelCardInfo
+from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import ConfigError, TrainConfig, source_path
 from trainer.data.loader import (
     RecipeDataError,
@@ -76,6 +77,7 @@ from trainer.report.step_meter import (
     StepMeter,
     continue_train_log,
     format_duration,
+    goodput_line,
 )
 from trainer.run import parallel
 from trainer.run.cuda_graphs import WARMUP, MicroStepGraph
@@ -151,6 +153,7 @@ class Run:
     intact: ModelIntact
     graph: Any  # trainer.run.cuda_graphs.MicroStepGraph running the micro-steps (cuda_graphs), or None
     hub: HubUploader | None  # push_to_hub's uploads (rank 0), or None
+    writer: CheckpointWriter  # checkpoints written in the background
 
 
 def train(cfg: TrainConfig, dry_run: bool = False, *, clock: Callable[[], float] = time.monotonic) -> int:
@@ -250,6 +253,9 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
         model, train_module, grad_buffer, optimizer, scheduler = build_model(
             cfg, plan, trained, data, device, state, resume_from
         )
+        # Closed before the Hub's uploader and the lock: a write in flight ends first.
+        writer = CheckpointWriter(group=distributed.background_group())
+        exits.callback(close_writer, writer)
         run = Run(
             cfg=cfg,
             plan=plan,
@@ -283,6 +289,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             intact=ModelIntact(),
             graph=micro_step_graph(cfg, device, model, train_module),
             hub=hub,
+            writer=writer,
         )
         # 2. The loop. From here a signal asks for a checkpoint at the next micro-batch boundary.
         stop.training_started()
@@ -677,8 +684,12 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
     while state.step < data.total_steps:
         run.profiler.before_step(state.step)
         with record_function("data"):
-            current = upcoming if upcoming is not None else next_step_batches(batches, run)
-            upcoming = None
+            if upcoming is None:  # not read during the last step's backward: the GPU waits for it
+                fetch_started = time.monotonic()
+                current = next_step_batches(batches, run)
+                run.meter.paused("data", time.monotonic() - fetch_started)
+            else:
+                current, upcoming = upcoming, None
         # Collective, once per step: all ranks stop, save after a data error on one of them, or end at the
         # time budget at the same step, never inside a step; with max_time, rank 0's estimate of the step the
         # budget ends at (its clock decides for every rank).
@@ -746,6 +757,7 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
             )
         state.loader = current.loader_after
         state.step += 1
+        after_checkpoints(run, state)  # a background write that finished: its follow-up, or its error
         run.profiler.after_step(state.step)
         state.rng = ckpt.rng_state()
         empty_cache.after_step(state.step)
@@ -817,6 +829,7 @@ def save_after_error(run: Run, state: RunState, error: BaseException, collective
     )
     try:
         path = save(run, state)
+        wait_for_checkpoints(run, state)
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # torch.distributed.checkpoint's errors are BaseExceptions
@@ -907,6 +920,7 @@ def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
         run.train_module,
         max_batch_tokens=eval_batch_tokens(run.trained, state.oom.split),
     )
+    run.meter.paused("evaluation", result.metrics["eval_runtime"])
     log.info(
         "step %d: %s (evaluation %.1f s, generation %.1f s of it; training paused)",
         state.step,
@@ -951,14 +965,19 @@ def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
 
 
 def save(run: Run, state: RunState) -> Path:
-    """Write checkpoint-<step> of `state` (collective), then remove the checkpoints past save_total_limit
-    (never the best)."""
-    cfg = run.cfg
+    """Checkpoint-<step> of `state` (collective): staged off the GPU and written in the background
+    (trainer.checkpoint.writer), or written here when host memory is short; returns its path, which exists
+    once it is written. What follows a write runs in `after_checkpoints`. The previous write is waited for
+    first."""
     state.count_progress(run.meter.run.tokens, run.meter.train_seconds)
     if run.is_main:
         fsync_file(run.output_dir / TRAIN_LOG)  # on the disk up to the checkpoint, whatever happens next
+    started = time.monotonic()
+    with run.intact.changing():  # a write that failed is not tried again after the error
+        run.writer.wait()  # one write at a time: the staged copy is reused
+    after_checkpoints(run, state)
     with run.intact.changing():  # a save that failed is not tried again after the error
-        path = ckpt.save_checkpoint(
+        contents = ckpt.gather_checkpoint(
             run.output_dir,
             state.step,
             model=run.model,
@@ -971,18 +990,54 @@ def save(run: Run, state: RunState) -> Path:
             ),
             prompt_config=run.trained,
         )
+        background = run.writer.save(contents)
+    paused = time.monotonic() - started
+    run.meter.paused("save", paused)
     state.saved_step = state.step
-    if run.hub is not None:  # staged before the rotation below may remove the checkpoint
-        run.hub.checkpoint_saved(path, state.step)
-    if run.is_main:
-        best = Path(state.best["path"]) if state.best else None
-        removed = ckpt.rotate_checkpoints(run.output_dir, cfg.save_total_limit, best)
-        if removed:
-            names = ", ".join(p.name for p in removed)
-            log.info("removed %s (save_total_limit %d)", names, cfg.save_total_limit)
-    is_best = state.best is not None and state.best["step"] == state.step
-    run.reporter.checkpoint_saved(step=state.step, path=str(path), best=is_best)
-    return path
+    how = "staged, written in the background" if background else "saved"
+    log.info("step %d: checkpoint-%d %s (training paused %.1f s)", state.step, state.step, how, paused)
+    if not background:
+        after_checkpoints(run, state)
+    return contents.final
+
+
+def after_checkpoints(run: Run, state: RunState) -> None:
+    """For each checkpoint written since the last call: its Hub upload staged, the checkpoints past
+    save_total_limit removed (never the best), the reports. Raises the error of a write that failed."""
+    with run.intact.changing():  # a write that failed is not tried again after the error
+        written = run.writer.written()
+    for done in written:
+        if run.writer.background:
+            log.info("checkpoint-%d written in %.1f s, while training went on", done.step, done.seconds)
+        if run.hub is not None:  # staged before the rotation below may remove the checkpoint
+            run.hub.checkpoint_saved(done.path, done.step)
+        if run.is_main:
+            best = Path(state.best["path"]) if state.best else None
+            removed = ckpt.rotate_checkpoints(run.output_dir, run.cfg.save_total_limit, best)
+            if removed:
+                names = ", ".join(p.name for p in removed)
+                log.info("removed %s (save_total_limit %d)", names, run.cfg.save_total_limit)
+        is_best = state.best is not None and state.best["step"] == done.step
+        run.reporter.checkpoint_saved(step=done.step, path=str(done.path), best=is_best)
+
+
+def wait_for_checkpoints(run: Run, state: RunState) -> None:
+    """Until the checkpoint in flight is written, and what follows it done (the wait counts as a save's
+    pause)."""
+    started = time.monotonic()
+    with run.intact.changing():
+        run.writer.wait()
+    run.meter.paused("save", time.monotonic() - started, count=0)
+    after_checkpoints(run, state)
+
+
+def close_writer(writer: CheckpointWriter) -> None:
+    """On the way out: the write in flight finishes; one that fails now is logged (the run already ends on
+    its own error, or was interrupted)."""
+    try:
+        writer.close()
+    except BaseException as e:
+        log.error("the checkpoint being written failed: %s: %s", type(e).__name__, e)
 
 
 # -- 3. finish --------------------------------------------------------------------------------------------
@@ -999,6 +1054,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         path = output_dir / f"checkpoint-{state.step}"
         if state.saved_step != state.step:
             path = save(run, state)
+        wait_for_checkpoints(run, state)
         run.reporter.stopped_by_signal(
             signal_name=run.stop.signal_name, step=state.step, checkpoint=str(path)
         )
@@ -1012,13 +1068,15 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
     elif state.step < run.data.total_steps:  # the loop ended early without a signal: the time budget is spent
         stopped_by = "max_time"
     final = output_dir / "final"  # written whole, then renamed into place: it exists only when complete
+    if cfg.save_final and state.saved_step != state.step:
+        save(run, state)
+    wait_for_checkpoints(run, state)  # before final/ takes the best one's weights, and before the end
     best_weights = best_checkpoint_for_final(cfg, state)
     final_step = state.best["step"] if best_weights is not None else state.step
     if cfg.save_final:
-        if state.saved_step != state.step:
-            save(run, state)
         state.count_progress(run.meter.run.tokens, run.meter.train_seconds)
         card = model_card_info(run, state, final, last_eval, final_step)
+        export_started = time.monotonic()
         save_final_model(
             run.model,
             cfg.model_name_or_path,
@@ -1028,6 +1086,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
             card=card,
             weights_from=best_weights,
         )
+        run.meter.paused("save", time.monotonic() - export_started)
         if run.hub is not None:
             run.hub.final_saved(final, final_step, card)
         final_is_best = state.best is not None and state.best["step"] == final_step
@@ -1056,7 +1115,12 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         summary["decoder_blocks_without_checkpointing"] = run.plan.decoder_blocks_without_checkpointing
         summary["encoder_blocks_without_checkpointing"] = run.plan.encoder_blocks_without_checkpointing
         summary["packed_rows"] = run.plan.packed_rows
+    if run.graph is not None:
+        run.meter.paused("capture", run.graph.capture_seconds, count=run.graph.captures)
+    goodput = run.meter.goodput()
+    summary["goodput"] = goodput
     run.meter.write_summary(state.step, duration, summary)
+    log.info("%s", goodput_line(goodput))
     for sample in (last_eval.samples if last_eval is not None else [])[:1]:
         log.info(
             "a recipe generated for held-out ingredients:\n  input: %s\n  generated: %s",
@@ -1083,6 +1147,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
         stopped_by=stopped_by,
         steps=f"{state.step:,} of {run.data.total_steps:,}",
         best=state.best,
+        goodput=goodput,
     )
     if run.hub is not None:  # the last upload, for at most hub_upload_timeout; what is left waits on disk
         run.hub.wait(cfg.hub_upload_timeout_s)

@@ -1,0 +1,208 @@
+"""Checkpoints written in the background: the loop stops only while the state is copied off the GPU.
+
+A checkpoint of FLAN-T5-XL is ~17 GB (the weights twice, the Kahan buffer, the optimizer's states); written
+in the loop it stopped training for ~30 s. Here `save` takes the contents of a step boundary
+(trainer.checkpoint.store.gather_checkpoint), copies their tensors into host memory with PyTorch's own
+staging (torch.distributed.checkpoint.staging.DefaultStager: pinned buffers, kept from one save to the next,
+one non-blocking copy and a device sync) and returns; a daemon thread writes the copy
+(trainer.checkpoint.store.write_checkpoint: the temporary directory, the completion marker last, the
+rename) while the next steps train. Under torchrun every rank stages and writes its own part, the writers'
+collectives on a gloo group of their own (trainer.infra.distributed.background_group).
+
+What holds, as for checkpoints written in the loop:
+- a checkpoint directory exists only complete (the write is the same function, renamed into place last);
+  a run killed at any moment leaves complete checkpoints and a temporary directory the next run removes;
+- the next save waits for the previous write (one write in flight; the staged buffers are reused);
+- a write that fails (a full disk: one line) fails the run at the next step boundary, as it would have there;
+- the end of the run, a signal's save and an error's save wait for the write in flight;
+- what follows a checkpoint (removing the ones past save_total_limit, the Hub's staging, the reports) runs
+  once it is written (`written`), on the loop's thread.
+
+A machine whose free host memory cannot hold a checkpoint's tensors saves in the loop instead, said once
+(`background_saves`); the copy needs as much host memory as the checkpoint's tensors (`trainer plan` shows
+it).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from trainer.checkpoint.store import CheckpointContents, write_checkpoint
+from trainer.infra import distributed
+
+log = logging.getLogger(__name__)
+
+# Host memory a staged copy must leave free: the loader's threads, the Hub's uploads, the OS's page cache.
+HOST_MEMORY_RESERVE_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint written: its step, its directory, and the seconds the write took."""
+
+    step: int
+    path: Path
+    seconds: float
+
+
+def tensor_bytes(state) -> int:
+    """The bytes of the tensors in a (nested) state dict, each storage once (tied weights share one)."""
+    seen: set[int] = set()
+    total = 0
+
+    def visit(value) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            key = local.untyped_storage().data_ptr() if local.device.type != "meta" else id(local)
+            if key not in seen:
+                seen.add(key)
+                total += local.numel() * local.element_size()
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
+    visit(state)
+    return total
+
+
+def background_saves(needed_bytes: int, available_bytes: int | None) -> str | None:
+    """None when a staged copy of `needed_bytes` fits in `available_bytes` of free host memory (with
+    HOST_MEMORY_RESERVE_BYTES left); else why saves stay in the loop, in a few words."""
+    if available_bytes is None:
+        return None
+    if needed_bytes + HOST_MEMORY_RESERVE_BYTES > available_bytes:
+        gib = 1 << 30
+        return (
+            f"a checkpoint's tensors take {needed_bytes / gib:.1f} GiB and the host has "
+            f"{available_bytes / gib:.1f} GiB free ({HOST_MEMORY_RESERVE_BYTES / gib:.0f} GiB kept)"
+        )
+    return None
+
+
+def available_host_bytes() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # no psutil, or a system it cannot read: decide as if it fits
+        return None
+
+
+class CheckpointWriter:
+    """`save(contents)` after each gather_checkpoint; `written()` at each step boundary; `wait()` where the
+    run must not go on before the write is done (the end, a signal, an error). One per run."""
+
+    def __init__(self, background: bool = True, group=None):
+        self.background = background
+        self.group = group  # the background writes' process group under torchrun (background_group)
+        self._stager = None
+        self._thread: threading.Thread | None = None
+        self._writing: CheckpointContents | None = None
+        self._started = 0.0
+        self._result: Written | BaseException | None = None
+        self._written: list[Written] = []
+        self._decided = False
+
+    def save(self, contents: CheckpointContents) -> bool:
+        """Write `contents`: in the background once staged (True), or here when host memory is short
+        (False). Waits for the previous write first (its error, if it failed, is raised)."""
+        self.wait()
+        if self.background and not self._decided:
+            self._decided = True
+            why = background_saves(tensor_bytes(contents.dcp_state), available_host_bytes())
+            if why is not None:
+                self.background = False
+                log.warning("checkpoints: written in the loop, not in the background: %s", why)
+        if not self.background:
+            started = time.monotonic()
+            path = write_checkpoint(contents)
+            self._written.append(Written(contents.step, path, time.monotonic() - started))
+            return False
+        staged = self._stage(contents)
+        self._writing, self._started, self._result = staged, time.monotonic(), None
+        self._thread = threading.Thread(target=self._write, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+        return True
+
+    def _stage(self, contents: CheckpointContents) -> CheckpointContents:
+        """`contents` with every tensor copied into host memory (the weights for model.safetensors are the
+        same copy as dcp/'s model state, or already in host memory: FSDP's gathered)."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            options = StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=cuda,
+            )
+            self._stager = DefaultStager(options)
+        dcp_state = self._stager.stage(contents.dcp_state)
+        weights = contents.weights
+        if weights is contents.dcp_state["model"]:
+            weights = dcp_state["model"]
+        return replace(contents, dcp_state=dcp_state, weights=weights)
+
+    def _write(self) -> None:
+        contents = self._writing
+        try:
+            path = write_checkpoint(contents, self.group)
+            self._result = Written(contents.step, path, time.monotonic() - self._started)
+        except BaseException as e:  # raised on the loop's thread, at its next look (`written`, `wait`)
+            self._result = e
+
+    def wait(self) -> None:
+        """Until the write in flight is done; raises its error. An interrupt while waiting (a second Ctrl-C)
+        abandons the write: its temporary directory is removed, and the interrupt goes on."""
+        if self._thread is None:
+            return
+        try:
+            while self._thread.is_alive():
+                self._thread.join(timeout=0.2)  # short joins: a signal's handler runs in between
+        except KeyboardInterrupt:
+            if distributed.rank() == 0 and self._writing is not None:
+                shutil.rmtree(self._writing.tmp, ignore_errors=True)
+            self._thread = self._writing = None
+            raise
+        self._collect()
+
+    def written(self) -> list[Written]:
+        """The checkpoints written since the last call, without waiting; raises the error of a write that
+        failed."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._collect()
+        done, self._written = self._written, []
+        return done
+
+    def _collect(self) -> None:
+        result, self._thread, self._writing = self._result, None, None
+        if isinstance(result, BaseException):
+            raise result
+        if result is not None:
+            self._written.append(result)
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the checkpoint being written, or None."""
+        return self._writing.step if self._writing is not None else None
+
+    def close(self) -> None:
+        """Wait for the write in flight, and free the staged buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
