@@ -118,38 +118,59 @@ class CheckpointWriter:
         """Write `contents`: in the background once staged (True), or here when host memory is short
         (False). Waits for the previous write first (its error, if it failed, is raised)."""
         self.wait()
-        if self.background and not self._decided:
-            self._decided = True
-            why = background_saves(tensor_bytes(contents.dcp_state), available_host_bytes())
-            if why is not None:
-                self.background = False
-                log.warning("checkpoints: written in the loop, not in the background: %s", why)
-        if not self.background:
+        staged = None
+        if self.background:
+            why = None
+            if not self._decided:
+                self._decided = True
+                why = background_saves(tensor_bytes(contents.dcp_state), available_host_bytes())
+            staged = self._stage(contents) if why is None else None
+            if why is None and staged is None:
+                why = "the state cannot be copied to host memory here (see the warning above)"
+            # Every rank writes the same way: one writing in the loop and another in the background would
+            # wait for each other on different process groups.
+            others = distributed.all_sum([float(why is not None)])[0] > (why is not None)
+            if why is not None or others:
+                self.background, staged = False, None
+                log.warning(
+                    "checkpoints: written in the loop, not in the background: %s",
+                    why or "another rank cannot copy its state to host memory",
+                )
+        if staged is None:
             started = time.monotonic()
             path = write_checkpoint(contents)
             self._written.append(Written(contents.step, path, time.monotonic() - started))
             return False
-        staged = self._stage(contents)
         self._writing, self._started, self._result = staged, time.monotonic(), None
         self._thread = threading.Thread(target=self._write, name="checkpoint-writer", daemon=True)
         self._thread.start()
         return True
 
-    def _stage(self, contents: CheckpointContents) -> CheckpointContents:
+    def _stage(self, contents: CheckpointContents) -> CheckpointContents | None:
         """`contents` with every tensor copied into host memory (the weights for model.safetensors are the
-        same copy as dcp/'s model state, or already in host memory: FSDP's gathered)."""
-        if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        same copy as dcp/'s model state, or already in host memory: FSDP's gathered); None, said once, where
+        PyTorch cannot stage (a torch before 2.9 has no DefaultStager; pinned memory refused): saves stay in
+        the loop."""
+        try:
+            if self._stager is None:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-            options = StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=cuda,
+                cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+                options = StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=cuda,
+                )
+                self._stager = DefaultStager(options)
+            dcp_state = self._stager.stage(contents.dcp_state)
+        except (ImportError, TypeError, RuntimeError) as e:
+            log.warning(
+                "checkpoints: PyTorch cannot copy the state to host memory here (%s: %s)",
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
             )
-            self._stager = DefaultStager(options)
-        dcp_state = self._stager.stage(contents.dcp_state)
+            return None
         weights = contents.weights
         if weights is contents.dcp_state["model"]:
             weights = dcp_state["model"]
