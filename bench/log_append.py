@@ -19,8 +19,10 @@ from trainer.infra.jsonl import append_jsonl_row, fsync_file  # noqa: E402
 
 ROW = {
     "step": 1,
+    "epoch": 0.001,
     "loss": 2.3456,
-    "lr": 1e-4,
+    "learning_rate": 1e-4,
+    "grad_norm": 0.75,
     "time": 1.7e9,
     "samples": 160,
     "source_tokens": 30000,

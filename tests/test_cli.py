@@ -194,3 +194,44 @@ def test_version_is_the_package_version():
     done = _trainer("--version")
     version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     assert done.returncode == 0 and done.stdout.strip() == f"trainer {version}", done.stdout + done.stderr
+
+
+def test_hugging_face_style_flags_are_config_overrides(capsys):
+    """`--learning_rate 1e-4`, `--num-train-epochs=2` and `--bf16` alone, as HfArgumentParser users type
+    them, after `trainer train` or `trainer plan`: overrides like --set; other commands' options untouched."""
+    from trainer.cli import config_flags_as_overrides
+
+    argv = [
+        "train",
+        "--config",
+        "c.yaml",
+        "--learning_rate",
+        "1e-4",
+        "--bf16",
+        "--num-train-epochs=2",
+        "--dry-run",
+    ]
+    assert config_flags_as_overrides(argv) == [
+        "train", "--config", "c.yaml", "--set", "learning_rate=1e-4", "--set", "bf16=true",
+        "--set", "num_train_epochs=2", "--dry-run",
+    ]  # fmt: skip
+    generate = ["generate", "--model", "m", "--num_beams", "4"]
+    assert config_flags_as_overrides(generate) == generate
+    preset = "configs/flan-t5-xl-rtx5090.yaml"
+    assert (
+        cli_main(["plan", "--config", preset, "--max_tokens", "4096", "--bf16", "--gpu-memory", "32GiB"]) == 0
+    )
+    assert "token budget 4096" in capsys.readouterr().out
+    assert cli_main(["plan", "--config", preset, "--lerning_rate", "1e-4"]) == 2
+    err = capsys.readouterr().err
+    assert "--set lerning_rate=1e-4: unknown config key 'lerning_rate' (did you mean 'learning_rate'?)" in err
+
+
+def test_the_commands_own_options_are_known_to_the_flag_reader():
+    from trainer.cli import CONFIG_COMMANDS
+
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, own in CONFIG_COMMANDS.items():
+        options = {s for action in commands.choices[name]._actions for s in action.option_strings}
+        assert options == own, name

@@ -165,7 +165,12 @@ def test_a_value_out_of_range_names_the_file_and_line_or_the_override(tmp_path):
         TrainConfig.load(config, ["eval_fraction=0.1"])
     with pytest.raises(ConfigError, match=r"^--set max_time=10x: max_time: '10x' is not a duration"):
         TrainConfig.load(CONFIGS / "quickstart.yaml", ["max_time=10x"])
-    with pytest.raises(ConfigError, match=r"^--set max_steps=0: set max_steps > 0 or num_train_epochs > 0"):
+    # two keys at fault: both places named
+    with pytest.raises(
+        ConfigError,
+        match=r"^--set max_steps=0 \(max_steps\) and --set num_train_epochs=0 \(num_train_epochs\): set "
+        r"max_steps > 0 or num_train_epochs > 0",
+    ):
         TrainConfig.load(CONFIGS / "quickstart.yaml", ["max_steps=0", "num_train_epochs=0"])
 
 
@@ -212,10 +217,14 @@ def test_hugging_face_names_with_the_same_meaning_are_taken(override, key, value
 
 def test_hugging_face_names_without_a_counterpart_are_one_line_naming_the_key(tmp_path):
     with pytest.raises(ConfigError) as refused:
-        TrainConfig.load(CONFIGS / "quickstart.yaml", ["bf16=true"])
+        TrainConfig.load(CONFIGS / "quickstart.yaml", ["fp16=true"])
     assert str(refused.value).startswith(
-        "--set bf16=true: 'bf16' is Hugging Face's name; this trainer's key is 'dtype' (bfloat16: "
+        "--set fp16=true: fp16 True is not supported: T5's activations overflow fp16's range (65504)"
     )
+    with pytest.raises(
+        ConfigError, match="^--set eval_strategy=steps: 'eval_strategy' is Hugging Face's name"
+    ):
+        TrainConfig.load(None, ["eval_strategy=steps"])
     config = tmp_path / "hf.yaml"
     config.write_text("max_steps: 10\noptim: adamw_bnb_8bit\n")
     with pytest.raises(ConfigError) as no_such_optimizer:
@@ -232,6 +241,91 @@ def test_hugging_face_names_without_a_counterpart_are_one_line_naming_the_key(tm
         ConfigError, match=r"^--set warmup_ratio=1.5: warmup_ratio 1.5 is not a ratio in \[0, 1\)"
     ):
         TrainConfig.load(None, ["warmup_ratio=1.5"])
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [
+        ("bf16=true", "dtype", "bfloat16"),  # the default, as Hugging Face users write it
+        ("bf16=false", "dtype", "float32"),
+        ("fp16=false", "dtype", "bfloat16"),  # asks for nothing
+        ("report_to=[wandb]", "report_to", "wandb"),
+        ("report_to=all", "report_to", "wandb"),
+        ("report_to=[]", "report_to", "none"),
+        ("report_to=[none]", "report_to", "none"),
+        ("save_total_limit=null", "save_total_limit", 0),  # Hugging Face's "keep all"
+        ("save_steps=0.1", "save_steps", 0.1),
+        ("eval_steps=0.25", "eval_steps", 0.25),
+        ("logging_steps=0.5", "logging_steps", 0.5),
+        ("max_time=00:12:00:00", "max_time", "00:12:00:00"),
+        ("predict_with_generate=true", "eval_generation_records", 64),
+        ("predict_with_generate=false", "eval_generation_records", 0),
+        ("optimizer=adamw_torch_fused", "optimizer", "adamw"),
+        ("num_epochs=2", "num_train_epochs", 2),  # axolotl's names
+        ("base_model=google/flan-t5-base", "model_name_or_path", "google/flan-t5-base"),
+        ("lr_scheduler=cosine", "lr_scheduler_type", "cosine"),
+        ("r=8", "lora_r", 8),  # PEFT's
+    ],
+)
+def test_what_hugging_face_and_axolotl_users_write_is_taken(override, key, value):
+    assert getattr(TrainConfig.load(None, [override]), key) == value
+
+
+def test_ratios_of_the_run_and_lightning_durations_resolve():
+    cfg = TrainConfig.load(
+        None, ["save_steps=0.1", "eval_steps=0.25", "logging_steps=7", "max_time=00:12:00:00"]
+    )
+    assert cfg.every("save_steps", 1000) == 100 and cfg.every("save_steps", 15) == 2  # rounded up
+    assert cfg.every("eval_steps", 10) == 3 and cfg.every("logging_steps", 10) == 7
+    assert cfg.max_time_s == 12 * 3600 and TrainConfig.load(None, ["max_time=01:30:00"]).max_time_s == 5400
+    with pytest.raises(
+        ConfigError, match="save_steps must be a whole number of steps >= 1, or below 1 a ratio"
+    ):
+        TrainConfig.load(None, ["save_steps=2.5"])
+
+
+@pytest.mark.parametrize(
+    ("override", "answer"),
+    [
+        (
+            "hub_token=hf_x",
+            "'hub_token' is not a key here: a token is never written in a config: put it in HF_TOKEN",
+        ),
+        (
+            "deepspeed=ds.json",
+            "'deepspeed' is not a key here: not supported: several GPUs shard the model with FSDP2",
+        ),
+        ("load_in_4bit=true", "'load_in_4bit' is not a key here: not supported: no quantized base (QLoRA)"),
+        ("sequence_len=512", "an encoder-decoder has two lengths: max_source_length and max_target_length"),
+        ("report_to=tensorboard", "report_to 'tensorboard' is not supported: wandb (offline without a key"),
+    ],
+)
+def test_names_known_elsewhere_get_their_own_answer_not_the_nearest_spelling(override, answer):
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig.load(None, [override])
+    message = str(refused.value)
+    assert message.startswith(f"--set {override}: ") and answer in message and "did you mean" not in message
+
+
+def test_an_interlock_names_the_preset_line_that_set_the_other_half():
+    with pytest.raises(ConfigError) as both:
+        TrainConfig.load(CONFIGS / "flan-t5-xl-rtx5090.yaml", ["per_device_train_batch_size=8"])
+    assert re.match(
+        r"--set per_device_train_batch_size=8 \(per_device_train_batch_size\) and "
+        r".*flan-t5-xl-rtx5090.yaml:\d+ \(max_tokens\): set per_device_train_batch_size or max_tokens, "
+        r"not both: null unsets the other",
+        str(both.value),
+    ), str(both.value)
+    with pytest.raises(ConfigError) as graphs:
+        TrainConfig.load(CONFIGS / "flan-t5-xl-rtx5090.yaml", ["packing=false"])
+    assert str(graphs.value).startswith("--set packing=false (packing) and ") and "(cuda_graphs)" in str(
+        graphs.value
+    )
+    assert "with packing false, set cuda_graphs false too" in str(graphs.value)
+    cfg = TrainConfig.load(
+        CONFIGS / "flan-t5-xl-rtx5090.yaml", ["per_device_train_batch_size=8", "max_tokens=null"]
+    )
+    assert cfg.per_device_train_batch_size == 8 and cfg.max_tokens is None
 
 
 def test_warmup_steps_below_one_is_a_ratio_and_warmup_ratio_beside_it_is_one_error(tmp_path):

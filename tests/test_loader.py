@@ -298,13 +298,15 @@ def test_gzip_uncompressed_equivalence_file_line(tmp_path, tiny_model_dir):
     assert any("bad2.csv.gz:5: malformed_csv" in e for e in st["examples"]), st["examples"]
 
 
-def test_device_loader_cpu(tiny_model_dir, sample_jsonl):
+def test_batches_as_tensors_on_the_cpu_share_the_loaders_memory(tiny_model_dir, sample_jsonl):
     import torch
 
-    from trainer.data.loader import DeviceLoader
+    from trainer.data.loader import to_device
 
     want = list(RecipeStream(sample_jsonl, tiny_model_dir, batch_size=32))
-    got = list(DeviceLoader(RecipeStream(sample_jsonl, tiny_model_dir, batch_size=32), "cpu"))
+    got = [
+        to_device(b, torch.device("cpu")) for b in RecipeStream(sample_jsonl, tiny_model_dir, batch_size=32)
+    ]
     assert len(got) == len(want) == 10
     for g, w in zip(got, want, strict=True):
         assert set(g) == {"input_ids", "attention_mask", "labels"}

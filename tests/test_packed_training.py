@@ -17,10 +17,10 @@ from trainer.data.loader import (
     packed_records,
     padded_batch,
     records_in,
+    split_batch,
     stream_for,
     to_device,
 )
-from trainer.infra import memory
 from trainer.kernels.projections import accumulate_weight_grads_in_place
 from trainer.model.load import load_model
 from trainer.model.loss import token_loss_sum
@@ -72,7 +72,7 @@ def test_a_packed_step_has_the_loss_of_its_records_unpacked(tiny_model_without_d
         halves_sum = sum(
             token_loss_sum(model, to_device(half, torch.device("cpu")))
             for b in group
-            for half in memory.split_batch(b, 2)
+            for half in split_batch(b, 2)
         )
     n_target = sum(int((b["labels"] != -100).sum()) for b in group)
     torch.testing.assert_close(packed_sum, unpacked_sum, rtol=1e-5, atol=1e-5)
@@ -95,7 +95,7 @@ def test_split_batch_slices_packed_rows_without_trimming():
     batch["attention_mask"][:, 4:] = 0
     batch["labels"][:, :3] = 7
     batch["decoder_segment_ids"][:, :3] = 1
-    pieces = memory.split_batch(batch, 2)
+    pieces = split_batch(batch, 2)
     assert [len(p["input_ids"]) for p in pieces] == [2, 3]
     for p, lo in zip(pieces, (0, 2), strict=True):
         assert set(p) == set(batch)

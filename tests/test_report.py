@@ -509,7 +509,8 @@ def test_a_real_run_reports_every_event_to_discord_and_wandb(
     logged = {k for row in run["history"] for k in row}
     assert {
         "train/loss",
-        "train/lr",
+        "train/learning_rate",
+        "train/epoch",
         "train/grad_norm",
         "train/tokens_per_s",
         "train/samples_per_s",

@@ -98,10 +98,12 @@ def test_train_log_rows_say_what_they_are_and_a_resume_drops_the_repeated_ones(t
         (True, False),
     ]
     assert rows[2]["step"] == 2 and rows[2]["eval_loss"] == 1.25 and "time" in rows[2]
-    assert set(rows[0]) == {
+    assert set(rows[0]) == {  # Hugging Face's names (log_history)
         "step",
+        "epoch",
         "loss",
-        "lr",
+        "learning_rate",
+        "grad_norm",
         "time",
         "samples",
         "source_tokens",

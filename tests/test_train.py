@@ -286,7 +286,7 @@ def test_bad_data_paths_are_one_clear_line_not_a_traceback(tiny_model_dir, tmp_p
 
 def _lrs(out) -> dict[int, float]:
     rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
-    return {r["step"]: r["lr"] for r in rows if "loss" in r}
+    return {r["step"]: r["learning_rate"] for r in rows if "loss" in r}
 
 
 def test_a_resumed_run_has_the_learning_rates_of_an_uninterrupted_one(

@@ -12,6 +12,7 @@ import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
 from trainer.config import TrainConfig
+from trainer.data.loader import split_batch
 from trainer.infra import memory
 from trainer.plan.memory_plan import plan_run
 from trainer.run.run_state import OomBackoff
@@ -91,14 +92,14 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_big_batch():
 
 def test_split_batch_keeps_rows_in_order_and_trims_padding():
     batch = _batch(5, 8, 6, 4)
-    pieces = memory.split_batch(batch, 2)
+    pieces = split_batch(batch, 2)
     assert [len(p["input_ids"]) for p in pieces] == [2, 3]
     for p, lo in zip(pieces, (0, 2), strict=True):
         n = len(p["input_ids"])
         w = p["input_ids"].shape[1]
         assert torch.equal(p["input_ids"], batch["input_ids"][lo : lo + n, :w])
         assert p["attention_mask"][:, -1].any()  # no all-padding column left at the end
-    assert len(memory.split_batch(batch, 16)) == 5  # never an empty piece
+    assert len(split_batch(batch, 16)) == 5  # never an empty piece
 
 
 class _OomOnce:

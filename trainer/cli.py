@@ -61,6 +61,46 @@ def one_override_per_set(argv: list[str]) -> list[str]:
     return out
 
 
+# The subcommands that read a config, and their own options: any other `--name` there is a config key.
+CONFIG_COMMANDS = {
+    "train": {"--config", "--set", "--dry-run", "--help", "-h"},
+    "plan": {"--config", "--set", "--gpu-memory", "--processes", "--hours", "--help", "-h"},
+}
+
+
+def config_flags_as_overrides(argv: list[str]) -> list[str]:
+    """HfArgumentParser's `--learning_rate 1e-4`, `--learning_rate=1e-4` and `--bf16` (a flag alone: true)
+    after `trainer train` or `trainer plan`, as `--set learning_rate=1e-4`: any `--name` that is not one of
+    the subcommand's own options names a config key (an unknown one is then a config error with its
+    suggestion)."""
+    command = next((w for w in argv if not w.startswith("-")), None)
+    own = CONFIG_COMMANDS.get(command)
+    if own is None:
+        return argv
+    out: list[str] = []
+    words = iter(range(len(argv)))
+    for i in words:
+        word = argv[i]
+        name, eq, value = word.partition("=")
+        if not word.startswith("--") or name in own or word == "--":
+            out.append(word)
+            if name in own and not eq and name not in ("--dry-run", "--help", "-h"):  # its value follows
+                following = next(words, None)
+                if following is not None:
+                    out.append(argv[following])
+            continue
+        key = name[2:].replace("-", "_")
+        if not eq:
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            if following is None or following.startswith("--"):
+                value = "true"  # a flag alone, as HfArgumentParser reads a bool
+            else:
+                value = following
+                next(words, None)
+        out += ["--set", f"{key}={value}"]
+    return out
+
+
 def _type_name(hint) -> str:
     """A config key's type in words: `int or null`, `bfloat16 | float32`, `list of str`, `mapping`."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -101,13 +141,14 @@ def _config_keys():
 
 
 def _hf_names() -> list[tuple[str, str]]:
-    """(Hugging Face's name, what this trainer does with it) for each name of config.HF_NAMES."""
-    from trainer.config import HF_NAMES
+    """(a name from Hugging Face, axolotl or PEFT, what this trainer does with it) for each name of
+    config.HF_NAMES and config.ANSWERS."""
+    from trainer.config import ANSWERS, HF_NAMES
 
     return [
         (name, f"taken as {hf.key} ({hf.taken})" if hf.convert else f"refused: set {hf.key} ({hf.hint})")
         for name, hf in HF_NAMES.items()
-    ]
+    ] + [(name, f"refused: {answer}") for name, answer in ANSWERS.items()]
 
 
 def _wrap(text: str, width: int, first: str, then: str) -> list[str]:
@@ -132,7 +173,10 @@ def config_keys_text() -> str:
         for name, kind, default, text in keys:
             lines.append(f"  {name}: {kind} = {default}")
             lines += _wrap(text, width, "      ", "      ")
-    lines += ["", "Hugging Face names (Seq2SeqTrainingArguments) this trainer spells otherwise:"]
+    lines += [
+        "",
+        "Names from Hugging Face (Seq2SeqTrainingArguments), axolotl and PEFT, and what they do here:",
+    ]
     for name, what in _hf_names():
         lines += _wrap(f"{name}: {what}", width, "  ", "      ")
     return "\n".join(lines)
@@ -163,10 +207,14 @@ def config_keys_markdown() -> str:
             lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "## Hugging Face names",
+        "## Names from Hugging Face, axolotl and PEFT",
         "",
-        "Names of `Seq2SeqTrainingArguments` that this trainer spells otherwise: taken as its key where the "
-        "meaning is the same, else refused with a line naming the key to use.",
+        "Names of `Seq2SeqTrainingArguments`, axolotl and PEFT that this trainer spells otherwise, or has no "
+        "key for: taken as its key where the meaning is the same, else refused with a line saying what to "
+        "do. Their values are taken in Hugging Face's forms too: `report_to: [wandb]` or `all`, "
+        "`save_total_limit: null` (keep all), `save_steps`, `eval_steps` and `logging_steps` below 1 (a "
+        "ratio of the run's steps), `max_time: 00:12:00:00` (Lightning's), `optimizer: adamw_torch_fused` "
+        "(`optim`'s names); and `trainer train --KEY VALUE` as HfArgumentParser reads it.",
         "",
         "| name | here |",
         "|---|---|",
@@ -190,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a model from a YAML config",
-        description="Train a model from a YAML config of the keys below; --set overrides any of them.",
+        description="Train a model from a YAML config of the keys below; --set KEY=VALUE overrides any of "
+        "them, and so does --KEY VALUE (as Hugging Face's HfArgumentParser reads it; --KEY alone: true).",
         epilog=config_keys_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -212,7 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--markdown", action="store_true", help=f"as Markdown, what {CONFIG_DOC} holds")
 
     plan = sub.add_parser(
-        "plan", help="predict peak GPU memory for a config, and the training time on named GPUs"
+        "plan",
+        help="predict peak GPU memory for a config, and the training time on named GPUs",
+        description="Predict a config's peak GPU memory by component on a card of --gpu-memory, the largest "
+        "micro-batch that fits, the host memory a checkpoint's copy takes, and the time of an epoch and of "
+        "the run on the RTX 5090, 4090, 4080, 3090, A100, H100 and H200, without loading the model. --set "
+        "KEY=VALUE or --KEY VALUE override the config.",
     )
     plan.add_argument("--config", required=True, help="YAML config (see configs/)")
     _add_overrides(plan)
@@ -282,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(one_override_per_set(sys.argv[1:] if argv is None else argv))
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(config_flags_as_overrides(one_override_per_set(argv)))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT
     )

@@ -266,10 +266,21 @@ class TrainConfig:
 
     # --- logging, evaluation, checkpoints ---
     output_dir: str = _key("outputs/run", "Checkpoints, final/, the train log and the run summary go here.")
-    logging_steps: int = _key(10, "Log loss, learning rate, tokens/s and memory every N optimizer steps.")
-    eval_steps: int = _key(500, "Evaluate every N optimizer steps, and at the last one.")
-    save_steps: int = _key(500, "Save a checkpoint every N optimizer steps, and at the last one.")
-    save_total_limit: int = _key(3, "Keep the newest N checkpoints (the best one is kept too); 0: all.")
+    logging_steps: int | float = _key(
+        10,
+        "Log loss, learning rate, tokens/s and memory every N optimizer steps (below 1: a ratio of the run).",
+    )
+    eval_steps: int | float = _key(
+        500, "Evaluate every N optimizer steps (below 1: a ratio of the run's steps), and at the last one."
+    )
+    save_steps: int | float = _key(
+        500,
+        "Save a checkpoint every N optimizer steps (below 1: a ratio of the run's steps), and at the last "
+        "one.",
+    )
+    save_total_limit: int = _key(
+        3, "Keep the newest N checkpoints (the best one is kept too); 0 or null: all."
+    )
     resume: str = _key(
         "auto", "auto (the newest usable checkpoint in output_dir), never, or a checkpoint's path."
     )
@@ -304,7 +315,10 @@ class TrainConfig:
     save_final: bool = _key(True, "A checkpoint and final/ at the end (benchmarks turn it off).")
 
     # --- monitoring (secrets come from the environment only) ---
-    report_to: Literal["wandb", "none"] = _key("wandb", "wandb (offline without a key) or none.")
+    report_to: Literal["wandb", "none"] = _key(
+        "wandb",
+        "wandb (offline without a key) or none; Hugging Face's forms too: [wandb], all, [] or [none].",
+    )
     wandb_project: str | None = _key(None, "W&B project; null: WANDB_PROJECT, else recipe-t5.")
     wandb_entity: str | None = _key(None, "W&B entity (user or team); null: WANDB_ENTITY or your default.")
     run_name: str | None = _key(None, "The run's name in W&B and Discord; null: output_dir's name.")
@@ -363,16 +377,22 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size is not None and self.max_tokens is not None:
             raise ConfigError(
-                "set per_device_train_batch_size or max_tokens, not both",
+                "set per_device_train_batch_size or max_tokens, not both: null unsets the other (e.g. --set "
+                "max_tokens=null to batch by rows)",
                 key=("per_device_train_batch_size", "max_tokens"),
             )
         # A key whose default is null may be null ("or null" in the message); the others must be set.
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            value = getattr(self, name)
+            if not (0 < value < 1 or (value >= 1 and value == int(value))):
+                raise ConfigError(
+                    f"{name} must be a whole number of steps >= 1, or below 1 a ratio of the run's steps, "
+                    f"got {value}",
+                    key=name,
+                )
         at_least = {
             "gradient_accumulation_steps": 1,
-            "logging_steps": 1,
-            "eval_steps": 1,
-            "save_steps": 1,
             "per_device_train_batch_size": 1,
             "max_tokens": 1,
             "pad_to_multiple_of": 1,
@@ -407,8 +427,8 @@ class TrainConfig:
         if self.cuda_graphs and not self.packing:
             raise ConfigError(
                 "cuda_graphs needs packing: true (a graph replays one batch shape; packed micro-batches all "
-                "have one)",
-                key=("cuda_graphs", "packing"),
+                "have one): with packing false, set cuda_graphs false too",
+                key=("packing", "cuda_graphs"),
             )
         if self.cuda_graphs and self.torch_compile:
             raise ConfigError(
@@ -463,6 +483,12 @@ class TrainConfig:
     @property
     def hub_upload_timeout_s(self) -> float:
         return parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
+
+    def every(self, name: str, total_steps: int) -> int:
+        """`logging_steps`, `eval_steps` or `save_steps` in optimizer steps: below 1, that ratio of
+        `total_steps` rounded up, as transformers reads it."""
+        value = getattr(self, name)
+        return max(1, math.ceil(value * total_steps)) if value < 1 else int(value)
 
     @property
     def hub_request_timeout_s(self) -> float:
@@ -589,9 +615,12 @@ class TrainConfig:
         for key, value in values.items():
             where = sources.get(key, source)
             if key not in names:
+                if key in ANSWERS:
+                    raise ConfigError(f"{where}: {key!r} is not a key here: {ANSWERS[key]}")
                 close = difflib.get_close_matches(str(key), names, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
+            value = _hf_value(key, value, where)
             checked[key] = _check_type(key, value, hints[key], where)
         unused = [k for k in checked if k.startswith("lora_")] if checked.get("adapter") is None else []
         if unused:
@@ -601,10 +630,12 @@ class TrainConfig:
             )
         try:
             return cls(**checked)
-        except ConfigError as e:  # a value check: say where the value was set (file:line, --set k=v)
-            where = next((sources[k] for k in e.keys if k in sources), None)
-            if where is None:
+        except ConfigError as e:  # a value check: say where each value was set (file:line, --set k=v)
+            placed = [(k, sources[k]) for k in e.keys if k in sources]
+            if not placed:
                 raise
+            # an interlock of two keys: both places, so that a preset's half is found
+            where = " and ".join(f"{src} ({k})" for k, src in placed) if len(placed) > 1 else placed[0][1]
             raise ConfigError(f"{where}: {e}", key=e.keys) from None
 
 
@@ -691,6 +722,34 @@ def _hf_generation_max_length(value: Any) -> Any:
     return value - 1
 
 
+DROPPED = object()  # a converter's answer for a name whose value asks for what is so anyway: nothing to set
+
+
+def _hf_bf16(value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise ValueError("is not true or false")
+    return "bfloat16" if value else "float32"
+
+
+def _hf_fp16(value: Any) -> Any:
+    if value is False or value is None:
+        return DROPPED
+    raise ValueError(
+        "is not supported: T5's activations overflow fp16's range (65504), which is why its checkpoints are "
+        "bf16; bf16 has fp32's range"
+    )
+
+
+def _hf_predict_with_generate(value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise ValueError("is not true or false")
+    return DROPPED if value else 0  # evaluations generate by default; false: the loss alone
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
 def _hf_resume(value: Any) -> Any:
     if value is True:
         return "auto"
@@ -732,9 +791,27 @@ HF_NAMES: dict[str, HfName] = {
         "true as auto, false or null as never, a path as that checkpoint",
     ),
     "bf16": HfName(
-        "dtype", "bfloat16: bf16 weights with Kahan-compensated updates, no fp32 copy; or float32"
+        "dtype",
+        "bfloat16: bf16 weights with Kahan-compensated updates, no fp32 copy; or float32",
+        _hf_bf16,
+        "true as bfloat16 (the default), false as float32",
     ),
-    "fp16": HfName("dtype", "bfloat16 or float32; fp16 is not supported"),
+    "fp16": HfName(
+        "dtype", "bfloat16 or float32", _hf_fp16, "false is taken (nothing to set); true is refused"
+    ),
+    "predict_with_generate": HfName(
+        "eval_generation_records",
+        "held-out records each evaluation generates for and scores; 0: the loss alone",
+        _hf_predict_with_generate,
+        "true as the default (evaluations generate), false as 0",
+    ),
+    # axolotl's and PEFT's names for the same things
+    "base_model": HfName("model_name_or_path", "a Hub id or a local directory", _same, "axolotl's name"),
+    "micro_batch_size": HfName("per_device_train_batch_size", "rows per micro-batch", _same, "axolotl's"),
+    "num_epochs": HfName("num_train_epochs", "epochs of the run", _same, "axolotl's name"),
+    "lr_scheduler": HfName("lr_scheduler_type", "transformers' schedule names", _same, "axolotl's name"),
+    "r": HfName("lora_r", "LoRA's rank", _same, "PEFT's LoraConfig name"),
+    "target_modules": HfName("lora_target_modules", "the projections LoRA adapts", _same, "PEFT's name"),
     "eval_strategy": HfName("eval_steps", "evaluations every N optimizer steps and at the last one"),
     "save_strategy": HfName("save_steps", "checkpoints every N optimizer steps and at the last one"),
     "per_device_eval_batch_size": HfName(
@@ -742,6 +819,26 @@ HF_NAMES: dict[str, HfName] = {
     ),
     "dataloader_num_workers": HfName("loader_threads", "the Rust loader's worker threads"),
 }
+
+
+def _hf_value(key: str, value: Any, where: str) -> Any:
+    """A value in the form Hugging Face or axolotl write it, as this trainer's: report_to as a list or
+    "all", save_total_limit null (keep all), optimizer as an HF optim name."""
+    if key == "report_to":
+        items = value if isinstance(value, list) else [value]
+        names = {"all": "wandb", "wandb": "wandb", "none": "none", None: "none"}
+        other = [i for i in items if i not in names]
+        if other:
+            raise ConfigError(
+                f"{where}: report_to {other[0]!r} is not supported: wandb (offline without a key: "
+                "WANDB_MODE=offline keeps runs off the cloud) or none; Discord with DISCORD_WEBHOOK_URL"
+            )
+        return "wandb" if "wandb" in {names[i] for i in items} else "none"
+    if key == "save_total_limit" and value is None:
+        return 0
+    if key == "optimizer" and value in HF_OPTIMIZERS:
+        return HF_OPTIMIZERS[value]
+    return value
 
 
 def _take_hf_names(values: dict[str, Any], sources: dict[str, str], source: str) -> dict[str, Any]:
@@ -771,10 +868,38 @@ def _take_hf_names(values: dict[str, Any], sources: dict[str, str], source: str)
             ) from None
     out = {k: v for k, v in values.items() if k not in taken}
     for name, (key, value) in taken.items():
+        if value is DROPPED:
+            sources.pop(name, None)
+            continue
         out[key] = value
         if name in sources:
             sources[key] = sources.pop(name)
     return out
+
+
+# Names users bring from Hugging Face, axolotl and PEFT that have no key here, each with its own answer
+# (rather than the nearest key by spelling, which points the wrong way: hub_token is not max_tokens).
+ANSWERS: dict[str, str] = {
+    "hub_token": "a token is never written in a config: put it in HF_TOKEN in the environment (.env for "
+    "Docker)",
+    "push_to_hub_token": "a token is never written in a config: put it in HF_TOKEN in the environment",
+    "wandb_api_key": "a key is never written in a config: put it in WANDB_API_KEY in the environment",
+    "deepspeed": "not supported: several GPUs shard the model with FSDP2 here (distributed_strategy: fsdp "
+    "under torchrun, docs/distributed.md)",
+    "fsdp": "Hugging Face's fsdp options: here distributed_strategy: fsdp under torchrun (FSDP2)",
+    "load_in_4bit": "not supported: no quantized base (QLoRA); LoRA over the bf16 base (adapter: lora) fits "
+    "FLAN-T5-XL on 16 GB and FLAN-T5-XXL on 32 GB (docs/lora.md)",
+    "load_in_8bit": "not supported: no quantized base; LoRA over the bf16 base (adapter: lora, docs/lora.md)",
+    "sequence_len": "an encoder-decoder has two lengths: max_source_length and max_target_length",
+    "max_seq_length": "an encoder-decoder has two lengths: max_source_length and max_target_length",
+    "datasets": "the data is train_files: paths, globs, save_to_disk directories or hf://datasets/OWNER/NAME "
+    "(docs/loader.md)",
+    "val_set_size": "eval_fraction: the share of train_files held out (or eval_files)",
+    "local_rank": "torchrun sets it; nothing to configure",
+    "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant here; the plan decides which "
+    "blocks skip it",
+    "lora_target_linear": "lora_target_modules names the projections (docs/lora.md)",
+}
 
 
 _DURATION = re.compile(
@@ -784,9 +909,9 @@ _UNIT_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 
 
 def parse_duration(value: float | str, key: str) -> float:
-    """Seconds of a duration: a number of seconds (36000, "36000"), or days, hours, minutes and seconds in
-    that order ("10h", "90m", "1d12h", "2h30m", "1h 30m 10s"). ConfigError naming `key` for anything else,
-    or for a duration that is not positive."""
+    """Seconds of a duration: a number of seconds (36000, "36000"), days, hours, minutes and seconds in
+    that order ("10h", "90m", "1d12h", "2h30m", "1h 30m 10s"), or Lightning's DD:HH:MM:SS and HH:MM:SS
+    ("00:12:00:00"). ConfigError naming `key` for anything else, or for a duration that is not positive."""
     seconds = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
@@ -798,9 +923,13 @@ def parse_duration(value: float | str, key: str) -> float:
             m = _DURATION.match(text)
             if m and text:
                 seconds = sum(float(v) * _UNIT_SECONDS[unit] for unit, v in m.groupdict().items() if v)
+            parts = text.split(":")
+            if len(parts) in (3, 4) and all(p.isdigit() for p in parts):
+                seconds = sum(int(p) * s for p, s in zip(reversed(parts), (1, 60, 3600, 86400), strict=False))
     if seconds is None or not math.isfinite(seconds):
         raise ConfigError(
-            f"{key}: {value!r} is not a duration; give seconds (36000) or e.g. 10h, 90m, 1d12h, 2h30m",
+            f"{key}: {value!r} is not a duration; give seconds (36000) or e.g. 10h, 90m, 1d12h, 2h30m, "
+            "00:12:00:00 (DD:HH:MM:SS)",
             key=key,
         )
     if seconds <= 0:

@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOADER_OPTIONS",
-    "DeviceLoader",
     "RecipeConfigError",
     "RecipeDataError",
     "RecipeFileError",
@@ -144,33 +143,6 @@ class RecipeStream:
         return self._inner.sample_records(n, seed)
 
 
-class DeviceLoader:
-    """Iterates a stream's batches as torch tensors on `device`, copying the next batch while one is in use.
-
-    On CUDA, batches are pinned and copied with `non_blocking=True` one batch ahead; elsewhere they are plain
-    tensors (numpy memory shared, no copy).
-    """
-
-    def __init__(self, stream: RecipeStream, device: str | torch.device) -> None:
-        import torch
-
-        self.stream = stream
-        self.device = torch.device(device)
-
-    def __len__(self) -> int:
-        return len(self.stream)
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        it = iter(self.stream)
-        nxt = next(it, None)
-        ahead = None if nxt is None else to_device(nxt, self.device)
-        while ahead is not None:
-            current = ahead
-            nxt = next(it, None)
-            ahead = None if nxt is None else to_device(nxt, self.device)
-            yield current
-
-
 def to_device(batch: Batch | dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """A batch as torch tensors on `device`: on CUDA pinned and copied with non_blocking=True; on the CPU the
     numpy memory is shared, not copied."""
@@ -185,6 +157,33 @@ def to_device(batch: Batch | dict[str, torch.Tensor], device: torch.device) -> d
             t = t.to(device)
         out[k] = t
     return out
+
+
+def split_batch(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
+    """Split a batch's rows into `parts` consecutive pieces (fewer if it has fewer rows), same data order.
+
+    Columns that are padding in every row of a piece are trimmed so a half batch is also half the tokens. A
+    packed batch (with `encoder_segment_ids`) is split by rows only, every key alike: its rows keep their
+    fixed lengths, and a record never spans two rows.
+    """
+    if parts <= 1:
+        return [batch]
+    rows = len(batch["input_ids"])
+    parts = min(parts, rows)
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    pieces = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        piece = {k: v[lo:hi] for k, v in batch.items()}
+        if "encoder_segment_ids" in batch:
+            pieces.append(piece)
+            continue
+        src_len = int(piece["attention_mask"].sum(1).max())
+        tgt_len = int((piece["labels"] != -100).sum(1).max())
+        piece["input_ids"] = piece["input_ids"][:, :src_len]
+        piece["attention_mask"] = piece["attention_mask"][:, :src_len]
+        piece["labels"] = piece["labels"][:, :tgt_len]
+        pieces.append(piece)
+    return pieces
 
 
 # Loader options whose config field has another name (Seq2SeqTrainingArguments' where it has one). Every

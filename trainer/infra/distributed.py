@@ -157,11 +157,6 @@ def all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when it is true on one."""
-    return all_sum([1.0 if flag else 0.0])[0] > 0
-
-
 def ranks_where(flag: bool) -> list[int]:
     """The ranks where `flag` is true, on every rank (one all-reduce); [0] or [] for one process."""
     if not is_distributed():

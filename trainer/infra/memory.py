@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -89,33 +88,6 @@ def memory_summary() -> str:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.memory_summary(abbreviated=True)
     return "(no CUDA device: no memory summary)"
-
-
-def split_batch(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
-    """Split a batch's rows into `parts` consecutive pieces (fewer if it has fewer rows), same data order.
-
-    Columns that are padding in every row of a piece are trimmed so a half batch is also half the tokens. A
-    packed batch (with `encoder_segment_ids`) is split by rows only, every key alike: its rows keep their
-    fixed lengths, and a record never spans two rows.
-    """
-    if parts <= 1:
-        return [batch]
-    rows = len(batch["input_ids"])
-    parts = min(parts, rows)
-    bounds = [rows * i // parts for i in range(parts + 1)]
-    pieces = []
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        piece = {k: v[lo:hi] for k, v in batch.items()}
-        if "encoder_segment_ids" in batch:
-            pieces.append(piece)
-            continue
-        src_len = int(piece["attention_mask"].sum(1).max())
-        tgt_len = int((piece["labels"] != -100).sum(1).max())
-        piece["input_ids"] = piece["input_ids"][:, :src_len]
-        piece["attention_mask"] = piece["attention_mask"][:, :src_len]
-        piece["labels"] = piece["labels"][:, :tgt_len]
-        pieces.append(piece)
-    return pieces
 
 
 class EmptyCacheSchedule:

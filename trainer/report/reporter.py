@@ -12,12 +12,12 @@ reports.
     # leaving the block closes it: queued Discord messages get a few seconds, the W&B run is finished
 
 W&B metrics (plotted against `train/global_step`, which the Reporter adds): those of
-`trainer.report.step_meter.LoggedStep.metrics` (train/loss, train/lr, train/grad_norm, train/tokens_per_s,
-train/samples_per_s, train/real_token_share, gpu/memory_*_gib), each evaluation's metrics as eval/<name>
-(eval/loss, eval/rougeL, eval/ingredient_coverage, ...) and the eval/generations table of generated recipes
-(`evaluated`), train/oom_backoffs (`oom_backoff`) and train/skipped_nan_steps (`nan_skipped`). System metrics
-(GPU utilisation, power, CPU) come from wandb itself. Model artifacts (`checkpoint_saved`, `model_saved`)
-follow WANDB_LOG_MODEL (trainer.report.wandb_logger.log_model_mode).
+`trainer.report.step_meter.LoggedStep.metrics` (train/loss, train/learning_rate, train/epoch, train/grad_norm,
+train/tokens_per_s, train/samples_per_s, train/real_token_share, gpu/memory_*_gib), each evaluation's metrics
+as eval/<name> (eval/loss, eval/rougeL, eval/ingredient_coverage, ...) and the eval/generations table of
+generated recipes (`evaluated`), train/oom_backoffs (`oom_backoff`) and train/skipped_nan_steps
+(`nan_skipped`). System metrics (GPU utilisation, power, CPU) come from wandb itself. Model artifacts
+(`checkpoint_saved`, `model_saved`) follow WANDB_LOG_MODEL (trainer.report.wandb_logger.log_model_mode).
 """
 
 from __future__ import annotations

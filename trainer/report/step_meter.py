@@ -1,7 +1,8 @@
 """Counting the loop's steps: throughput over the logging window, the ETA, the train log, the run summary, and
 the progress a person watching the console sees.
 
-`<output_dir>/train_log.jsonl` (rank 0) has one row per optimizer step, `{"step", "loss", "lr", "time",
+`<output_dir>/train_log.jsonl` (rank 0) has one row per optimizer step, `{"step", "epoch", "loss",
+"learning_rate", "grad_norm", "time",
 "samples", "source_tokens", "target_tokens", "padded_tokens"}` (token counts of the whole job, real tokens
 apart from the padded total), and one row per evaluation, `{"step", "eval_loss", "time"}` (further evaluation
 metrics are further keys), as in HF's `log_history`: a row with "loss" is a training step, one with
@@ -88,6 +89,7 @@ class LoggedStep:
     loss: float
     lr: float
     grad_norm: float
+    epoch: float  # epochs done, fractional
     tokens_per_s: float  # real tokens, over the steps since the last logged one
     samples_per_s: float
     real_token_share: float  # real tokens / padded positions
@@ -98,7 +100,8 @@ class LoggedStep:
         """The W&B metrics of this step (plotted against train/global_step)."""
         metrics = {
             "train/loss": self.loss,
-            "train/lr": self.lr,
+            "train/learning_rate": self.lr,
+            "train/epoch": self.epoch,
             "train/grad_norm": self.grad_norm,
             "train/tokens_per_s": self.tokens_per_s,
             "train/samples_per_s": self.samples_per_s,
@@ -140,8 +143,10 @@ class StepMeter:
         *,
         seconds_before: float = 0.0,
         max_time_s: float | None = None,
+        steps_per_epoch: float = 0.0,
     ):
         self.total_steps, self.start_step = total_steps, start_step
+        self.steps_per_epoch = steps_per_epoch  # optimizer steps in one epoch (0: unknown)
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.seconds_before, self.max_time_s = seconds_before, max_time_s
         self._clock = clock
@@ -153,14 +158,23 @@ class StepMeter:
         self.pause_seconds = dict.fromkeys(PAUSES, 0.0)
         self.pause_counts = dict.fromkeys(PAUSES, 0)
 
-    def step_done(self, step: int, loss: float, lr: float, counts: StepCounts) -> None:
+    def step_done(
+        self, step: int, loss: float, lr: float, counts: StepCounts, grad_norm: float = math.nan
+    ) -> None:
         self._steps_done += 1
         self._last_done = self._clock()
         if self._steps_done == 1:
             self._first_done = self._last_done
         self.window.add(counts)
         self.run.add(counts)
-        self._append({"step": step, "loss": loss, "lr": lr, "time": time.time(), **counts.row()})
+        # Hugging Face's names for the same things (log_history), so that dashboards and scripts carry over
+        row = {"step": step, "epoch": round(self.epoch_at(step), 6), "loss": loss, "learning_rate": lr}
+        row |= {"grad_norm": grad_norm, "time": time.time(), **counts.row()}
+        self._append(row)
+
+    def epoch_at(self, step: int) -> float:
+        """Epochs done after `step` optimizer steps (fractional), from `steps_per_epoch`."""
+        return step / self.steps_per_epoch if self.steps_per_epoch else 0.0
 
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
         """Log an evaluation's metrics (e.g. {"eval_loss": 2.1}) as a row of the train log."""
@@ -229,6 +243,7 @@ class StepMeter:
             loss=loss,
             lr=lr,
             grad_norm=grad_norm,
+            epoch=self.epoch_at(step),
             tokens_per_s=self.window.tokens / seconds,
             samples_per_s=self.window.samples / seconds,
             real_token_share=self.window.tokens / max(self.window.padded_tokens, 1),

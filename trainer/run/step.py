@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from trainer.config import TrainConfig
-from trainer.data.loader import to_device
+from trainer.data.loader import split_batch, to_device
 from trainer.infra import distributed, memory
 from trainer.model.loss import token_loss_sum
 from trainer.plan.memory_plan import RunPlan, probe_shapes
@@ -58,7 +58,7 @@ def accumulate_gradients(
     sharded = distributed.is_sharded(model)
     averaged_over = distributed.world_size() if sharded else 1
     tokens = max(n_target, 1) / averaged_over
-    micro_batches = [micro for batch in group for micro in memory.split_batch(batch, split)]
+    micro_batches = [micro for batch in group for micro in split_batch(batch, split)]
     total = 0.0
     for i, micro in enumerate(micro_batches):
         if stop:

@@ -118,6 +118,7 @@ class Data:
     eval_stream: Any | None
     generation_records: list[dict]  # empty on ranks that do not generate (ddp: all but rank 0)
     total_steps: int
+    steps_per_epoch: float  # optimizer steps in one epoch of the training data
     records: int  # usable records, held-out ones included
     eval_records: int  # of them, held out (from eval_files, or train_files' eval_fraction)
     skipped: int
@@ -285,6 +286,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
                 clock,
                 seconds_before=state.train_seconds,
                 max_time_s=cfg.max_time_s,
+                steps_per_epoch=data.steps_per_epoch,
             ),
             intact=ModelIntact(),
             graph=micro_step_graph(cfg, device, model, train_module),
@@ -393,6 +395,7 @@ def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Da
         eval_stream=eval_stream,
         generation_records=records,
         total_steps=total_steps,
+        steps_per_epoch=batches_per_epoch / accum,
         records=stats["records"] + held_out,
         eval_records=held_out,
         skipped=skipped,
@@ -457,7 +460,7 @@ def warn_if_the_disk_is_small(
         except (ValueError, OSError):
             return
         one = disk.estimate_checkpoint_bytes(n_params, dtype, cfg.optimizer, cfg.bf16_update)
-    planned_saves = math.ceil(total_steps / cfg.save_steps)
+    planned_saves = math.ceil(total_steps / cfg.every("save_steps", total_steps))
     warning = ckpt.free_space_warning(output_dir, one, cfg.save_total_limit, planned_saves)
     if warning:
         log.warning("%s", warning)
@@ -765,12 +768,12 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
         lr = run.scheduler.get_last_lr()[0]
         # Summed over ranks: the train log and tokens/s count the whole job.
         counts = StepCounts(*(int(c) for c in distributed.all_sum(list(current.counts.row().values()))))
-        run.meter.step_done(state.step, loss, lr, counts)
+        run.meter.step_done(state.step, loss, lr, counts, grad_norm)
         run.heartbeat.beat(state.step)
         if state.consecutive_nan >= cfg.max_consecutive_nan_steps:
             stop_for_nan(run, state)
         run.progress.advance()
-        if run.meter.should_log(state.step, cfg.logging_steps):
+        if run.meter.should_log(state.step, cfg.every("logging_steps", data.total_steps)):
             logged = run.meter.log_window(
                 state.step, loss=loss, lr=lr, grad_norm=grad_norm, memory=memory.gpu_memory(run.device)
             )
@@ -780,13 +783,15 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
         # evaluations come first, as in Seq2SeqTrainer: the checkpoint of their step holds their result (the
         # best so far, the early-stopping count); an evaluation that fails saves the step on its way out.
         last_step = state.step == data.total_steps
-        at_eval = data.eval_stream is not None and (state.step % cfg.eval_steps == 0 or last_step)
+        at_eval = data.eval_stream is not None and (
+            state.step % cfg.every("eval_steps", data.total_steps) == 0 or last_step
+        )
         if last_step and at_eval and cfg.save_final and state.saved_step != state.step:
             save(run, state)
         if at_eval:
             last_eval, evaluated_at = evaluate_and_track(run, state), state.step
             empty_cache.after_evaluation()
-        if state.step % cfg.save_steps == 0 and state.saved_step != state.step:
+        if state.step % cfg.every("save_steps", data.total_steps) == 0 and state.saved_step != state.step:
             save(run, state)
         if state.early_stopping_due(cfg.early_stopping_patience):  # the same on every rank
             break
