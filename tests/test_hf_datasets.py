@@ -4,6 +4,7 @@ here, offline: nothing comes from the Hub), converted once to Parquet and read l
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,28 @@ def test_without_the_datasets_package_the_error_names_the_install_command(tmp_pa
         "hf://datasets/cooks/recipes: reading a Hugging Face dataset needs the datasets package: "
         "pip install 'recipe-t5-trainer[datasets]' (or pip install datasets)"
     )
+
+
+def test_generate_and_evaluate_read_hugging_face_datasets_as_training_does(tmp_path, tiny_model_dir):
+    """`trainer generate --input` and `trainer evaluate --data` take a save_to_disk directory and a Hub
+    dataset (here from the local Hub cache, offline), as train_files does."""
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(RECORDS[:6]).save_to_disk(str(saved))
+    env = os.environ | {
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(hub_cache(tmp_path / "hub", "cooks/recipes", RECORDS[:5])),
+        "HF_DATASETS_CACHE": str(tmp_path / "datasets-cache"),
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+    }
+
+    def trainer(*args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "trainer", *args, "--model", str(tiny_model_dir), "--device", "cpu"]
+        return subprocess.run([*argv, "--max_new_tokens", "3"], capture_output=True, text=True, env=env)
+
+    out = tmp_path / "generated.jsonl"
+    done = trainer("generate", "--input", str(saved), "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    assert len(out.read_text().splitlines()) == 6
+    done = trainer("evaluate", "--data", "hf://datasets/cooks/recipes")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^records\s+5$", done.stdout, re.M), done.stdout

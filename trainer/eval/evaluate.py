@@ -145,7 +145,8 @@ def add_evaluate_parser(sub) -> None:
         action="extend",
         required=True,
         metavar="FILE",
-        help="recipe files or globs with references (RecipeNLG/Food.com CSV, JSONL; .gz/.zst)",
+        help="recipe files or globs with references (RecipeNLG/Food.com CSV, JSONL, Parquet, Arrow; "
+        ".gz/.zst), save_to_disk directories or hf://datasets/OWNER/NAME",
     )
     p.add_argument(
         "--split",

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import DATA_FORMATS, TASKS, TrainConfig
-from trainer.data.loader import skipped_summary
+from trainer.data.loader import resolve_sources, skipped_summary
 from trainer.data.prompt import (
     DEFAULT_TASK,
     TEMPLATE_FILE,
@@ -458,8 +458,8 @@ def add_generate_parser(sub) -> None:
         action="extend",
         default=[],
         metavar="FILE",
-        help="recipe files or globs (RecipeNLG/Food.com CSV, JSONL; .gz/.zst); a record needs only "
-        "the fields of the prompt",
+        help="recipe files or globs (RecipeNLG/Food.com CSV, JSONL, Parquet, Arrow; .gz/.zst), save_to_disk "
+        "directories or hf://datasets/OWNER/NAME; a record needs only the fields of the prompt",
     )
     p.add_argument("--ingredients", help='one prompt\'s ingredients, separated by ";": "2 eggs; 1 cup flour"')
     p.add_argument("--title", help="one prompt's title (title-to-recipe)")
@@ -511,8 +511,10 @@ def read_records(
     renderer, paths: Sequence[str], data_format: str | None, columns: dict[str, str] | None = None, **split
 ) -> list[dict[str, Any]]:
     """The usable records of `paths` through the loader's renderer (fields in `columns`, as the training read
-    them), skips said in one warning."""
-    records, skipped, examples = renderer.read(list(paths), data_format=data_format, columns=columns, **split)
+    them), skips said in one warning. A Hugging Face dataset (hf://datasets/OWNER/NAME, a save_to_disk
+    directory) is read from its Parquet copy, as train_files reads it."""
+    files, _ = resolve_sources(list(paths))
+    records, skipped, examples = renderer.read(files, data_format=data_format, columns=columns, **split)
     stats = {"skipped": skipped, "examples": examples}
     if line := skipped_summary(stats, len(records), training=False):
         log.warning("data: %s", line)
