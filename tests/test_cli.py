@@ -215,6 +215,15 @@ def test_hugging_face_style_flags_are_config_overrides(capsys):
         "train", "--config", "c.yaml", "--set", "learning_rate=1e-4", "--set", "bf16=true",
         "--set", "num_train_epochs=2", "--dry-run",
     ]  # fmt: skip
+    verbose = ["--verbose", "train", "--config", "c.yaml", "--seed", "3"]  # the program's own option first
+    assert config_flags_as_overrides(verbose) == [
+        "--verbose",
+        "train",
+        "--config",
+        "c.yaml",
+        "--set",
+        "seed=3",
+    ]
     generate = ["generate", "--model", "m", "--num_beams", "4"]
     assert config_flags_as_overrides(generate) == generate
     preset = "configs/flan-t5-xl-rtx5090.yaml"

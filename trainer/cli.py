@@ -73,12 +73,12 @@ def config_flags_as_overrides(argv: list[str]) -> list[str]:
     after `trainer train` or `trainer plan`, as `--set learning_rate=1e-4`: any `--name` that is not one of
     the subcommand's own options names a config key (an unknown one is then a config error with its
     suggestion)."""
-    command = next((w for w in argv if not w.startswith("-")), None)
-    own = CONFIG_COMMANDS.get(command)
+    at = next((i for i, w in enumerate(argv) if not w.startswith("-")), None)
+    own = CONFIG_COMMANDS.get(argv[at]) if at is not None else None
     if own is None:
         return argv
-    out: list[str] = []
-    words = iter(range(len(argv)))
+    out: list[str] = argv[: at + 1]  # `trainer --verbose train`: options before the command are the program's
+    words = iter(range(at + 1, len(argv)))
     for i in words:
         word = argv[i]
         name, eq, value = word.partition("=")
