@@ -35,7 +35,7 @@ def test_help_speaks_to_users():
     # The description comes right after the usage lines, however wide the terminal wraps them.
     assert "\n\nFine-tune FLAN-T5 on recipe files" in text
     assert "library code" not in text and "decided here" not in text
-    assert "trainer train --config configs/quickstart.yaml" in text
+    assert "`trainer presets`" in text and "trainer init --preset NAME" in text  # works from the wheel alone
 
 
 def _console_run(tmp_path, tiny_model_dir, sample_csv, **values) -> str:

@@ -853,7 +853,7 @@ def test_dockerignore_keeps_everything_the_dockerfile_copies():
         "pyproject.toml",
         "rust_loader",
         "trainer",
-        "configs",
+        "trainer/presets",
         "docker/requirements.txt",
     }
     assert expected <= set(sources), sources

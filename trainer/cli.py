@@ -17,8 +17,9 @@ DESCRIPTION = """\
 Fine-tune FLAN-T5 on recipe files (RecipeNLG CSV, Food.com CSV, JSONL, Parquet, Arrow) or Hugging Face
 datasets on one GPU or several.
 
-Start with `trainer train --config configs/quickstart.yaml` (CPU, a few minutes) or check a real config
-first with `trainer train --config CONFIG --dry-run` and `trainer plan --config CONFIG`."""
+Start with `trainer presets` (a config for each card) and `trainer init --preset NAME --data 'recipes/*.csv'`
+(writes one here), then check it: `trainer train --config FILE --dry-run`, `trainer plan --config FILE`. The
+preset quickstart trains a tiny model on generated recipes on the CPU in a few minutes."""
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # with the date: runs last days
@@ -243,7 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=config_keys_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("--config", required=True, help="YAML config (see configs/)")
+    train.add_argument(
+        "--config",
+        required=True,
+        help="YAML config (`trainer presets` lists the shipped ones; `trainer init` writes one)",
+    )
     _add_overrides(train)
     train.add_argument(
         "--dry-run",
@@ -268,7 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the run on the RTX 5090, 4090, 4080, 3090, A100, H100 and H200, without loading the model. --set "
         "KEY=VALUE or --KEY VALUE override the config.",
     )
-    plan.add_argument("--config", required=True, help="YAML config (see configs/)")
+    plan.add_argument(
+        "--config",
+        required=True,
+        help="YAML config (`trainer presets` lists the shipped ones; `trainer init` writes one)",
+    )
     _add_overrides(plan)
     plan.add_argument("--gpu-memory", default="32GiB", help="card size, e.g. 32GiB or 24GB")
     plan.add_argument(
@@ -281,6 +290,35 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--hours", type=float, help="also say how much of the data this many hours of training cover"
     )
+
+    sub.add_parser(
+        "presets",
+        help="list the presets shipped with the trainer: card, model, what trains, predicted speed",
+        description="The presets shipped with the trainer, each a config for one card: its model, what it "
+        "trains and its predicted speed there (as `trainer plan` predicts it without data). `trainer init "
+        "--preset NAME` writes one as a local config.",
+    )
+    init = sub.add_parser(
+        "init",
+        help="write a local config from a shipped preset, with your data and output paths",
+        description="Write a local config from a preset shipped with the trainer (`trainer presets` lists "
+        "them), comments included. The presets' paths are the container's (/data, /outputs): without --data "
+        "and --output they become data/ and outputs/ under the working directory.",
+    )
+    init.add_argument(
+        "--preset",
+        required=True,
+        help="a preset's name (xl-rtx4090), its file's, or the end of one (rtx4090)",
+    )
+    init.add_argument(
+        "--data",
+        nargs="+",
+        help="train_files: recipe files or globs (quote them), save_to_disk directories or "
+        "hf://datasets/OWNER/NAME (default: the preset's, under data/)",
+    )
+    init.add_argument("--output", help="output_dir (default: the preset's, under outputs/)")
+    init.add_argument("--to", help="the config file to write (default: the preset's file name, here)")
+    init.add_argument("--force", action="store_true", help="replace --to if it exists")
 
     data = sub.add_parser("data", help="sample data and inspect recipe files").add_subparsers(
         dest="data_command", required=True
@@ -419,6 +457,19 @@ def run_command(args: argparse.Namespace) -> int:
 
         cfg = TrainConfig.load(args.config, args.set)
         return print_plan(cfg, args.gpu_memory, args.hours, args.processes)
+    if args.command == "presets":
+        from trainer.plan.presets import presets_table
+
+        print(presets_table())
+        return 0
+    if args.command == "init":
+        from pathlib import Path
+
+        from trainer.plan.presets import find_preset, write_config
+
+        preset = find_preset(args.preset)
+        print(write_config(preset, Path(args.to or preset.file_name), args.data, args.output, args.force))
+        return 0
     if args.command == "healthcheck":
         from trainer.infra.healthcheck import check_heartbeat, heartbeat_path
 
