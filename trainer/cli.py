@@ -25,6 +25,11 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # with the date: runs last days
 
 
+# What train_files takes, as the commands that take data say it.
+DATA_SOURCES = (
+    "recipe files or quoted globs (CSV, JSONL, Parquet, Arrow; .gz/.zst allowed), save_to_disk directories "
+    "or hf://datasets/OWNER/NAME"
+)
 _OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")  # a KEY=VALUE word
 CONFIG_DOC = "docs/config.md"
 CONFIG_DOC_COMMAND = f"trainer config --markdown > {CONFIG_DOC}"
@@ -311,10 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a preset's name (xl-rtx4090), its file's, or the end of one (rtx4090)",
     )
     init.add_argument(
-        "--data",
-        nargs="+",
-        help="train_files: recipe files or globs (quote them), save_to_disk directories or "
-        "hf://datasets/OWNER/NAME (default: the preset's, under data/)",
+        "--data", nargs="+", help=f"train_files: {DATA_SOURCES} (default: the preset's, under data/)"
     )
     init.add_argument("--output", help="output_dir (default: the preset's, under outputs/)")
     init.add_argument("--to", help="the config file to write (default: the preset's file name, here)")
@@ -341,12 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         "name)",
     )
     inspect = data.add_parser("inspect", help="count records, skips, token lengths and padding")
-    inspect.add_argument(
-        "paths",
-        nargs="+",
-        help="recipe files (CSV, JSONL, Parquet, Arrow; .gz/.zst allowed), save_to_disk directories or "
-        "hf://datasets/OWNER/NAME",
-    )
+    inspect.add_argument("paths", nargs="+", help=DATA_SOURCES)
     inspect.add_argument("--config", help="YAML config whose tokenizer, task and batching to use")
     _add_overrides(inspect)
 
