@@ -249,10 +249,14 @@ def test_hugging_face_names_without_a_counterpart_are_one_line_naming_the_key(tm
         ("bf16=true", "dtype", "bfloat16"),  # the default, as Hugging Face users write it
         ("bf16=false", "dtype", "float32"),
         ("fp16=false", "dtype", "bfloat16"),  # asks for nothing
-        ("report_to=[wandb]", "report_to", "wandb"),
-        ("report_to=all", "report_to", "wandb"),
-        ("report_to=[]", "report_to", "none"),
-        ("report_to=[none]", "report_to", "none"),
+        ("report_to=wandb", "report_to", ["wandb"]),
+        ("report_to=[wandb]", "report_to", ["wandb"]),
+        ("report_to=tensorboard", "report_to", ["tensorboard"]),
+        ("report_to=[tensorboard, wandb, wandb]", "report_to", ["tensorboard", "wandb"]),
+        ("report_to=all", "report_to", ["wandb", "tensorboard"]),
+        ("report_to=none", "report_to", []),
+        ("report_to=[]", "report_to", []),
+        ("report_to=[none]", "report_to", []),
         ("save_total_limit=null", "save_total_limit", 0),  # Hugging Face's "keep all"
         ("save_steps=0.1", "save_steps", 0.1),
         ("eval_steps=0.25", "eval_steps", 0.25),
@@ -297,7 +301,7 @@ def test_ratios_of_the_run_and_lightning_durations_resolve():
         ),
         ("load_in_4bit=true", "'load_in_4bit' is not a key here: not supported: no quantized base (QLoRA)"),
         ("sequence_len=512", "an encoder-decoder has two lengths: max_source_length and max_target_length"),
-        ("report_to=tensorboard", "report_to 'tensorboard' is not supported: wandb (offline without a key"),
+        ("report_to=[wandb, comet_ml]", "report_to 'comet_ml' is not supported: wandb (WANDB_MODE=offline"),
     ],
 )
 def test_names_known_elsewhere_get_their_own_answer_not_the_nearest_spelling(override, answer):

@@ -31,7 +31,7 @@ def _msg(title: str, **fields) -> dict:
 def _reporter(monkeypatch, url: str, tmp_path, **cfg) -> Reporter:
     monkeypatch.setenv("DISCORD_WEBHOOK_URL", url)
     monkeypatch.delenv("DISCORD_WEBHOOK", raising=False)
-    cfg.setdefault("report_to", "none")
+    cfg.setdefault("report_to", [])
     cfg.setdefault("discord_progress_minutes", 0)
     return Reporter(TrainConfig(output_dir=str(tmp_path / "run"), run_name="unit", **cfg))
 
@@ -306,7 +306,7 @@ def test_send_never_blocks_on_a_dead_server(dead_webhook_url, monkeypatch, tmp_p
 def test_no_webhook_means_no_notifier(monkeypatch, tmp_path):
     monkeypatch.delenv("DISCORD_WEBHOOK_URL", raising=False)
     monkeypatch.delenv("DISCORD_WEBHOOK", raising=False)
-    r = Reporter(TrainConfig(report_to="none", output_dir=str(tmp_path)))
+    r = Reporter(TrainConfig(report_to=[], output_dir=str(tmp_path)))
     _every_event(r)
     r.close(timeout=1)
     assert r._discord is None and r.run_id is None
@@ -315,7 +315,7 @@ def test_no_webhook_means_no_notifier(monkeypatch, tmp_path):
 def test_legacy_env_name_and_non_main_rank(discord_server, monkeypatch, tmp_path):  # noqa: F811
     monkeypatch.delenv("DISCORD_WEBHOOK_URL", raising=False)
     monkeypatch.setenv("DISCORD_WEBHOOK", discord_server.url)
-    cfg = TrainConfig(report_to="none", output_dir=str(tmp_path), discord_progress_minutes=0)
+    cfg = TrainConfig(report_to=[], output_dir=str(tmp_path), discord_progress_minutes=0)
     other = Reporter(cfg, is_main=False)
     _every_event(other)
     other.close(timeout=1)
@@ -346,7 +346,7 @@ def test_messages_queued_at_exit_are_flushed_without_close(discord_server, tmp_p
     script.write_text(
         "from trainer.config import TrainConfig\n"
         "from trainer.report.reporter import Reporter\n"
-        "r = Reporter(TrainConfig(report_to='none', run_name='child'))\n"
+        "r = Reporter(TrainConfig(report_to=[], run_name='child'))\n"
         "r.finished(final_loss=0.5, duration_s=2.0, model_dir='/out/final')\n"
     )
     env = {

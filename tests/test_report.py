@@ -122,7 +122,7 @@ def wandb_env(monkeypatch, tmp_path):
 
 
 def _cfg(out: Path, **kw) -> TrainConfig:
-    kw = {"report_to": "wandb", "run_name": "unit-run", "wandb_project": "unit", **kw}
+    kw = {"report_to": ["wandb"], "run_name": "unit-run", "wandb_project": "unit", **kw}
     return TrainConfig(output_dir=str(out), **kw)
 
 
@@ -351,7 +351,7 @@ def test_wandb_failures_never_stop_training(wandb_env, caplog):
 
 def test_wandb_off_when_not_asked_or_not_main(wandb_env):
     for reporter in (
-        Reporter(_cfg(wandb_env / "a", report_to="none")),
+        Reporter(_cfg(wandb_env / "a", report_to=[])),
         Reporter(_cfg(wandb_env / "b"), is_main=False),
     ):
         reporter.log_metrics({"train/loss": 1.0}, 1)
@@ -359,7 +359,7 @@ def test_wandb_off_when_not_asked_or_not_main(wandb_env):
         assert reporter.run_id is None
     assert not (wandb_env / "a").exists() and not (wandb_env / "b").exists()
     # A run id from a checkpoint survives even with W&B off, so a later resume with W&B on can continue it.
-    assert Reporter(_cfg(wandb_env / "c", report_to="none"), run_id="abc123").run_id == "abc123"
+    assert Reporter(_cfg(wandb_env / "c", report_to=[]), run_id="abc123").run_id == "abc123"
 
 
 # --- a real tiny training run, through the `trainer` CLI, against the local Discord server ---------------
@@ -733,3 +733,80 @@ def test_a_restart_before_the_first_checkpoint_continues_the_same_wandb_run(
     assert done.returncode == 0 and "this run is already finished" in done.stderr, done.stderr
     assert discord_server.titles() == sent
     assert json.loads((out / "run_starts.json").read_text()) == {"starts": 2}
+
+
+def read_tensorboard_events(directory: Path) -> list[list]:
+    """Each event file of `directory` (oldest first) as its events: TFRecords (length, its masked CRC, the
+    serialized tensorboard `Event`, its masked CRC), read with the protobuf classes tensorboardX ships."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    files = []
+    for path in sorted(directory.glob("events.out.tfevents.*"), key=lambda p: float(p.name.split(".")[3])):
+        data, pos, events = path.read_bytes(), 0, []
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            events.append(Event.FromString(data[pos + 12 : pos + 12 + length]))
+            pos += 12 + length + 4
+        files.append(events)
+    return files
+
+
+def _scalars(events: list) -> dict[str, dict[int, float]]:
+    found: dict[str, dict[int, float]] = {}
+    for event in events:
+        for value in event.summary.value:
+            if value.HasField("simple_value"):
+                found.setdefault(value.tag, {})[event.step] = value.simple_value
+    return found
+
+
+def test_tensorboard_gets_wandbs_scalars_and_a_resume_purges_the_steps_it_repeats(
+    tiny_model_dir, sample_csv, tmp_path, monkeypatch
+):
+    """report_to: tensorboard writes output_dir/runs: the scalars W&B gets under the same names against the
+    optimizer step, the generated recipes and the config as text, no secret; a run resumed from an older
+    checkpoint starts its file with a purge at that step, so TensorBoard drops the earlier attempt's later
+    points instead of drawing the curve twice."""
+    from tiny_run import tiny_run_values
+
+    from trainer.run.train import train
+
+    secret = "hf_tensorboardSecretValue123456"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    out = tmp_path / "out"
+    values = tiny_run_values(
+        tiny_model_dir,
+        sample_csv,
+        out,
+        report_to="tensorboard",
+        per_device_train_batch_size=8,
+        eval_fraction=0.05,
+        eval_max_batches=1,
+        max_steps=6,
+        eval_steps=3,
+        save_steps=3,
+        save_total_limit=0,
+        num_eval_generations=2,
+        generation_max_new_tokens=8,
+    )
+    assert train(TrainConfig.from_dict(values)) == 0
+    (first,) = read_tensorboard_events(out / "runs")
+    scalars = _scalars(first)
+    assert sorted(scalars["train/loss"]) == [1, 2, 3, 4, 5, 6]
+    assert {"train/learning_rate", "train/grad_norm", "train/epoch", "train/tokens_per_s"} <= set(scalars)
+    assert sorted(scalars["eval/loss"]) == [3, 6] and sorted(scalars["eval/rougeL"]) == [3, 6]
+    texts = {v.tag: (e.step, v) for e in first for v in e.summary.value if v.tag.endswith("text_summary")}
+    assert {"config/text_summary", "eval/generations/text_summary"} <= set(texts)
+    table = texts["eval/generations/text_summary"][1].tensor.string_val[0].decode()
+    assert table.count("\n| Write a recipe with these ingredients: ") == 2
+    assert all(secret.encode() not in p.read_bytes() for p in (out / "runs").iterdir())
+
+    # Resume from step 3 (the step-6 checkpoint gone), with a different learning rate: steps 4-6 again.
+    shutil.rmtree(out / "checkpoint-6")
+    assert train(TrainConfig.from_dict(values | {"learning_rate": 5e-4, "resume": "auto"})) == 0
+    first_again, second = read_tensorboard_events(out / "runs")
+    assert first_again == first  # the earlier file is left as it was: TensorBoard purges on reading
+    starts = [e for e in second if e.HasField("session_log") and e.session_log.status == e.session_log.START]
+    assert [e.step for e in starts] == [3]
+    assert second.index(starts[0]) < min(i for i, e in enumerate(second) if e.summary.value)
+    assert sorted(_scalars(second)["train/loss"]) == [4, 5, 6]

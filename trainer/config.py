@@ -315,9 +315,13 @@ class TrainConfig:
     save_final: bool = _key(True, "A checkpoint and final/ at the end (benchmarks turn it off).")
 
     # --- monitoring (secrets come from the environment only) ---
-    report_to: Literal["wandb", "none"] = _key(
-        "wandb",
-        "wandb (offline without a key) or none; Hugging Face's forms too: [wandb], all, [] or [none].",
+    report_to: list[Literal["wandb", "tensorboard"]] = _key(
+        help="Where the metrics go: wandb (offline without a key), tensorboard (event files in logging_dir), "
+        "both ([wandb, tensorboard] or all), or none ([] too).",
+        factory=lambda: ["wandb"],
+    )
+    logging_dir: str | None = _key(
+        None, "TensorBoard's event files (report_to: tensorboard); null: output_dir/runs."
     )
     wandb_project: str | None = _key(None, "W&B project; null: WANDB_PROJECT, else recipe-t5.")
     wandb_entity: str | None = _key(None, "W&B entity (user or team); null: WANDB_ENTITY or your default.")
@@ -826,14 +830,15 @@ def _hf_value(key: str, value: Any, where: str) -> Any:
     "all", save_total_limit null (keep all), optimizer as an HF optim name."""
     if key == "report_to":
         items = value if isinstance(value, list) else [value]
-        names = {"all": "wandb", "wandb": "wandb", "none": "none", None: "none"}
+        names = {"all": ["wandb", "tensorboard"], "wandb": ["wandb"], "tensorboard": ["tensorboard"]}
+        names |= {"none": [], None: []}
         other = [i for i in items if i not in names]
         if other:
             raise ConfigError(
-                f"{where}: report_to {other[0]!r} is not supported: wandb (offline without a key: "
-                "WANDB_MODE=offline keeps runs off the cloud) or none; Discord with DISCORD_WEBHOOK_URL"
+                f"{where}: report_to {other[0]!r} is not supported: wandb (WANDB_MODE=offline keeps runs off "
+                "the cloud), tensorboard, all (both) or none; Discord with DISCORD_WEBHOOK_URL"
             )
-        return "wandb" if "wandb" in {names[i] for i in items} else "none"
+        return list(dict.fromkeys(name for item in items for name in names[item]))
     if key == "save_total_limit" and value is None:
         return 0
     if key == "optimizer" and value in HF_OPTIMIZERS:

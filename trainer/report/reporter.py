@@ -1,4 +1,4 @@
-"""The one object the training loop calls for monitoring: W&B metrics plus Discord messages.
+"""The one object the training loop calls for monitoring: W&B and TensorBoard metrics plus Discord messages.
 
 Every method returns quickly and never raises: W&B failures are logged once and W&B is switched off, Discord
 messages go through a bounded queue to a background thread (trainer.report.notify). Only the main process
@@ -18,6 +18,8 @@ as eval/<name> (eval/loss, eval/rougeL, eval/ingredient_coverage, ...) and the e
 generated recipes (`evaluated`), train/oom_backoffs (`oom_backoff`) and train/skipped_nan_steps
 (`nan_skipped`). System metrics (GPU utilisation, power, CPU) come from wandb itself. Model artifacts
 (`checkpoint_saved`, `model_saved`) follow WANDB_LOG_MODEL (trainer.report.wandb_logger.log_model_mode).
+TensorBoard (trainer.report.tensorboard_logger) gets the same metrics under the same names, and the
+generated recipes as text.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from trainer.infra.redact import install_log_redaction, redact
 from trainer.infra.stopping import StopBeforeTraining, signal_exit_code
 from trainer.report.notify import DiscordNotifier, Priority, make_embed, webhook_url_from_env
 from trainer.report.step_meter import LoggedStep, format_duration
+from trainer.report.tensorboard_logger import TensorBoardLogger
 from trainer.report.wandb_logger import WandbLogger, artifact_name, log_model_mode
 
 logger = logging.getLogger(__name__)
@@ -101,17 +104,21 @@ def _rate(value: float | None) -> str:
 class Reporter:
     """W&B + Discord for one training run. See the module docstring; all methods are safe to call always.
 
-    cfg.report_to == "wandb" turns W&B on; DISCORD_WEBHOOK_URL (or DISCORD_WEBHOOK) in the environment turns
-    Discord on. cfg.discord_progress_minutes: a progress message at most this often (the first progress call
-    sends one); 0 sends every call, a negative value turns progress messages off.
+    cfg.report_to turns W&B and TensorBoard on (`start_step`: the step a resumed run starts from, where
+    TensorBoard drops what an earlier attempt wrote after it); DISCORD_WEBHOOK_URL (or DISCORD_WEBHOOK) in the
+    environment turns Discord on. cfg.discord_progress_minutes: a progress message at most this often (the
+    first progress call sends one); 0 sends every call, a negative value turns progress messages off.
     """
 
-    def __init__(self, cfg: TrainConfig, *, is_main: bool = True, run_id: str | None = None):
+    def __init__(
+        self, cfg: TrainConfig, *, is_main: bool = True, run_id: str | None = None, start_step: int = 0
+    ):
         self._errors_logged: set[str] = set()
         self.cfg = cfg
         self.is_main = is_main
         self._given_run_id = run_id
         self._wandb = None
+        self._tensorboard: TensorBoardLogger | None = None
         self._discord: DiscordNotifier | None = None
         self._last_progress_at: float | None = None
         self._oom_backoffs = 0
@@ -129,11 +136,16 @@ class Reporter:
         self._setup_wandb(cfg, run_id)
         if self._wandb is not None:
             self._log_model = log_model_mode()
+        if "tensorboard" in cfg.report_to:
+            directory = cfg.logging_dir or os.path.join(cfg.output_dir, "runs")
+            self._tensorboard = TensorBoardLogger(
+                directory=directory, config=cfg.to_dict(), start_step=start_step
+            )
         self._setup_discord()
         atexit.register(self._close_at_exit)
 
     def _setup_wandb(self, cfg: TrainConfig, run_id: str | None) -> None:
-        if cfg.report_to != "wandb":
+        if "wandb" not in cfg.report_to:
             return
         try:
             self._wandb = WandbLogger(
@@ -189,9 +201,11 @@ class Reporter:
         embed = make_embed(kind, title, description, fields, footer=self._footer(), keep=keep)
         self._discord.send({"embeds": [embed]}, kind=kind, priority=priority)
 
-    def _wandb_log(self, metrics: dict[str, Any], step: int) -> None:
+    def _log_scalars(self, metrics: dict[str, Any], step: int) -> None:
         if self._wandb is not None:
             self._wandb.log(metrics, step)
+        if self._tensorboard is not None:
+            self._tensorboard.log(metrics, step)
 
     # -- events ------------------------------------------------------------------------------------
 
@@ -243,7 +257,7 @@ class Reporter:
 
     @_never_raise
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self._wandb_log(dict(metrics), step)
+        self._log_scalars(dict(metrics), step)
 
     @_never_raise
     def progress(
@@ -287,9 +301,11 @@ class Reporter:
         samples' table, and Discord's evaluation message. `best`: the best evaluation so far (RunState.best);
         `early_stopping`: (evaluations without improvement, patience) when early stopping is on."""
         self._last_metrics = dict(metrics)
-        self._wandb_log({"eval/" + k.removeprefix("eval_"): v for k, v in metrics.items()}, step)
+        self._log_scalars({"eval/" + k.removeprefix("eval_"): v for k, v in metrics.items()}, step)
         if self._wandb is not None:
             self._wandb.log_samples(step, samples)
+        if self._tensorboard is not None:
+            self._tensorboard.log_samples(step, samples)
         fields: list[tuple[str, Any, bool]] = [("Step", f"{step:,}", True)]
         fields += [(label, _num(metrics[k], ".4g"), True) for k, label in _DISCORD_METRICS if k in metrics]
         if best is not None:
@@ -361,7 +377,7 @@ class Reporter:
     @_never_raise
     def oom_backoff(self, *, step: int, micro_batch: str, accumulation: int) -> None:
         self._oom_backoffs += 1
-        self._wandb_log({"train/oom_backoffs": self._oom_backoffs}, step)
+        self._log_scalars({"train/oom_backoffs": self._oom_backoffs}, step)
         fields = [
             ("Step", f"{step:,}", True),
             ("New micro-batch", micro_batch, True),
@@ -378,7 +394,7 @@ class Reporter:
 
     @_never_raise
     def nan_skipped(self, *, step: int, skipped_total: int) -> None:
-        self._wandb_log({"train/skipped_nan_steps": skipped_total}, step)
+        self._log_scalars({"train/skipped_nan_steps": skipped_total}, step)
         fields = [("Step", f"{step:,}", True), ("Skipped so far", str(skipped_total), True)]
         self._notify("nan", "Non-finite loss: step skipped", "", fields, priority=Priority.NORMAL)
 
@@ -506,6 +522,8 @@ class Reporter:
             closer.start()
         if self._wandb is not None:
             self._wandb.finish(exit_code=self._exit_code)
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         if closer is not None:
             closer.join(max(0.0, timeout - (time.monotonic() - start)) + 0.2)
 

@@ -554,7 +554,7 @@ def start_reporting(
     it is kept from the start), with the start announced: "started", or "restarted (attempt k)"."""
     fresh = cfg.resume == "never"
     run_id = state.wandb_run_id or (None if fresh else read_wandb_run_id(output_dir))
-    reporter = Reporter(cfg, is_main=is_main, run_id=run_id)
+    reporter = Reporter(cfg, is_main=is_main, run_id=run_id, start_step=state.step)
     files = [str(f) for f in cfg.train_files + cfg.eval_files]
     state.wandb_run_id = reporter.run_id
     attempt = 1
