@@ -774,21 +774,11 @@ def test_tensorboard_gets_wandbs_scalars_and_a_resume_purges_the_steps_it_repeat
     secret = "hf_tensorboardSecretValue123456"
     monkeypatch.setenv("HF_TOKEN", secret)
     out = tmp_path / "out"
-    values = tiny_run_values(
-        tiny_model_dir,
-        sample_csv,
-        out,
-        report_to="tensorboard",
-        per_device_train_batch_size=8,
-        eval_fraction=0.05,
-        eval_max_batches=1,
-        max_steps=6,
-        eval_steps=3,
-        save_steps=3,
-        save_total_limit=0,
-        num_eval_generations=2,
-        generation_max_new_tokens=8,
+    steps = dict(max_steps=6, eval_steps=3, save_steps=3, save_total_limit=0, per_device_train_batch_size=8)
+    evaluation = dict(
+        eval_fraction=0.05, eval_max_batches=1, num_eval_generations=2, generation_max_new_tokens=8
     )
+    values = tiny_run_values(tiny_model_dir, sample_csv, out, report_to="tensorboard", **steps, **evaluation)
     assert train(TrainConfig.from_dict(values)) == 0
     (first,) = read_tensorboard_events(out / "runs")
     scalars = _scalars(first)
