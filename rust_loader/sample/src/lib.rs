@@ -29,6 +29,9 @@ use recipe_core::compress::Compression;
 use recipe_core::formats::{Format, EXTENSIONS};
 use recipe_core::hash::Rng;
 
+mod words;
+use words::words;
+
 /// Output layout of [`write_sample`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SampleFormat {
@@ -516,405 +519,6 @@ enum Kind {
 
 use Kind::*;
 
-/// (name as written in the ingredient line, measure). Frequency-ordered: earlier entries are drawn more often.
-const SAVORY: &[(&str, Kind)] = &[
-    ("salt", Spice),
-    ("onions", Count),
-    ("pepper", Spice),
-    ("garlic", Clove),
-    ("butter", Fat),
-    ("olive oil", Liquid),
-    ("water", Liquid),
-    ("black pepper", Spice),
-    ("all-purpose flour", Dry),
-    ("eggs", Count),
-    ("milk", Liquid),
-    ("tomatoes", Count),
-    ("celery ribs", Count),
-    ("carrots", Count),
-    ("chicken broth", Liquid),
-    ("green peppers", Count),
-    ("sour cream", Liquid),
-    ("cheddar cheese", Cheese),
-    ("parmesan cheese", Cheese),
-    ("soy sauce", Liquid),
-    ("worcestershire sauce", Liquid),
-    ("parsley", Herb),
-    ("paprika", Spice),
-    ("lemon juice", Liquid),
-    ("green onions", Count),
-    ("vegetable oil", Liquid),
-    ("mayonnaise", Liquid),
-    ("cream of mushroom soup", Can),
-    ("oregano", Spice),
-    ("basil", Herb),
-    ("thyme", Spice),
-    ("cumin", Spice),
-    ("chili powder", Spice),
-    ("brown sugar", Dry),
-    ("mushrooms", Count),
-    ("tomato sauce", Can),
-    ("diced tomatoes", Can),
-    ("mozzarella cheese", Cheese),
-    ("cilantro", Herb),
-    ("red pepper flakes", Spice),
-    ("dijon mustard", Liquid),
-    ("heavy cream", Liquid),
-    ("bacon", Meat),
-    ("white wine", Liquid),
-    ("red onions", Count),
-    ("jalapeños", Count),
-    ("bay leaves", Count),
-    ("rice", Dry),
-    ("potatoes", Count),
-    ("frozen peas", Dry),
-    ("corn", Can),
-    ("black beans", Can),
-    ("kidney beans", Can),
-    ("chicken bouillon", Spice),
-    ("beef broth", Liquid),
-    ("cream cheese", Can),
-    ("lime juice", Liquid),
-    ("ginger", Spice),
-    ("sesame oil", Liquid),
-    ("rice vinegar", Liquid),
-    ("red wine vinegar", Liquid),
-    ("balsamic vinegar", Liquid),
-    ("honey", Liquid),
-    ("ketchup", Liquid),
-    ("cayenne pepper", Spice),
-    ("garlic powder", Spice),
-    ("onion powder", Spice),
-    ("italian seasoning", Spice),
-    ("dried rosemary", Spice),
-    ("fresh rosemary", Herb),
-    ("cornstarch", Dry),
-    ("bread crumbs", Dry),
-    ("swiss cheese", Cheese),
-    ("monterey jack cheese", Cheese),
-    ("feta cheese", Cheese),
-    ("salsa", Liquid),
-    ("tortillas", Count),
-    ("spinach", Dry),
-    ("zucchini", Count),
-    ("shallots", Count),
-    ("capers", Spice),
-    ("kalamata olives", Dry),
-    ("black olives", Can),
-    ("green chiles", Can),
-    ("chicken stock", Liquid),
-    ("tomato paste", Can),
-    ("half-and-half", Liquid),
-    ("evaporated milk", Can),
-    ("cream of chicken soup", Can),
-    ("dry mustard", Spice),
-    ("celery seed", Spice),
-    ("smoked paprika", Spice),
-    ("turmeric", Spice),
-    ("curry powder", Spice),
-    ("coriander", Spice),
-    ("nutmeg", Spice),
-    ("fresh dill", Herb),
-    ("mint leaves", Herb),
-    ("scallions", Count),
-    ("leeks", Count),
-    ("cabbage", Whole),
-    ("broccoli florets", Dry),
-    ("cauliflower", Whole),
-    ("sweet potatoes", Count),
-    ("butternut squash", Whole),
-    ("eggplant", Whole),
-    ("avocados", Count),
-    ("cucumbers", Count),
-    ("lemons", Count),
-    ("limes", Count),
-    ("sugar", Dry),
-    ("hot sauce", Liquid),
-    ("barbecue sauce", Liquid),
-    ("teriyaki sauce", Liquid),
-    ("fish sauce", Liquid),
-    ("oyster sauce", Liquid),
-    ("hoisin sauce", Liquid),
-    ("sriracha", Liquid),
-    ("coconut milk", Can),
-    ("chickpeas", Can),
-    ("lentils", Dry),
-    ("quinoa", Dry),
-    ("egg noodles", Dry),
-    ("elbow macaroni", Dry),
-    ("spaghetti", Dry),
-    ("penne pasta", Dry),
-    ("crème fraîche", Liquid),
-    ("gruyère cheese", Cheese),
-    ("ricotta cheese", Cheese),
-    ("cottage cheese", Liquid),
-    ("pine nuts", Dry),
-    ("slivered almonds", Dry),
-    ("sun-dried tomatoes", Dry),
-    ("roasted red peppers", Can),
-    ("artichoke hearts", Can),
-    ("water chestnuts", Can),
-    ("bean sprouts", Dry),
-    ("snow peas", Dry),
-    ("bok choy", Whole),
-    ("lemongrass", Herb),
-    ("poblano peppers", Count),
-    ("chipotle peppers in adobo", Can),
-    ("queso fresco", Cheese),
-    ("cotija cheese", Cheese),
-    ("pepper jack cheese", Cheese),
-    ("blue cheese", Cheese),
-    ("goat cheese", Cheese),
-    ("ranch dressing", Liquid),
-    ("italian dressing", Liquid),
-    ("taco seasoning", Spice),
-    ("onion soup mix", Can),
-    ("lawry's seasoned salt", Spice),
-    ("french's fried onions", Dry),
-    ("frank's red hot sauce", Liquid),
-    ("campbell's tomato soup", Can),
-    ("hellmann's mayonnaise", Liquid),
-    ("kraft macaroni and cheese", Can),
-    ("velveeta", Cheese),
-    ("marjoram", Spice),
-    ("sage", Spice),
-    ("tarragon", Spice),
-    ("allspice", Spice),
-    ("cloves", Spice),
-    ("fennel seed", Spice),
-    ("mustard seed", Spice),
-    ("garam masala", Spice),
-    ("saffron threads", Spice),
-    ("anchovy fillets", Count),
-    ("prosciutto", Meat),
-    ("pancetta", Meat),
-    ("chorizo", Meat),
-    ("andouille sausage", Meat),
-    ("kielbasa", Meat),
-    ("tofu", Meat),
-    ("tempeh", Meat),
-    ("miso paste", Liquid),
-    ("tahini", Liquid),
-    ("harissa", Liquid),
-    ("pesto", Liquid),
-    ("marinara sauce", Can),
-    ("enchilada sauce", Can),
-    ("refried beans", Can),
-    ("pinto beans", Can),
-    ("great northern beans", Can),
-    ("jasmine rice", Dry),
-    ("arborio rice", Dry),
-    ("wild rice", Dry),
-    ("couscous", Dry),
-    ("polenta", Dry),
-    ("cornmeal", Dry),
-    ("panko bread crumbs", Dry),
-    ("saltine crackers", Dry),
-    ("ritz crackers", Dry),
-    ("pie crust", Can),
-    ("puff pastry", Can),
-    ("pizza dough", Can),
-    ("hamburger buns", Count),
-    ("french bread", Whole),
-    ("pita rounds", Count),
-    ("radishes", Count),
-    ("beets", Count),
-    ("turnips", Count),
-    ("parsnips", Count),
-    ("okra", Dry),
-    ("green beans", Dry),
-    ("asparagus", Meat),
-    ("brussels sprouts", Dry),
-    ("kale", Dry),
-    ("arugula", Dry),
-    ("romaine lettuce", Whole),
-    ("iceberg lettuce", Whole),
-    ("watercress", Dry),
-    ("fresh ginger", Spice),
-    ("horseradish", Spice),
-    ("wasabi", Spice),
-    ("liquid smoke", Spice),
-    ("apple cider vinegar", Liquid),
-    ("sherry", Liquid),
-    ("dry red wine", Liquid),
-    ("beer", Liquid),
-    ("buttermilk", Liquid),
-    ("plain yogurt", Liquid),
-    ("greek yogurt", Liquid),
-    ("shortening", Fat),
-    ("margarine", Fat),
-    ("lard", Fat),
-    ("ghee", Fat),
-];
-
-/// Frequency-ordered sweet-side ingredients.
-const SWEET: &[(&str, Kind)] = &[
-    ("sugar", Dry),
-    ("all-purpose flour", Dry),
-    ("butter", Fat),
-    ("eggs", Count),
-    ("salt", Spice),
-    ("vanilla extract", Spice),
-    ("baking soda", Spice),
-    ("baking powder", Spice),
-    ("milk", Liquid),
-    ("brown sugar", Dry),
-    ("cinnamon", Spice),
-    ("powdered sugar", Dry),
-    ("vegetable oil", Liquid),
-    ("chopped nuts", Dry),
-    ("shortening", Fat),
-    ("cream cheese", Can),
-    ("walnuts", Dry),
-    ("pecans", Dry),
-    ("nutmeg", Spice),
-    ("sour cream", Liquid),
-    ("heavy cream", Liquid),
-    ("semisweet chocolate chips", Dry),
-    ("cocoa", Dry),
-    ("raisins", Dry),
-    ("margarine", Fat),
-    ("buttermilk", Liquid),
-    ("honey", Liquid),
-    ("lemon juice", Liquid),
-    ("oats", Dry),
-    ("flaked coconut", Dry),
-    ("cornstarch", Dry),
-    ("sweetened condensed milk", Can),
-    ("evaporated milk", Can),
-    ("graham cracker crumbs", Dry),
-    ("whipped topping", Can),
-    ("instant vanilla pudding", Can),
-    ("almond extract", Spice),
-    ("ground ginger", Spice),
-    ("ground cloves", Spice),
-    ("allspice", Spice),
-    ("maple syrup", Liquid),
-    ("light corn syrup", Liquid),
-    ("molasses", Liquid),
-    ("orange juice", Liquid),
-    ("orange zest", Spice),
-    ("lemon zest", Spice),
-    ("unsweetened applesauce", Liquid),
-    ("whole wheat flour", Dry),
-    ("cake flour", Dry),
-    ("yellow cake mix", Can),
-    ("miniature marshmallows", Dry),
-    ("white chocolate chips", Dry),
-    ("butterscotch chips", Dry),
-    ("unsweetened chocolate", Meat),
-    ("baker's chocolate", Meat),
-    ("hershey's cocoa", Dry),
-    ("nestlé toll house morsels", Dry),
-    ("cool whip", Can),
-    ("jell-o gelatin", Can),
-    ("cream of tartar", Spice),
-    ("dried cranberries", Dry),
-    ("slivered almonds", Dry),
-    ("macadamia nuts", Dry),
-    ("peanuts", Dry),
-    ("dates", Dry),
-    ("crystallized ginger", Dry),
-    ("vanilla beans", Count),
-    ("greek yogurt", Liquid),
-    ("plain yogurt", Liquid),
-    ("mascarpone", Can),
-    ("ladyfingers", Count),
-    ("espresso powder", Spice),
-    ("rum", Liquid),
-    ("bourbon", Liquid),
-    ("amaretto", Liquid),
-    ("food coloring", Spice),
-    ("sprinkles", Dry),
-    ("toffee bits", Dry),
-    ("caramel sauce", Liquid),
-    ("marshmallow creme", Can),
-    ("pie crust", Can),
-    ("vanilla wafers", Dry),
-    ("oreo cookies", Count),
-    ("turbinado sugar", Dry),
-    ("confectioners' sugar", Dry),
-    ("dulce de leche", Can),
-    ("crème de cacao", Liquid),
-];
-
-/// (ingredient as written, word used in titles, measure).
-const SAVORY_MAINS: &[(&str, &str, Kind)] = &[
-    ("boneless skinless chicken breasts", "Chicken", Meat),
-    ("ground beef", "Beef", Meat),
-    ("chicken thighs", "Chicken Thigh", Meat),
-    ("pork chops", "Pork Chop", Meat),
-    ("shrimp", "Shrimp", Meat),
-    ("salmon fillets", "Salmon", Meat),
-    ("beef stew meat", "Beef", Meat),
-    ("ground turkey", "Turkey", Meat),
-    ("italian sausage", "Sausage", Meat),
-    ("cooked ham", "Ham", Meat),
-    ("pork tenderloin", "Pork", Meat),
-    ("flank steak", "Steak", Meat),
-    ("potatoes", "Potato", Count),
-    ("zucchini", "Zucchini", Count),
-    ("broccoli florets", "Broccoli", Dry),
-    ("fresh spinach", "Spinach", Dry),
-    ("mushrooms", "Mushroom", Count),
-    ("black beans", "Black Bean", Can),
-    ("spaghetti", "Spaghetti", Dry),
-    ("elbow macaroni", "Macaroni", Dry),
-    ("penne pasta", "Pasta", Dry),
-    ("long-grain rice", "Rice", Dry),
-    ("firm tofu", "Tofu", Meat),
-    ("eggplant", "Eggplant", Whole),
-    ("cauliflower", "Cauliflower", Whole),
-    ("lentils", "Lentil", Dry),
-    ("sweet potatoes", "Sweet Potato", Count),
-    ("butternut squash", "Squash", Whole),
-    ("cabbage", "Cabbage", Whole),
-    ("turkey breast", "Turkey", Meat),
-    ("tilapia fillets", "Fish", Meat),
-    ("crabmeat", "Crab", Meat),
-    ("tuna", "Tuna", Can),
-    ("chickpeas", "Chickpea", Can),
-    ("beef chuck roast", "Pot Roast", Meat),
-    ("pork shoulder", "Pulled Pork", Meat),
-    ("lamb chops", "Lamb", Meat),
-    ("scallops", "Scallop", Meat),
-    ("corn kernels", "Corn", Dry),
-    ("chicken wings", "Chicken Wing", Meat),
-];
-
-const SWEET_MAINS: &[(&str, &str, Kind)] = &[
-    ("apples", "Apple", Count),
-    ("semisweet chocolate", "Chocolate", Meat),
-    ("ripe bananas", "Banana", Count),
-    ("creamy peanut butter", "Peanut Butter", Liquid),
-    ("lemons", "Lemon", Count),
-    ("canned pumpkin", "Pumpkin", Can),
-    ("fresh blueberries", "Blueberry", Dry),
-    ("strawberries", "Strawberry", Dry),
-    ("cherry pie filling", "Cherry", Can),
-    ("peaches", "Peach", Count),
-    ("crushed pineapple", "Pineapple", Can),
-    ("shredded coconut", "Coconut", Dry),
-    ("rolled oats", "Oatmeal", Dry),
-    ("grated carrots", "Carrot", Dry),
-    ("shredded zucchini", "Zucchini", Dry),
-    ("fresh cranberries", "Cranberry", Dry),
-    ("raspberries", "Raspberry", Dry),
-    ("rhubarb", "Rhubarb", Dry),
-    ("chopped pecans", "Pecan", Dry),
-    ("caramels", "Caramel", Count),
-    ("pears", "Pear", Count),
-    ("sweet potatoes", "Sweet Potato", Count),
-    ("mangoes", "Mango", Count),
-    ("blackberries", "Blackberry", Dry),
-    ("white chocolate", "White Chocolate", Meat),
-    ("almond flour", "Almond", Dry),
-    ("dried apricots", "Apricot", Dry),
-    ("figs", "Fig", Count),
-    ("key lime juice", "Key Lime", Liquid),
-    ("matcha powder", "Matcha", Spice),
-];
-
 /// How a dish is cooked, which decides the shape of its directions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Method {
@@ -927,486 +531,6 @@ enum Method {
     Fry,
 }
 
-const SAVORY_DISHES: &[(&str, Method)] = &[
-    ("Casserole", Method::Bake),
-    ("Skillet", Method::Stove),
-    ("Soup", Method::Simmer),
-    ("Stir-Fry", Method::Stove),
-    ("Salad", Method::Cold),
-    ("Bake", Method::Bake),
-    ("Stew", Method::Simmer),
-    ("Chili", Method::Simmer),
-    ("Tacos", Method::Stove),
-    ("Lasagna", Method::Bake),
-    ("Enchiladas", Method::Bake),
-    ("Pot Pie", Method::Bake),
-    ("Kabobs", Method::Grill),
-    ("Burgers", Method::Grill),
-    ("Quiche", Method::Bake),
-    ("Fritters", Method::Fry),
-    ("Curry", Method::Simmer),
-    ("Chowder", Method::Simmer),
-    ("Frittata", Method::Bake),
-    ("Wraps", Method::Cold),
-    ("Dip", Method::Cold),
-    ("Sandwiches", Method::Stove),
-    ("Pasta", Method::Stove),
-    ("Roll-Ups", Method::Bake),
-    ("Tetrazzini", Method::Bake),
-    ("Fajitas", Method::Grill),
-    ("Gumbo", Method::Simmer),
-    ("Risotto", Method::Stove),
-    ("Hash", Method::Fry),
-    ("Patties", Method::Fry),
-    ("Stroganoff", Method::Stove),
-    ("Marsala", Method::Stove),
-    ("Piccata", Method::Stove),
-    ("Jambalaya", Method::Simmer),
-    ("Paella", Method::Simmer),
-    ("Gratin", Method::Bake),
-    ("Pizza", Method::Bake),
-    ("Bowls", Method::Stove),
-    ("Sliders", Method::Grill),
-    ("Stuffed Peppers", Method::Bake),
-];
-
-const SWEET_DISHES: &[(&str, Method)] = &[
-    ("Cake", Method::Bake),
-    ("Cookies", Method::Bake),
-    ("Pie", Method::Bake),
-    ("Bars", Method::Bake),
-    ("Muffins", Method::Bake),
-    ("Bread", Method::Bake),
-    ("Pudding", Method::Stove),
-    ("Fudge", Method::Stove),
-    ("Crisp", Method::Bake),
-    ("Cobbler", Method::Bake),
-    ("Cheesecake", Method::Bake),
-    ("Brownies", Method::Bake),
-    ("Smoothie", Method::Cold),
-    ("Pancakes", Method::Fry),
-    ("Squares", Method::Bake),
-    ("Tart", Method::Bake),
-    ("Ice Cream", Method::Cold),
-    ("Trifle", Method::Cold),
-    ("Scones", Method::Bake),
-    ("Coffee Cake", Method::Bake),
-    ("Cupcakes", Method::Bake),
-    ("Dump Cake", Method::SlowCooker),
-    ("Candy", Method::Stove),
-    ("Parfait", Method::Cold),
-    ("Turnovers", Method::Bake),
-    ("Doughnuts", Method::Fry),
-    ("Crumble", Method::Bake),
-    ("Dessert", Method::Cold),
-    ("Loaf", Method::Bake),
-    ("Truffles", Method::Cold),
-];
-
-const TITLE_ADJ: &[&str] = &[
-    "Easy",
-    "Creamy",
-    "Quick",
-    "Best",
-    "Homemade",
-    "Spicy",
-    "Cheesy",
-    "Classic",
-    "Old-Fashioned",
-    "Simple",
-    "Grandma's",
-    "Mom's",
-    "Baked",
-    "Crispy",
-    "Hearty",
-    "Healthy",
-    "Southern",
-    "Grilled",
-    "Slow Cooker",
-    "Crock-Pot",
-    "Zesty",
-    "Country",
-    "Low-Fat",
-    "Amish",
-    "Texas",
-    "Cajun",
-    "Mexican",
-    "Italian",
-    "Greek",
-    "Hawaiian",
-    "Tuscan",
-    "Moist",
-    "Chewy",
-    "Ultimate",
-    "Perfect",
-    "Fluffy",
-    "Mini",
-    "Glazed",
-    "Golden",
-    "Lazy Day",
-    "Aunt Ruth's",
-    "Uncle Bill's",
-    "Chinese",
-    "Thai",
-    "Indian",
-    "German",
-    "French",
-    "Irish",
-    "Rustic",
-    "Sweet and Sour",
-    "No-Bake",
-    "One-Pot",
-    "5-Ingredient",
-    "30-Minute",
-    "Skinny",
-    "Vegan",
-    "Gluten-Free",
-    "Sheet Pan",
-    "Fiesta",
-    "Holiday",
-    "Summer",
-    "Winter",
-    "Sunday",
-    "Company",
-    "Church Supper",
-    "Farmhouse",
-    "Cowboy",
-    "Smothered",
-    "Loaded",
-    "Dreamy",
-    "Heavenly",
-    "Festive",
-    "Louisiana",
-    "Santa Fe",
-    "Caribbean",
-    "Korean",
-    "Japanese",
-    "Moroccan",
-    "Swedish",
-    "Polish",
-    "Pennsylvania Dutch",
-    "New England",
-    "Café",
-    "Bistro",
-];
-
-const SAVORY_FLAVOR: &[&str] = &[
-    "Garlic",
-    "Lemon",
-    "Herb",
-    "Parmesan",
-    "Bacon",
-    "Ranch",
-    "Barbecue",
-    "Teriyaki",
-    "Buffalo",
-    "Pesto",
-    "Honey Mustard",
-    "Chipotle",
-    "Cheddar",
-    "Mushroom",
-    "Tomato",
-    "Basil",
-    "Sesame",
-    "Ginger",
-    "Curry",
-    "Jalapeño",
-    "Cilantro Lime",
-    "Balsamic",
-    "Dijon",
-    "Smoked Paprika",
-    "Sun-Dried Tomato",
-    "Spinach",
-    "Broccoli",
-    "Salsa Verde",
-    "Sweet Chili",
-    "Lemon Pepper",
-    "Rosemary",
-    "Cajun Spice",
-    "Taco",
-    "Alfredo",
-    "Marinara",
-    "Swiss",
-    "Bourbon",
-    "Coconut",
-    "Peanut",
-    "Orange",
-    "Maple Dijon",
-    "Harissa",
-    "Gochujang",
-    "Miso",
-    "Chimichurri",
-    "Piña Colada",
-    "Sauerkraut",
-    "Green Chile",
-    "Poblano",
-    "Gruyère",
-];
-
-const SWEET_FLAVOR: &[&str] = &[
-    "Cinnamon",
-    "Vanilla",
-    "Caramel",
-    "Chocolate Chip",
-    "Peanut Butter",
-    "Cream Cheese",
-    "Coconut",
-    "Almond",
-    "Maple",
-    "Brown Sugar",
-    "Lemon",
-    "Orange",
-    "Pecan",
-    "Walnut",
-    "Butterscotch",
-    "Mocha",
-    "Raspberry",
-    "Crème Brûlée",
-    "Dulce de Leche",
-    "Ginger",
-    "Pumpkin Spice",
-    "Sour Cream",
-    "Buttermilk",
-    "Honey",
-    "Salted Caramel",
-    "Streusel",
-    "Toffee",
-    "Oatmeal",
-    "Rum",
-    "Cardamom",
-];
-
-const BOWL: &[&str] = &[
-    "large",
-    "medium",
-    "small",
-    "mixing",
-    "separate",
-    "large glass",
-    "shallow",
-];
-const PAN: &[&str] = &[
-    "skillet",
-    "saucepan",
-    "Dutch oven",
-    "stockpot",
-    "wok",
-    "frying pan",
-    "nonstick skillet",
-    "cast-iron skillet",
-];
-const DISH: &[&str] = &[
-    "9x13-inch baking dish",
-    "8-inch square pan",
-    "9-inch pie plate",
-    "2-quart casserole",
-    "10-inch tube pan",
-    "12-cup muffin tin",
-    "15x10x1-inch jelly roll pan",
-    "9x5-inch loaf pan",
-    "large baking sheet",
-    "9-inch springform pan",
-    "11x7-inch baking dish",
-    "3-quart casserole dish",
-];
-const HEAT: &[&str] = &["medium", "medium-high", "medium-low", "high", "low"];
-const SAVORY_DONE: &[&str] = &[
-    "tender",
-    "golden brown",
-    "heated through",
-    "lightly browned",
-    "no longer pink",
-    "the vegetables are tender",
-    "bubbly",
-    "the cheese is melted",
-    "translucent",
-    "fragrant",
-    "the liquid is reduced by half",
-    "the sauce thickens",
-    "crisp-tender",
-    "an instant-read thermometer reads 165°F",
-    "the juices run clear",
-    "browned on all sides",
-    "caramelized",
-    "softened",
-    "wilted",
-    "the flavors have blended",
-];
-const SWEET_DONE: &[&str] = &[
-    "a toothpick inserted in the center comes out clean",
-    "golden brown",
-    "the edges are lightly browned",
-    "set",
-    "the top springs back when lightly touched",
-    "bubbly",
-    "firm to the touch",
-    "puffed and golden",
-    "the filling is bubbly and the crust is golden",
-    "a knife inserted near the center comes out clean",
-];
-const MIX_ADVERB: &[&str] = &[
-    "well",
-    "thoroughly",
-    "gently",
-    "until smooth",
-    "until well blended",
-    "until just combined",
-    "until creamy",
-    "until evenly coated",
-    "until no lumps remain",
-    "with a wooden spoon",
-    "with an electric mixer",
-    "by hand",
-];
-const SERVE_SAVORY: &[&str] = &[
-    "hot cooked rice",
-    "egg noodles",
-    "mashed potatoes",
-    "crusty bread",
-    "a green salad",
-    "tortilla chips",
-    "warm cornbread",
-    "steamed vegetables",
-    "couscous",
-    "garlic bread",
-    "warm pita bread",
-    "baked potatoes",
-    "a dollop of sour cream",
-];
-const SERVE_SWEET: &[&str] = &[
-    "whipped cream",
-    "vanilla ice cream",
-    "a drizzle of honey",
-    "fresh berries",
-    "a cup of coffee",
-    "a glass of cold milk",
-    "caramel sauce",
-];
-const GARNISH_SAVORY: &[&str] = &[
-    "chopped parsley",
-    "fresh basil",
-    "sliced green onions",
-    "a sprinkle of paprika",
-    "lemon wedges",
-    "toasted sesame seeds",
-    "chopped cilantro",
-    "grated parmesan",
-    "crumbled bacon",
-    "fresh thyme leaves",
-];
-const GARNISH_SWEET: &[&str] = &[
-    "powdered sugar",
-    "chopped nuts",
-    "toasted coconut",
-    "fresh mint",
-    "chocolate shavings",
-    "a dusting of cinnamon",
-    "maraschino cherries",
-    "sliced almonds",
-];
-const SWEET_STOVE_DONE: &[&str] = &[
-    "thickened",
-    "smooth",
-    "the sugar dissolves",
-    "bubbles form on the surface",
-    "golden brown on both sides",
-    "it reaches the soft-ball stage (234°F)",
-    "it coats the back of a spoon",
-];
-const SIZES: &[&str] = &["large", "medium", "small", "whole", "extra-large"];
-const PERSON: &[&str] = &[
-    "my grandmother",
-    "my mother-in-law",
-    "a neighbor",
-    "my aunt",
-    "a friend from church",
-    "my husband",
-    "my kids",
-    "our family",
-    "a coworker",
-    "my sister",
-];
-const DESC_OPEN: &[&str] = &[
-    "this is a family favorite",
-    "an easy weeknight dinner",
-    "i found this recipe in an old cookbook",
-    "this recipe came from",
-    "we love this",
-    "a quick and easy recipe that's perfect for busy nights",
-    "everyone asks for this recipe",
-    "adapted from a magazine recipe",
-    "this is the best i've ever had",
-    "great for potlucks",
-    "don't let the long list of ingredients scare you",
-    "i've been making this for years",
-    "a real crowd pleaser",
-    "perfect for the holidays",
-    "it's so good",
-];
-const DESC_CLOSE: &[&str] = &[
-    "enjoy!",
-    "it freezes well.",
-    "you can double the recipe.",
-    "leftovers are even better the next day.",
-    "serve with a salad for a complete meal.",
-    "my kids love it.",
-    "the cooking time includes chilling.",
-    "you won't be disappointed!",
-    "adjust the spices to your taste.",
-    "yum! 😋",
-    "it's a keeper.",
-];
-const FOODCOM_TAGS: &[&str] = &[
-    "time-to-make",
-    "course",
-    "preparation",
-    "main-ingredient",
-    "easy",
-    "dietary",
-    "occasion",
-    "cuisine",
-    "north-american",
-    "american",
-    "low-in-something",
-    "equipment",
-    "number-of-servings",
-    "4-hours-or-less",
-    "3-steps-or-less",
-    "oven",
-    "low-sodium",
-    "low-carb",
-    "healthy",
-    "vegetarian",
-    "taste-mood",
-    "inexpensive",
-    "holiday-event",
-    "beginner-cook",
-    "kid-friendly",
-    "comfort-food",
-    "stove-top",
-    "one-dish-meal",
-    "potluck",
-    "european",
-    "italian",
-    "mexican",
-    "asian",
-    "southern-united-states",
-    "winter",
-    "summer",
-    "christmas",
-    "thanksgiving",
-    "brunch",
-    "freezer",
-    "to-go",
-    "crock-pot-slow-cooker",
-    "novelty",
-    "gluten-free",
-    "low-calorie",
-    "high-protein",
-    "served-hot",
-    "served-cold",
-];
-
 /// Syllables the synthetic long-tail words are made of.
 const ONSETS: &[&str] = &[
     "b", "c", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "ch", "cr",
@@ -1414,29 +538,6 @@ const ONSETS: &[&str] = &[
 ];
 const VOWELS: &[&str] = &["a", "e", "i", "o", "u", "ai", "ou", "ea", "ie", "y"];
 const CODAS: &[&str] = &["", "", "", "n", "r", "l", "s", "t", "m", "sh", "nd", "rk"];
-/// Nouns that synthetic variety names attach to ("kavoli beans").
-const TAIL_NOUNS: &[&str] = &[
-    "beans",
-    "peppers",
-    "squash",
-    "cheese",
-    "sauce",
-    "greens",
-    "berries",
-    "chiles",
-    "mushrooms",
-    "potatoes",
-    "spice blend",
-    "rice",
-    "apples",
-    "tomatoes",
-    "onions",
-    "sausage",
-    "seasoning",
-    "vinegar",
-    "honey",
-    "flour",
-];
 
 const SYNTHETIC_WORDS: usize = 3000;
 
@@ -1476,12 +577,12 @@ fn vocab() -> &'static Vocab {
             synthetic_cdf: zipf_cdf(synthetic.len(), 1.0),
             synthetic,
             synthetic_title,
-            savory_cdf: zipf_cdf(SAVORY.len(), 0.9),
-            sweet_cdf: zipf_cdf(SWEET.len(), 0.9),
-            savory_main_cdf: zipf_cdf(SAVORY_MAINS.len(), 0.8),
-            sweet_main_cdf: zipf_cdf(SWEET_MAINS.len(), 0.8),
-            adj_cdf: zipf_cdf(TITLE_ADJ.len(), 0.9),
-            tag_cdf: zipf_cdf(FOODCOM_TAGS.len(), 0.7),
+            savory_cdf: zipf_cdf(words().savory.len(), 0.9),
+            sweet_cdf: zipf_cdf(words().sweet.len(), 0.9),
+            savory_main_cdf: zipf_cdf(words().savory_mains.len(), 0.8),
+            sweet_main_cdf: zipf_cdf(words().sweet_mains.len(), 0.8),
+            adj_cdf: zipf_cdf(words().title_adj.len(), 0.9),
+            tag_cdf: zipf_cdf(words().foodcom_tags.len(), 0.7),
             contributor_cdf: zipf_cdf(5000, 1.1),
         }
     })
@@ -1561,14 +662,14 @@ impl RecipeGen {
 
         r.sweet = rng.chance(0.35);
         let (main_name, main_title, main_kind) = if r.sweet {
-            SWEET_MAINS[rng.zipf(&v.sweet_main_cdf)]
+            words().sweet_mains[rng.zipf(&v.sweet_main_cdf)]
         } else {
-            SAVORY_MAINS[rng.zipf(&v.savory_main_cdf)]
+            words().savory_mains[rng.zipf(&v.savory_main_cdf)]
         };
         let (dish, method) = if r.sweet {
-            *rng.pick(SWEET_DISHES)
+            *rng.pick(&words().sweet_dishes[..])
         } else {
-            *rng.pick(SAVORY_DISHES)
+            *rng.pick(&words().savory_dishes[..])
         };
         r.method = Some(method);
 
@@ -1581,7 +682,11 @@ impl RecipeGen {
 
         // The main ingredient first, then draws from the frequency-ordered pool without repeats; some items get a
         // synthetic variety name from the long tail.
-        let pool: &[(&str, Kind)] = if r.sweet { SWEET } else { SAVORY };
+        let pool: &[(&str, Kind)] = if r.sweet {
+            &words().sweet[..]
+        } else {
+            &words().savory[..]
+        };
         let cdf = if r.sweet { &v.sweet_cdf } else { &v.savory_cdf };
         let mut names: Vec<(String, Kind)> = Vec::with_capacity(n_ing);
         names.push((main_name.to_string(), main_kind));
@@ -1591,7 +696,7 @@ impl RecipeGen {
             let (name, kind) = if rng.chance(0.07) {
                 let w = &v.synthetic[rng.zipf(&v.synthetic_cdf)];
                 (
-                    format!("{w} {}", rng.pick(TAIL_NOUNS)),
+                    format!("{w} {}", rng.pick(&words().tail_nouns[..])),
                     if rng.chance(0.5) { Dry } else { Count },
                 )
             } else {
@@ -1616,16 +721,16 @@ impl RecipeGen {
 
         // Title, e.g. "Creamy Garlic Chicken Casserole".
         let flavor = if r.sweet {
-            rng.pick(SWEET_FLAVOR)
+            rng.pick(&words().sweet_flavor[..])
         } else {
-            rng.pick(SAVORY_FLAVOR)
+            rng.pick(&words().savory_flavor[..])
         };
         match rng.below(10) {
             0..=3 => {
                 let _ = write!(
                     r.title,
                     "{} {flavor} {main_title} {dish}",
-                    TITLE_ADJ[rng.zipf(&v.adj_cdf)]
+                    words().title_adj[rng.zipf(&v.adj_cdf)]
                 );
             }
             4 | 5 => {
@@ -1645,7 +750,7 @@ impl RecipeGen {
                 let _ = write!(
                     r.title,
                     "{} {main_title} {dish}",
-                    TITLE_ADJ[rng.zipf(&v.adj_cdf)]
+                    words().title_adj[rng.zipf(&v.adj_cdf)]
                 );
             }
         }
@@ -1744,7 +849,7 @@ fn foodcom_fields(rng: &mut Rng, v: &Vocab, r: &Recipe, index: u64, f: &mut Food
     tags.push(time_tag);
     tags.push(if r.sweet { "desserts" } else { "main-dish" });
     for _ in 0..rng.range(3, 14) {
-        let t = FOODCOM_TAGS[rng.zipf(&v.tag_cdf)];
+        let t = words().foodcom_tags[rng.zipf(&v.tag_cdf)];
         if !tags.contains(&t) {
             tags.push(t);
         }
@@ -1799,11 +904,11 @@ fn foodcom_fields(rng: &mut Rng, v: &Vocab, r: &Recipe, index: u64, f: &mut Food
 
     f.description.clear();
     if !rng.chance(0.03) {
-        let open = rng.pick(DESC_OPEN);
+        let open = rng.pick(&words().desc_open[..]);
         f.description.push_str(open);
         if open.ends_with("from") {
             f.description.push(' ');
-            f.description.push_str(rng.word(PERSON));
+            f.description.push_str(rng.word(&words().person[..]));
         }
         f.description
             .push_str(if rng.chance(0.5) { ". " } else { "! " });
@@ -1812,14 +917,14 @@ fn foodcom_fields(rng: &mut Rng, v: &Vocab, r: &Recipe, index: u64, f: &mut Food
                 f.description,
                 "the {} {} make it special. ",
                 v.synthetic[rng.zipf(&v.synthetic_cdf)],
-                rng.pick(TAIL_NOUNS)
+                rng.pick(&words().tail_nouns[..])
             );
         }
         if rng.chance(0.05) {
             // Real descriptions sometimes span lines; the CSV quoting must carry them.
             f.description.push_str("\r\n");
         }
-        f.description.push_str(rng.word(DESC_CLOSE));
+        f.description.push_str(rng.word(&words().desc_close[..]));
     }
 
     // Food.com ingredients are bare names.
@@ -1954,7 +1059,7 @@ fn ingredient_line(rng: &mut Rng, out: &mut String, name: &str, kind: Kind) -> S
                 }
             }
             if rng.chance(0.35) {
-                let _ = write!(out, "{n} {} {written}", rng.pick(SIZES));
+                let _ = write!(out, "{n} {} {written}", rng.pick(&words().sizes[..]));
             } else {
                 let _ = write!(out, "{n} {written}");
             }
@@ -1984,7 +1089,7 @@ fn ingredient_line(rng: &mut Rng, out: &mut String, name: &str, kind: Kind) -> S
         }
         Whole => {
             if rng.chance(0.5) {
-                let _ = write!(out, "1 {} {name}", rng.pick(SIZES));
+                let _ = write!(out, "1 {} {name}", rng.pick(&words().sizes[..]));
             } else {
                 let _ = write!(out, "{} {name}", *rng.pick(&["1", "1/2", "½", "2"]));
             }
@@ -2145,9 +1250,9 @@ fn directions(
     out: &mut Vec<String>,
 ) {
     let done = match (sweet, method) {
-        (false, _) => SAVORY_DONE,
-        (true, Method::Bake) => SWEET_DONE,
-        (true, _) => SWEET_STOVE_DONE,
+        (false, _) => &words().savory_done[..],
+        (true, Method::Bake) => &words().sweet_done[..],
+        (true, _) => &words().sweet_stove_done[..],
     };
     let bakes = matches!(method, Method::Bake);
     let mut s = String::with_capacity(128);
@@ -2159,7 +1264,7 @@ fn directions(
         temperature(rng, &mut s);
         s.push('.');
         if rng.chance(0.5) {
-            let _ = write!(s, " Grease a {}.", rng.pick(DISH));
+            let _ = write!(s, " Grease a {}.", rng.pick(&words().dish[..]));
         }
         out.push(std::mem::take(&mut s));
         opening = 1;
@@ -2203,7 +1308,7 @@ fn directions(
             let _ = write!(
                 s,
                 "Cook over {} heat, stirring occasionally, until {}, about {} minutes.",
-                rng.pick(HEAT),
+                rng.pick(&words().heat[..]),
                 rng.pick(done),
                 rng.range(3, 20)
             );
@@ -2227,7 +1332,7 @@ fn directions(
             let _ = write!(
                 s,
                 "Grill over {} heat for {} to {} minutes per side, or until {}.",
-                rng.pick(HEAT),
+                rng.pick(&words().heat[..]),
                 rng.range(3, 6),
                 rng.range(7, 10),
                 rng.pick(done)
@@ -2249,7 +1354,11 @@ fn directions(
                 let _ = write!(
                     s,
                     "Serve with {}.",
-                    rng.word(if sweet { SERVE_SWEET } else { SERVE_SAVORY })
+                    rng.word(if sweet {
+                        &words().serve_sweet[..]
+                    } else {
+                        &words().serve_savory[..]
+                    })
                 );
             }
             1 => {
@@ -2272,7 +1381,11 @@ fn directions(
                 let _ = write!(
                     s,
                     "Garnish with {} and serve {}.",
-                    rng.word(if sweet { GARNISH_SWEET } else { GARNISH_SAVORY }),
+                    rng.word(if sweet {
+                        &words().garnish_sweet[..]
+                    } else {
+                        &words().garnish_savory[..]
+                    }),
                     if rng.chance(0.5) {
                         "warm"
                     } else {
@@ -2300,8 +1413,8 @@ fn ingredient_step(
             s,
             "Heat a {} {} over {} heat. Add ",
             rng.word(&["large", "medium", "heavy", "deep", "12-inch"]),
-            rng.pick(PAN),
-            rng.pick(HEAT)
+            rng.pick(&words().pan[..]),
+            rng.pick(&words().heat[..])
         );
         join_names(s, group);
         let _ = write!(
@@ -2320,14 +1433,14 @@ fn ingredient_step(
     };
     match choice {
         0 => {
-            let _ = write!(s, "In a {} bowl, combine ", rng.pick(BOWL));
+            let _ = write!(s, "In a {} bowl, combine ", rng.pick(&words().bowl[..]));
             join_names(s, group);
             s.push('.');
         }
         1 => {
             s.push_str("Add ");
             join_names(s, group);
-            let _ = write!(s, " and mix {}.", rng.pick(MIX_ADVERB));
+            let _ = write!(s, " and mix {}.", rng.pick(&words().mix_adverb[..]));
         }
         2 => {
             s.push_str("Stir in ");
@@ -2337,7 +1450,11 @@ fn ingredient_step(
         3 => {
             s.push_str("Whisk together ");
             join_names(s, group);
-            let _ = write!(s, " in a {} bowl until smooth.", rng.pick(BOWL));
+            let _ = write!(
+                s,
+                " in a {} bowl until smooth.",
+                rng.pick(&words().bowl[..])
+            );
         }
         4 if !sweet && matches!(method, Method::Cold) => {
             s.push_str("Toss ");
@@ -2387,12 +1504,12 @@ fn ingredient_step(
         9 => {
             s.push_str("Place ");
             join_names(s, group);
-            let _ = write!(s, " in a {} and toss to coat.", rng.pick(DISH));
+            let _ = write!(s, " in a {} and toss to coat.", rng.pick(&words().dish[..]));
         }
         10 => {
             s.push_str("Mix ");
             join_names(s, group);
-            let _ = write!(s, " {}; set aside.", rng.pick(MIX_ADVERB));
+            let _ = write!(s, " {}; set aside.", rng.pick(&words().mix_adverb[..]));
         }
         _ => {
             s.push_str("Combine ");
@@ -2401,7 +1518,7 @@ fn ingredient_step(
                 s,
                 " in a {} {}.",
                 rng.word(&["large", "medium", "small"]),
-                rng.pick(PAN)
+                rng.pick(&words().pan[..])
             );
         }
     }
@@ -2410,7 +1527,7 @@ fn ingredient_step(
 fn filler_step(rng: &mut Rng, sweet: bool, method: Method, done: &[&str], s: &mut String) {
     match rng.below(10) {
         0 => {
-            let _ = write!(s, "Pour into a greased {}.", rng.pick(DISH));
+            let _ = write!(s, "Pour into a greased {}.", rng.pick(&words().dish[..]));
         }
         1 => {
             let _ = write!(s, "Cover and let stand for {} minutes.", rng.range(5, 30));
@@ -2419,7 +1536,7 @@ fn filler_step(rng: &mut Rng, sweet: bool, method: Method, done: &[&str], s: &mu
             let _ = write!(
                 s,
                 "Reduce heat to {} and simmer, uncovered, until {}.",
-                rng.pick(HEAT),
+                rng.pick(&words().heat[..]),
                 rng.pick(done)
             );
         }
@@ -2433,12 +1550,16 @@ fn filler_step(rng: &mut Rng, sweet: bool, method: Method, done: &[&str], s: &mu
             s.push_str("Spread the mixture evenly in the prepared pan.");
         }
         6 => {
-            let _ = write!(s, "Transfer to a {} bowl.", rng.pick(BOWL));
+            let _ = write!(s, "Transfer to a {} bowl.", rng.pick(&words().bowl[..]));
         }
         7 => s.push_str("Taste and adjust the seasoning if needed."),
         8 => s.push_str("Repeat the layers with the remaining ingredients."),
         _ => {
-            let _ = write!(s, "Mix {} and set aside.", rng.pick(MIX_ADVERB));
+            let _ = write!(
+                s,
+                "Mix {} and set aside.",
+                rng.pick(&words().mix_adverb[..])
+            );
         }
     }
 }
