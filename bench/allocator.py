@@ -142,7 +142,7 @@ def memory_numbers(torch) -> dict:
 def build(cfg, device):
     """The trainer's model and optimizer for `cfg`, as trainer.run.train builds them (one process)."""
     from trainer.model.load import load_model
-    from trainer.run.optim import build_optimizer
+    from trainer.optim import build_optimizer
 
     model = load_model(cfg, device)
     model.train()

@@ -56,8 +56,9 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
     from trainer.model.load import load_model
     from trainer.model.loss import Seq2SeqLMLoss
     from trainer.model.model_files import resolve_tokenizer_file
+    from trainer.optim import build_optimizer
     from trainer.plan.memory_plan import plan_packed_rows, plan_run
-    from trainer.run.optim import build_optimizer, clip_coefficient
+    from trainer.run.schedule import clip_coefficient
     from trainer.run.step import accumulate_gradients
     from trainer.run.train import setup_device
 

@@ -2,14 +2,13 @@
 
     python3 bench/optimizer_step.py [--optimizers adafactor,adafactor_graph,adafactor_torch,adamw_kahan]
 
-adafactor: trainer.run.optim.Adafactor with Kahan updates as the trainer runs it on a GPU (same-shape weights
-together, trainer.kernels.adafactor_kernels); adafactor_graph: the same captured in a CUDA graph and replayed,
-as with `cuda_graphs: true` (trainer.run.cuda_graphs); adafactor_torch: the torch ops it runs off a GPU, one
-weight at a time; adamw_kahan: torch-optimi AdamW(kahan_sum=True); adamw_fused: torch's fused AdamW (no
-compensation). Prints ms per step (and the host's part of it), the optimizer states' size and the step's
-scratch memory. `--sweep` times trainer.kernels.adafactor_kernels' tilings instead (GPU time per kernel,
-profiled).
-"""
+adafactor: trainer.optim.adafactor_optimizer.Adafactor with Kahan updates as the trainer runs it on a GPU
+(same-shape weights together, trainer.kernels.adafactor_kernels); adafactor_graph: the same captured in a CUDA
+graph and replayed, as with `cuda_graphs: true` (trainer.run.cuda_graphs); adafactor_torch: the torch ops it
+runs off a GPU, one weight at a time; adamw_kahan: torch-optimi AdamW(kahan_sum=True); adamw_fused: torch's
+fused AdamW (no compensation). Prints ms per step (and the host's part of it), the optimizer states' size and
+the step's scratch memory. `--sweep` times trainer.kernels.adafactor_kernels' tilings instead (GPU time per
+kernel, profiled)."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.model.tiny_model import flan_t5_config  # noqa: E402
-from trainer.run import optim  # noqa: E402
+from trainer.optim import adafactor_optimizer as optim  # noqa: E402
 
 
 def xl_parameters() -> list[torch.nn.Parameter]:
@@ -42,7 +41,8 @@ def xl_parameters() -> list[torch.nn.Parameter]:
 
 
 class TorchOpsAdafactor(optim.Adafactor):
-    """trainer.run.optim.Adafactor without its GPU kernels: what it runs on CPU, timed on the GPU."""
+    """trainer.optim.adafactor_optimizer.Adafactor without its GPU kernels: what it runs on CPU, timed on the
+    GPU."""
 
     def advance(self, grad_scale=None):
         layout = super().advance(grad_scale)

@@ -88,8 +88,9 @@ def train(cfg, groups: list[list[dict]], device, graphs: bool) -> list[float]:
     from trainer.kernels.projections import accumulate_weight_grads_in_place
     from trainer.model.load import load_model
     from trainer.model.loss import token_loss_sum
+    from trainer.optim import build_optimizer
     from trainer.run.cuda_graphs import MicroStepGraph
-    from trainer.run.optim import build_optimizer, build_scheduler
+    from trainer.run.schedule import build_scheduler
     from trainer.run.step import accumulate_gradients, optimizer_step
 
     torch.manual_seed(0)

@@ -231,7 +231,7 @@ def test_hugging_face_names_without_a_counterpart_are_one_line_naming_the_key(tm
         TrainConfig.load(config)
     assert str(no_such_optimizer.value) == (
         f"{config}:2: optim 'adamw_bnb_8bit' has no counterpart here; this trainer's key is 'optimizer' "
-        "(adafactor or adamw)"
+        "(adamw or adafactor)"
     )
     with pytest.raises(
         ConfigError, match=r"^--set generation_max_length=1: generation_max_length 1 leaves no"

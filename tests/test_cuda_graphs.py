@@ -170,8 +170,8 @@ def test_the_optimizer_update_replays_as_a_graph_exactly_like_an_eager_step(tiny
     """Adafactor's update captured in the micro-step graph's pool: after a few steps (the host advancing the
     step counts, whose scalars the graph reads), one replayed update from given gradients writes the weights
     and Kahan buffers an eager step writes from the same state, bit for bit."""
+    from trainer.optim.adafactor_optimizer import Adafactor
     from trainer.run.cuda_graphs import MicroStepGraph
-    from trainer.run.optim import Adafactor
 
     model = load(tiny_model_dir, dropout_rate=0.0)
     loss_module = Seq2SeqLMLoss(model)

@@ -338,7 +338,8 @@ def _tiny_training_state(model_dir: Path):
     from transformers import AutoModelForSeq2SeqLM
 
     from trainer.config import TrainConfig
-    from trainer.run.optim import build_optimizer, build_scheduler
+    from trainer.optim import build_optimizer
+    from trainer.run.schedule import build_scheduler
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
     cfg = TrainConfig(optimizer="adamw", dtype="float32", max_steps=3)
@@ -375,13 +376,14 @@ def test_a_full_disk_during_a_checkpoint_removes_it_and_keeps_the_earlier_one(tm
 def test_the_estimate_of_a_checkpoint_is_close_to_a_real_one(tmp_path, tiny_model_dir):
     from trainer.checkpoint import store as ckpt
     from trainer.infra.disk import directory_bytes, estimate_checkpoint_bytes, state_bytes
+    from trainer.optim.adamw import ADAMW
 
     model, optimizer, scheduler = _tiny_training_state(tiny_model_dir)
     saved = ckpt.save_checkpoint(
         tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={}
     )
     n_params = sum(p.numel() for p in model.parameters())
-    estimate = estimate_checkpoint_bytes(n_params, "float32", "adamw")
+    estimate = estimate_checkpoint_bytes(n_params, 4, ADAMW.checkpoint_bytes_per_param(4))
     # DCP adds a few KiB per stored tensor: 17% of this tiny model's checkpoint, nothing at FLAN-T5-XL size.
     assert 0.8 <= estimate / directory_bytes(saved) <= 1.0, (estimate, directory_bytes(saved))
     assert 0.99 <= estimate / state_bytes(model, optimizer) <= 1.0  # AdamW's step counters: a few bytes

@@ -165,7 +165,7 @@ def test_the_adapters_dropout_backward_is_autograds_through_the_same_mask():
 def test_a_step_changes_only_the_adapters_over_a_frozen_bf16_base(tiny_model_dir, tmp_path, optimizer):
     from trainer.model.load import load_model
     from trainer.model.lora import add_adapters
-    from trainer.run.optim import build_optimizer
+    from trainer.optim import build_optimizer
 
     cfg = TrainConfig.from_dict(
         tiny_run_values(
@@ -382,8 +382,8 @@ def test_cuda_graphs_replay_the_adapters_gradients_and_update(tiny_model_without
 
     from trainer.model.fused_t5 import use_triton_attention
     from trainer.model.loss import Seq2SeqLMLoss
+    from trainer.optim.adafactor_optimizer import Adafactor
     from trainer.run.cuda_graphs import WARMUP, MicroStepGraph
-    from trainer.run.optim import Adafactor
 
     _, fused = _peft_and_fused(tiny_model_without_dropout, "cuda", torch.bfloat16, checkpointing=True)
     use_triton_attention(fused.get_base_model())

@@ -201,7 +201,7 @@ def build_lora(config: T5Config, lora: LoraShape = LORA, checkpointing: bool = T
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
 def test_lora_weights_gradients_and_states_are_exact_after_a_real_step(optimizer):
-    from trainer.run.optim import Adafactor
+    from trainer.optim.adafactor_optimizer import Adafactor
 
     config = tiny_config()
     model = build_lora(config, checkpointing=False)
@@ -714,7 +714,7 @@ from test_memory_plan import batch, build_bf16, tiny_config
 from trainer.infra import distributed
 from trainer.run import parallel
 from trainer.config import TrainConfig
-from trainer.run.optim import Adafactor
+from trainer.optim.adafactor_optimizer import Adafactor
 from trainer.model.loss import token_loss_sum
 
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from trainer.run.optim import Adafactor, build_optimizer, clip_coefficient
+from trainer.optim import OPTIMIZERS, build_optimizer
+from trainer.optim.adafactor_optimizer import Adafactor
+from trainer.run.schedule import clip_coefficient
 
 STEPS = 25
 
@@ -77,6 +79,44 @@ def test_kahan_bf16_matches_fp32_and_naive_does_not(small_t5, optimizer, lr, rec
     assert abs(kahan - ref) <= 0.02 * ref, report
     # Naive bf16 loses a visible part of the progress that fp32 and Kahan make.
     assert abs(naive - ref) > abs(kahan - ref), report
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_optimizer_holds_the_states_it_declares(small_t5, name, dtype):
+    """What an optimizer's module declares (trainer.optim: the memory plan, `trainer plan` and the disk check
+    read it) is what the built optimizer holds after a step: its states, a Kahan buffer per 16-bit weight,
+    and what a checkpoint of them takes; a new optimizer gets this check by being listed."""
+    from trainer.infra.disk import estimate_checkpoint_bytes, state_bytes
+    from trainer.model.model_shape import ModelShape
+    from trainer.plan.memory_plan import optimizer_state_bytes
+
+    base, x, y = small_t5
+    model = copy.deepcopy(base).to(dtype)
+    cfg = SimpleNamespace(
+        optimizer=name, bf16_update="kahan", learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9,
+        adam_beta2=0.999, adam_epsilon=1e-8,
+    )  # fmt: skip
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    model(input_ids=x, labels=y).loss.backward()
+    opt.step()
+    held = sum(
+        t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)
+    )
+    params = list(model.parameters())
+    dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    declared = optimizer_state_bytes(ModelShape.from_config(base.config), name, "kahan", dtype_name)
+    # Up to a 0-d fp32 state per weight (a step count, an RMS) that one implementation keeps and another not.
+    assert abs(declared - held) <= 4 * len(params), (held, declared)
+    spec, weight_bytes = OPTIMIZERS[name], params[0].element_size()
+    kahan = weight_bytes if dtype == torch.bfloat16 and spec.kahan else 0
+    n = sum(p.numel() for p in params)
+    estimate = estimate_checkpoint_bytes(
+        n, weight_bytes, spec.checkpoint_bytes_per_param(weight_bytes) + kahan
+    )
+    # Factored states (Adafactor's row and column vectors) count as nothing in the estimate: a few % here,
+    # nothing at FLAN-T5-XL's size.
+    assert 0.9 <= estimate / state_bytes(model, opt) <= 1.0
 
 
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -152,7 +192,7 @@ def test_adafactor_kernels_equal_the_torch_update(dtype, kahan):
     second-moment states, the weights and (bf16) the Kahan buffers, whose weight + buffer is the effective
     weight."""
     from trainer.kernels.adafactor_kernels import WeightGroup
-    from trainer.run.optim import adafactor_update
+    from trainer.optim.adafactor_optimizer import adafactor_update
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
@@ -256,7 +296,7 @@ def _lrs(scheduler, steps: int) -> list[float]:
 
 def _schedule(horizon: int, **cfg):
     from trainer.config import TrainConfig
-    from trainer.run.optim import build_scheduler
+    from trainer.run.schedule import build_scheduler
 
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
     return build_scheduler(opt, TrainConfig(learning_rate=1e-3, **cfg), horizon)
@@ -290,7 +330,7 @@ def test_schedules_are_transformers_with_warmup_steps_or_a_warmup_ratio():
 
 def test_a_schedule_missing_or_given_a_wrong_argument_is_a_config_error():
     from trainer.config import ConfigError, TrainConfig
-    from trainer.run.optim import check_scheduler
+    from trainer.run.schedule import check_scheduler
 
     with pytest.raises(
         ConfigError, match=r"lr_scheduler_type cosine_with_min_lr, lr_scheduler_kwargs \{\}: .*min_lr"
@@ -306,7 +346,7 @@ def test_a_schedule_missing_or_given_a_wrong_argument_is_a_config_error():
 
 def test_a_new_horizon_applies_from_the_step_the_schedule_is_at():
     from trainer.config import TrainConfig
-    from trainer.run.optim import set_horizon
+    from trainer.run.schedule import set_horizon
 
     moved = _schedule(1000, lr_scheduler_type="linear", warmup_steps=0.1)
     _lrs(moved, 30)

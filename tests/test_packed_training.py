@@ -25,8 +25,9 @@ from trainer.kernels.projections import accumulate_weight_grads_in_place
 from trainer.model.load import load_model
 from trainer.model.loss import token_loss_sum
 from trainer.model.model_files import resolve_tokenizer_file
+from trainer.optim import build_optimizer
 from trainer.report.step_meter import TRAIN_LOG
-from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.run.schedule import build_scheduler
 from trainer.run.step import accumulate_gradients, optimizer_step
 from trainer.run.train import train
 

@@ -215,7 +215,7 @@ def test_no_batch_setting_starts_from_the_memory_plan():
 
 def test_max_grad_norm_zero_measures_the_norm_without_clipping():
     from trainer.infra.distributed import grad_norm
-    from trainer.run.optim import clip_coefficient
+    from trainer.run.schedule import clip_coefficient
 
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([3.0, 4.0, 0.0])

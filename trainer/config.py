@@ -20,11 +20,14 @@ from typing import Any, Literal
 
 import yaml
 
+from trainer.optim import OPTIMIZERS
+
 log = logging.getLogger(__name__)
 
 DataFormat = Literal["recipenlg-csv", "foodcom-csv", "jsonl", "parquet", "arrow"]
 DATA_FORMATS: tuple[str, ...] = typing.get_args(DataFormat)  # the recipe file formats the loader reads
 Task = Literal["ingredients-to-recipe", "title-to-recipe"]
+OptimizerName = Literal[tuple(OPTIMIZERS)]  # type: ignore[valid-type]  # trainer.optim's, each in its module
 HubStrategy = Literal["end", "every_save", "checkpoint", "all_checkpoints"]
 TASKS: tuple[str, ...] = typing.get_args(Task)  # the loader's prompt presets
 # T5's projections a LoRA adapter can sit on (PEFT's module names; trainer.model.lora), and the default. Not
@@ -214,9 +217,7 @@ class TrainConfig:
     )
 
     # --- optimization ---
-    optimizer: Literal["adamw", "adafactor"] = _key(
-        "adamw", "adamw (as Hugging Face) or adafactor (T5's settings; the XL preset's: far smaller states)."
-    )
+    optimizer: OptimizerName = _key("adamw", " or ".join(spec.help for spec in OPTIMIZERS.values()) + ".")
     bf16_update: Literal["kahan", "naive"] = _key(
         "kahan", "How bf16 weights take updates: Kahan-compensated (no small update lost), or naive."
     )
@@ -688,15 +689,9 @@ class HfName:
     taken: str = ""
 
 
-# Hugging Face's optim values that are this trainer's optimizers: the same algorithm and settings (HF's
-# "adafactor" is transformers' Adafactor with scale_parameter and relative_step off, as here).
-HF_OPTIMIZERS = {
-    "adamw_torch": "adamw",
-    "adamw_torch_fused": "adamw",
-    "adamw_hf": "adamw",
-    "adamw_apex_fused": "adamw",
-    "adafactor": "adafactor",
-}
+# Hugging Face's optim values that are this trainer's optimizers: the same algorithm and settings (each
+# optimizer's module in trainer.optim names them).
+HF_OPTIMIZERS = {hf: spec.name for spec in OPTIMIZERS.values() for hf in spec.hf_names}
 
 
 def _hf_optim(value: Any) -> str:
@@ -765,10 +760,10 @@ def _hf_resume(value: Any) -> Any:
 HF_NAMES: dict[str, HfName] = {
     "optim": HfName(
         "optimizer",
-        "adafactor or adamw",
+        " or ".join(OPTIMIZERS),
         _hf_optim,
-        "adamw_torch, adamw_torch_fused, adamw_hf, adamw_apex_fused as adamw, adafactor as adafactor (the "
-        "same settings); the others are refused",
+        "; ".join(f"{', '.join(spec.hf_names)} as {spec.name}" for spec in OPTIMIZERS.values())
+        + " (the same settings); the others are refused",
     ),
     "warmup_ratio": HfName(
         "warmup_steps",

@@ -174,16 +174,11 @@ def directory_bytes(path: str | Path) -> int:
     return total
 
 
-def estimate_checkpoint_bytes(n_params: int, dtype: str, optimizer: str, bf16_update: str = "kahan") -> int:
-    """What one checkpoint of a model with `n_params` parameters takes on disk: the weights twice
-    (model.safetensors and dcp/) and the optimizer states (AdamW: two moments; Adafactor: factored, small;
-    a bf16 Kahan compensation buffer per weight), before the first checkpoint gives the real size."""
-    weight = 2 if dtype == "bfloat16" else 4
-    kahan = dtype == "bfloat16" and bf16_update == "kahan"
-    states = n_params * weight if kahan else 0
-    if optimizer == "adamw":  # both moments in the weights' dtype; Adafactor's factored ones are small
-        states += 2 * n_params * weight
-    return 2 * n_params * weight + states
+def estimate_checkpoint_bytes(n_params: int, weight_bytes: int, state_bytes_per_param: float) -> int:
+    """What one checkpoint of a model with `n_params` trained parameters of `weight_bytes` bytes takes on
+    disk: the weights twice (model.safetensors and dcp/) and the optimizer's states at `state_bytes_per_param`
+    (trainer.optim's declaration, with a Kahan buffer), before the first checkpoint gives the real size."""
+    return int(2 * n_params * weight_bytes + n_params * state_bytes_per_param)
 
 
 def state_bytes(model, optimizer) -> int:

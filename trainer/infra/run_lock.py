@@ -28,15 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError
-
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".trainer.lock"
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 
 
-class OutputDirLocked(ConfigError):
+class OutputDirLocked(RuntimeError):
     """Another live process holds the output_dir's lock; the message names it (pid, host, start time)."""
 
 

@@ -1,4 +1,5 @@
-"""Adafactor's update (trainer.run.optim.Adafactor) for many same-shape weights at once, on a GPU.
+"""Adafactor's update (trainer.optim.adafactor_optimizer.Adafactor) for many same-shape weights at once, on
+a GPU.
 
 Each kernel reads every weight of the group through a device table of addresses, so the weights, gradients
 and states stay where they are (no stacked copies in and out) and a group of any size costs four launches

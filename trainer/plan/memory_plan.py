@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from dataclasses import dataclass
 
 from trainer.infra.memory import GIB
 from trainer.kernels.cross_entropy import CHUNK_TOKENS as CE_CHUNK_TOKENS
 from trainer.model.model_shape import LoraShape, ModelShape, load_shape
+from trainer.optim import kahan_updates, optimizer_spec
 
 logger = logging.getLogger(__name__)
 
@@ -97,20 +97,6 @@ class MemoryPlan:
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def trained_weight_shapes(shape: ModelShape, lora: LoraShape | None = None) -> dict[tuple[int, ...], int]:
-    """How many trained weights of each shape the optimizer updates: the model's, or LoRA's adapters'."""
-    return shape.weight_shapes() if lora is None else shape.lora_weight_shapes(lora)
-
-
-def adafactor_scratch_bytes(shape: ModelShape, lora: LoraShape | None = None) -> int:
-    """The largest scratch of trainer.run.optim.Adafactor's step on a GPU: the fp32 partial sums of the group
-    of same-shape trained weights with the most (trainer.kernels.adafactor_kernels)."""
-    # Triton: `trainer plan` runs also where the kernels cannot (no Triton)
-    from trainer.kernels.adafactor_kernels import scratch_bytes
-
-    return max(scratch_bytes(count, dims) for dims, count in trained_weight_shapes(shape, lora).items())
-
-
 def optimizer_state_bytes(
     shape: ModelShape,
     optimizer: str,
@@ -119,38 +105,14 @@ def optimizer_state_bytes(
     lora: LoraShape | None = None,
     shards: int = 1,
 ) -> int:
-    """Bytes of optimizer state for the whole model, with `lora` for its fp32 adapters (AdamW's two
-    moments; Adafactor's row and column second moments per matrix; no Kahan buffer for fp32 weights), or on
-    one of `shards` FSDP ranks: what is elementwise (AdamW's moments, Kahan buffers, Adafactor's vector
-    states) is sharded like the weights, Adafactor's factored row and column statistics are whole on every
-    rank (trainer.run.optim)."""
-    if lora is not None:
-        if optimizer == "adamw":
-            return 2 * 4 * shape.lora_num_params(lora)
-        if optimizer == "adafactor":
-            return 4 * sum((rows + cols) * n for (rows, cols), n in shape.lora_weight_shapes(lora).items())
-        raise ValueError(f"unknown optimizer {optimizer!r}")
-    p, e = shape.sharded_params(shards), _DTYPE_BYTES[dtype]
-    kahan = p * e if (bf16_update == "kahan" and e == 2) else 0  # one compensation buffer, param dtype
-    if optimizer == "adamw":
-        return 2 * p * e + kahan  # optimi: exp_avg and exp_avg_sq in the param dtype
-    if optimizer == "adafactor":
-        # transformers' Adafactor (T5 settings, no first moment): a factored second moment, a row and a column
-        # vector (fp32) per matrix, a full fp32 vector for 1-D weights (layer norms).
-        d, f, inner, v = shape.d_model, shape.d_ff, shape.inner, shape.vocab_size
-        d_shard = -(-d // shards)
-        ff_mats = (3 if shape.gated else 2) * (d + f)
-        enc = shape.num_layers * (4 * (d + inner) + ff_mats + 2 * d_shard)
-        dec = shape.num_decoder_layers * (8 * (d + inner) + ff_mats + 3 * d_shard)
-        embeds = (1 if shape.tie_word_embeddings else 2) * (v + d)
-        bias = 2 * (shape.relative_attention_num_buckets + shape.num_heads)  # relative position bias tables
-        final_norms = 2 * d_shard
-        # A 0-d fp32 RMS per weight tensor.
-        ff_n = 3 if shape.gated else 2
-        tensors = shape.num_layers * (4 + ff_n + 2) + shape.num_decoder_layers * (8 + ff_n + 3) + 2 + 2
-        tensors += 1 if shape.tie_word_embeddings else 2
-        return 4 * (enc + dec + embeds + bias + final_norms + tensors) + kahan
-    raise ValueError(f"unknown optimizer {optimizer!r}")
+    """Bytes of optimizer state for the whole model, or for `lora`'s fp32 adapters, or on one of `shards`
+    FSDP ranks: the optimizer's own states (trainer.optim: each declares them) and, for 16-bit weights with
+    Kahan-compensated updates, one compensation buffer per weight in its dtype, sharded like the weights."""
+    spec, e = optimizer_spec(optimizer), _DTYPE_BYTES[dtype]
+    states = spec.state_bytes(shape, e, lora, shards)
+    if lora is None and kahan_updates(spec, e, bf16_update):
+        states += shape.sharded_params(shards) * e
+    return states
 
 
 def _acc_bytes(e: int) -> int:
@@ -520,13 +482,9 @@ def plan_memory(
         ),
         "encoder block backward": (enc_keep + enc_shared + flow_enc + enc_bwd, 0),
     }
-    # trainer.run.optim.Adafactor's kernels keep fp32 partial sums per group of same-shape weights (~0.3 GB
-    # for FLAN-T5-XL); optimi's foreach step uses the gradients as its scratch buffer. On FSDP's shards
-    # Adafactor works one weight at a time in torch ops: a few fp32 copies of the largest shard.
-    opt_temp = 0
-    if optimizer == "adafactor":
-        largest = max(-(-dims[0] // processes) * math.prod(dims[1:]) for dims in shape.weight_shapes())
-        opt_temp = 3 * 4 * largest if sharded else adafactor_scratch_bytes(shape, lora)
+    # What the optimizer's step allocates (trainer.optim declares it: Adafactor's partial sums; optimi's
+    # foreach step uses the gradients as its scratch buffer).
+    opt_temp = optimizer_spec(optimizer).step_scratch_bytes(shape, lora, processes if sharded else 1)
     moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
     if opt_temp > acts + logits + gathered + unsharded_gradients:
         moment, acts, logits = "optimizer step", 0, 0

@@ -20,12 +20,12 @@ an eager micro-step's cached blocks would come on top of the memory the run hold
 Under torchrun (`ddp`) every rank replays its own graphs; the all-reduce of the gradients runs between the
 last micro-step and the update, outside both graphs.
 
-The optimizer step (trainer.run.optim.Adafactor) is captured too, into the micro-step graph's memory pool: its
-fp32 scratch reuses the activations' memory instead of coming on top of it, and its kernels (a few per weight
-shape, trainer.kernels.adafactor_kernels) cost the host one replay. The host keeps the step counts and queues
-the step's scalars before each replay (`Adafactor.advance`, which the loop calls while the GPU is still on
-the backward); the graph is the update itself (`apply`). The first update runs eagerly (it makes the
-optimizer's states), after the micro-step graph is dropped, to be captured again.
+The optimizer step (trainer.optim.adafactor_optimizer.Adafactor) is captured too, into the micro-step graph's
+memory pool: its fp32 scratch reuses the activations' memory instead of coming on top of it, and its kernels
+(a few per weight shape, trainer.kernels.adafactor_kernels) cost the host one replay. The host keeps the step
+counts and queues the step's scalars before each replay (`Adafactor.advance`, which the loop calls while the
+GPU is still on the backward); the graph is the update itself (`apply`). The first update runs eagerly (it
+makes the optimizer's states), after the micro-step graph is dropped, to be captured again.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 from trainer.infra import distributed
 
 if TYPE_CHECKING:
-    from trainer.run.optim import Adafactor
+    from trainer.optim.adafactor_optimizer import Adafactor
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,10 @@ from trainer.config import TrainConfig
 from trainer.data.loader import split_batch, to_device
 from trainer.infra import distributed, memory
 from trainer.model.loss import token_loss_sum
+from trainer.optim.adafactor_optimizer import Adafactor
 from trainer.plan.memory_plan import RunPlan, probe_shapes
-from trainer.run.optim import Adafactor, clip_coefficient
 from trainer.run.run_state import OomBackoff
+from trainer.run.schedule import clip_coefficient
 
 log = logging.getLogger(__name__)
 

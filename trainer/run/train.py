@@ -66,6 +66,7 @@ from trainer.model.load import LAST_LOAD, load_model
 from trainer.model.loss import token_loss_sum
 from trainer.model.model_files import ModelFiles, check_model_dir, resolve_tokenizer_file
 from trainer.model.model_shape import LoraShape, load_shape
+from trainer.optim import build_optimizer, kahan_updates, optimizer_spec
 from trainer.plan.memory_plan import RunPlan, gpu_bytes_for, plan_packed_rows, plan_run, planned_peak_bytes
 from trainer.plan.plan_report import memory_plan_line
 from trainer.report.profiling import StepProfiler
@@ -81,8 +82,8 @@ from trainer.report.step_meter import (
 )
 from trainer.run import parallel
 from trainer.run.cuda_graphs import WARMUP, MicroStepGraph
-from trainer.run.optim import build_optimizer, build_scheduler, check_scheduler, set_horizon, warmup_steps
 from trainer.run.run_state import RunState, count_start, read_wandb_run_id, write_wandb_run_id
+from trainer.run.schedule import build_scheduler, check_scheduler, set_horizon, warmup_steps
 from trainer.run.step import accumulate_with_oom_backoff, optimizer_step, probe_memory
 
 log = logging.getLogger(__name__)
@@ -459,7 +460,11 @@ def warn_if_the_disk_is_small(
                 n_params = load_shape(cfg.model_name_or_path).num_params()
         except (ValueError, OSError):
             return
-        one = disk.estimate_checkpoint_bytes(n_params, dtype, cfg.optimizer, cfg.bf16_update)
+        weight_bytes, spec = (2 if dtype == "bfloat16" else 4), optimizer_spec(cfg.optimizer)
+        kahan = weight_bytes if kahan_updates(spec, weight_bytes, cfg.bf16_update) else 0
+        one = disk.estimate_checkpoint_bytes(
+            n_params, weight_bytes, spec.checkpoint_bytes_per_param(weight_bytes) + kahan
+        )
     planned_saves = math.ceil(total_steps / cfg.every("save_steps", total_steps))
     warning = ckpt.free_space_warning(output_dir, one, cfg.save_total_limit, planned_saves)
     if warning:

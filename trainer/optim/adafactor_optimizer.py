@@ -1,32 +1,20 @@
-"""Optimizers and learning-rate schedules.
+"""Adafactor (Shazeer & Stern 2018) with T5's fine-tuning settings and Kahan-compensated bf16 updates: the
+optimizer trainer.optim.adafactor declares. torch-optimi has no Adafactor.
 
 bf16 weights lose small updates: once |update| < |w| * 2**-9 the sum rounds back to w. With
-`bf16_update: kahan` every optimizer keeps a bf16 compensation buffer per weight that carries the rounding
-error into the next step (Kahan summation), so the effective weight is accurate to ~16 bits of mantissa:
-- AdamW: torch-optimi's `AdamW(kahan_sum=True)` (states in the weight dtype, foreach/triton kernels).
-- Adafactor: `Adafactor` below, transformers' algorithm (factored second moment, update clipping) with the
-  same compensation. torch-optimi has no Adafactor.
-`bf16_update: naive` uses torch's AdamW (fused on CUDA) / Adafactor without compensation, for comparison.
-fp32 weights need no compensation and use torch's AdamW.
-
-The learning-rate schedules are transformers.get_scheduler's, over a horizon of optimizer steps that the loop
-may move (set_horizon: a run with a time budget ends its schedule where the budget ends).
+`bf16_update: kahan` a bf16 compensation buffer per weight carries the rounding error into the next step
+(Kahan summation), so the effective weight is accurate to ~16 bits of mantissa.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.config import ConfigError
-
 if TYPE_CHECKING:
     from trainer.kernels.adafactor_kernels import WeightGroup
-
-log = logging.getLogger(__name__)
 
 
 class Adafactor(torch.optim.Optimizer):
@@ -331,102 +319,3 @@ def sharded_adafactor_update(weights: list[tuple]) -> None:
             update = local(state["exp_avg_sq"]).rsqrt() * grad
         rms = (squares[i] / p.numel()).sqrt()
         write_update(local(p), local(state.get("kahan_comp")), update, rms, scalars, clip_threshold)
-
-
-def clip_coefficient(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
-    """The factor gradient clipping multiplies the gradients by, min(1, max_norm / norm) (as
-    torch.nn.utils.clip_grad_norm_ computes it), on the norm's device; None for `max_norm` 0 (the norm is
-    only measured, as in Hugging Face)."""
-    if max_norm <= 0:
-        return None
-    return (max_norm / (grad_norm.float() + 1e-6)).clamp(max=1.0)
-
-
-def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer named by cfg.optimizer / cfg.bf16_update for `model`'s trainable weights."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    low_precision = params[0].dtype in (torch.bfloat16, torch.float16)
-    kahan = low_precision and cfg.bf16_update == "kahan"
-    if cfg.optimizer == "adafactor":
-        opt = Adafactor(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, kahan=kahan)
-        log.info("optimizer: Adafactor (T5 settings, factored), %s updates", "Kahan" if kahan else "plain")
-        return opt
-    betas = (cfg.adam_beta1, cfg.adam_beta2)
-    if kahan:
-        import optimi
-
-        opt = optimi.AdamW(
-            params,
-            lr=cfg.learning_rate,
-            betas=betas,
-            eps=cfg.adam_epsilon,
-            weight_decay=cfg.weight_decay,
-            kahan_sum=True,
-        )
-        log.info("optimizer: torch-optimi AdamW with Kahan-compensated bf16 updates")
-        return opt
-    fused = device.type == "cuda"
-    opt = torch.optim.AdamW(
-        params,
-        lr=cfg.learning_rate,
-        betas=betas,
-        eps=cfg.adam_epsilon,
-        weight_decay=cfg.weight_decay,
-        fused=fused or None,
-        foreach=None if fused else True,
-    )
-    what = "naive bf16 updates" if low_precision else f"{params[0].dtype} weights"
-    log.info("optimizer: torch AdamW (%s), %s", "fused" if fused else "foreach", what)
-    return opt
-
-
-def warmup_steps(cfg, total_steps: int) -> int:
-    """The warm-up's optimizer steps: cfg.warmup_steps, or below 1 that ratio of `total_steps`, rounded up (as
-    transformers' TrainingArguments.get_warmup_steps)."""
-    if cfg.warmup_steps >= 1:
-        return int(cfg.warmup_steps)
-    return math.ceil(total_steps * cfg.warmup_steps)
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """`transformers.get_scheduler`'s cfg.lr_scheduler_type schedule of `optimizer` over `total_steps`
-    optimizer steps (its horizon: the run's steps, or where its time budget ends), with cfg's warm-up and
-    lr_scheduler_kwargs; its state_dict goes into checkpoints. ConfigError for kwargs the schedule does not
-    take or needs."""
-    from transformers import get_scheduler
-
-    try:
-        return get_scheduler(
-            cfg.lr_scheduler_type,
-            optimizer,
-            num_warmup_steps=warmup_steps(cfg, total_steps),
-            num_training_steps=total_steps,
-            scheduler_specific_kwargs=dict(cfg.lr_scheduler_kwargs),
-        )
-    # A kwarg the schedule does not take, or one it needs (min_lr, num_decay_steps).
-    except (TypeError, ValueError) as e:
-        raise ConfigError(
-            f"lr_scheduler_type {cfg.lr_scheduler_type}, lr_scheduler_kwargs {cfg.lr_scheduler_kwargs}: {e}",
-            key=("lr_scheduler_type", "lr_scheduler_kwargs"),
-        ) from None
-
-
-def check_scheduler(cfg, horizon: int) -> None:
-    """Build cfg's schedule once: a bad lr_scheduler_kwargs is a ConfigError before the model loads."""
-    _stand_in_schedule(cfg, horizon, cfg.learning_rate)
-
-
-def set_horizon(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg, horizon: int) -> None:
-    """Make `scheduler` (build_scheduler's) end at `horizon`: its next `step()` and those after follow the
-    schedule built for `horizon` (a warm-up ratio included), from the step it is at."""
-    built = _stand_in_schedule(cfg, horizon, scheduler.optimizer.defaults["lr"])
-    scheduler.lr_lambdas = [built.lr_lambdas[0] for _ in scheduler.lr_lambdas]
-
-
-def _stand_in_schedule(cfg, horizon: int, lr: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """cfg's schedule over `horizon` steps of a stand-in optimizer with peak learning rate `lr`: a real
-    optimizer's learning rates are left as they are."""
-    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
-    return build_scheduler(stand_in, cfg, horizon)

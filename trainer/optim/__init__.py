@@ -1,0 +1,32 @@
+"""The optimizers, each declared in one module (trainer.optim.spec.OptimizerSpec: names, state and step
+memory, Kahan and FSDP support, how it is built) and listed in OPTIMIZERS. The config takes their names, the
+memory plan and `trainer plan` their memory, the loop `build_optimizer`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.optim.adafactor import ADAFACTOR
+from trainer.optim.adamw import ADAMW
+from trainer.optim.spec import OptimizerSpec
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ADAMW, ADAFACTOR)}
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    """The optimizer the config calls `name` (the config has checked it)."""
+    return OPTIMIZERS[name]
+
+
+def kahan_updates(spec: OptimizerSpec, weight_bytes: int, bf16_update: str) -> bool:
+    """Whether 16-bit weights take Kahan-compensated updates: the config asks and the optimizer can."""
+    return spec.kahan and weight_bytes == 2 and bf16_update == "kahan"
+
+
+def build_optimizer(model: Any, cfg: Any, device: Any) -> Any:
+    """The optimizer cfg.optimizer names over `model`'s trainable weights, Kahan-compensated as
+    cfg.bf16_update says for 16-bit weights."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    spec = optimizer_spec(cfg.optimizer)
+    return spec.build(params, cfg, device, kahan_updates(spec, params[0].element_size(), cfg.bf16_update))

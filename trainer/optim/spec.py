@@ -1,0 +1,44 @@
+"""What an optimizer declares: its name and Hugging Face's names for it, the memory its states and its step
+take, whether it takes Kahan-compensated bf16 updates, and whether it runs on FSDP2's shards; and how it is
+built. One module of trainer.optim per optimizer; the memory plan, `trainer plan`, the disk check and the
+loop ask it instead of branching on a name.
+
+A spec module imports no torch at import time (the config reads the names, and `trainer config` or a
+container's health check should not load torch): `build` imports what it needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OptimizerSpec:
+    """One optimizer, as the config names it. Subclasses set the attributes and override the methods whose
+    default does not hold."""
+
+    name: str = ""  # the config's `optimizer` value
+    help: str = ""  # a few words for `trainer config` (what it is, when to pick it)
+    hf_names: tuple[str, ...] = ()  # Hugging Face `optim` values that mean the same algorithm and settings
+    kahan: bool = True  # keeps a bf16 compensation buffer per weight with `bf16_update: kahan`
+    fsdp: bool = True  # updates FSDP2's sharded weights (DTensors)
+
+    def state_bytes(self, shape: Any, weight_bytes: int, lora: Any = None, shards: int = 1) -> int:
+        """Bytes of this optimizer's own states (not a Kahan buffer) for a model of `shape`
+        (trainer.model.model_shape.ModelShape) with `weight_bytes`-byte weights, or for `lora`'s fp32
+        adapters, on one of `shards` FSDP ranks."""
+        raise NotImplementedError
+
+    def checkpoint_bytes_per_param(self, weight_bytes: int) -> float:
+        """Bytes a checkpoint holds per trained parameter for these states (before the first checkpoint
+        gives the real size); states that grow slower than the parameters count as nothing."""
+        raise NotImplementedError
+
+    def step_scratch_bytes(self, shape: Any, lora: Any = None, shards: int = 1) -> int:
+        """GPU memory the step itself allocates beyond the states and gradients, at its peak."""
+        return 0
+
+    def build(self, params: list, cfg: Any, device: Any, kahan: bool) -> Any:
+        """The torch optimizer over `params` with the config's learning rate, weight decay and the
+        optimizer's own keys; `kahan`: compensated bf16 updates (the weights are bf16 and bf16_update says
+        kahan, and the optimizer supports it)."""
+        raise NotImplementedError
