@@ -290,15 +290,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_train_checkpoint_and_resume_on_one(model_dir, sample_csv, tmp_path):
+@pytest.mark.parametrize(("strategy", "tolerance"), [("ddp", 1e-5), ("fsdp", 2e-2)])
+def test_two_nodes_train_checkpoint_and_resume_on_one(model_dir, sample_csv, tmp_path, strategy, tolerance):
     """Two torchrun launchers ("nodes" on 127.0.0.1) of 2 ranks each meet through the c10d rendezvous and
     train as one run of 4 ranks; its checkpoint resumes on one node of 2 ranks (twice the accumulation: the
-    same global batch), which continues with the losses of the 4-rank run."""
+    same global batch), which continues with the losses of the 4-rank run. Under FSDP2 the checkpoint's
+    shards of 4 ranks are split again for 2 (bf16 compute: the looser tolerance)."""
     steps = 3
     out = tmp_path / "two-nodes"
     values = _values(
-        model_dir, sample_csv, out, max_steps=steps, save_steps=1, eval_fraction=0.0, save_total_limit=0
-    )
+        model_dir, sample_csv, out, max_steps=steps, save_steps=1, eval_fraction=0.0, save_total_limit=0,
+        distributed_strategy=strategy,
+    )  # fmt: skip
     config = _config(values, tmp_path)
     endpoint = f"127.0.0.1:{_free_port()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2"]
@@ -322,7 +325,7 @@ def test_two_nodes_train_checkpoint_and_resume_on_one(model_dir, sample_csv, tmp
     two = _losses(resumed_out)
     assert sorted(two) == [2, 3]
     for s in two:
-        assert two[s] == pytest.approx(four[s], rel=1e-5), (s, two[s], four[s])
+        assert two[s] == pytest.approx(four[s], rel=tolerance), (s, two[s], four[s])
 
 
 # Under torchrun: FSDP2 (trainer.run.parallel.wrap) around the tiny model, its attention through the
