@@ -358,3 +358,24 @@ def test_lr_scheduler_kwargs_is_a_mapping():
         ConfigError, match=r"^--set lr_scheduler_kwargs=0.1: lr_scheduler_kwargs must be a mapping"
     ):
         TrainConfig.load(None, ["lr_scheduler_kwargs=0.1"])
+
+
+def test_an_optimizer_that_cannot_update_fsdp_shards_is_refused_naming_both_keys(tmp_path, monkeypatch):
+    """What trainer.optim declares about FSDP decides the config: an optimizer without it is one line naming
+    where the optimizer and the strategy were set (an optimizer declared so, as a new one could be)."""
+    from trainer.optim import OPTIMIZERS
+    from trainer.optim.adamw import AdamW
+
+    class NoShards(AdamW):
+        name, fsdp = "adamw", False
+
+    monkeypatch.setitem(OPTIMIZERS, "adamw", NoShards())
+    config = tmp_path / "c.yaml"
+    config.write_text("optimizer: adamw\ndistributed_strategy: fsdp\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"c.yaml:1 \(optimizer\) and .*c.yaml:2 \(distributed_strategy\): "
+        r"optimizer: adamw does not update FSDP2's sharded weights: use distributed_strategy: ddp, "
+        r"or one of adafactor",
+    ):
+        TrainConfig.load(config)

@@ -463,6 +463,13 @@ class TrainConfig:
             parse_duration(self.max_time, "max_time")  # a clear error now, not when the loop reads it
         parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
         parse_duration(self.hub_request_timeout, "hub_request_timeout")
+        if self.distributed_strategy == "fsdp" and not OPTIMIZERS[self.optimizer].fsdp:
+            sharding = ", ".join(name for name, spec in OPTIMIZERS.items() if spec.fsdp)
+            raise ConfigError(
+                f"optimizer: {self.optimizer} does not update FSDP2's sharded weights: use "
+                f"distributed_strategy: ddp, or one of {sharding}",
+                key=("optimizer", "distributed_strategy"),
+            )
         self._check_best_model_keys()
         # `~` in a path means the home directory, as in a shell.
         self.output_dir = os.path.expanduser(self.output_dir)
