@@ -24,6 +24,9 @@ def on_term(signum, frame):
     raise Stop("SIGTERM")
 
 signal.signal(signal.SIGTERM, on_term)
+# Python's own Ctrl-C handler, also where the launcher ignores SIGINT (a shell's background job), as the
+# trainer's stop handlers do.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 data, tokenizer, cache = sys.argv[1:]
 try:
     _loader.RecipeLoader([data], tokenizer, batch_size=8, cache_dir=cache, num_threads=2)
