@@ -373,6 +373,33 @@ def test_a_full_disk_during_a_checkpoint_removes_it_and_keeps_the_earlier_one(tm
         subprocess.run(["umount", "-l", str(fs)], check=False)
 
 
+def test_a_deletion_cut_short_leaves_no_half_checkpoint_under_its_name(tmp_path, tiny_model_dir, monkeypatch):
+    """Rotation deletes a checkpoint by renaming it out of the checkpoints' names first: a kill in the middle
+    of the removal (here: the removal stops after its first file) leaves a stale temporary that resume never
+    takes and the next start removes, not a checkpoint-<step> without its DCP metadata."""
+    from trainer.checkpoint import store as ckpt
+
+    model, optimizer, scheduler = _tiny_training_state(tiny_model_dir)
+    for step in (1, 2):
+        ckpt.save_checkpoint(
+            tmp_path, step, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={}
+        )
+
+    def killed_after_one_file(path, ignore_errors=False):
+        (Path(path) / "dcp" / ".metadata").unlink()
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_after_one_file)
+    with pytest.raises(SystemExit):
+        ckpt.rotate_checkpoints(tmp_path, save_total_limit=1)
+    monkeypatch.undo()
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [2]
+    assert ckpt.checkpoint_problem(tmp_path / "checkpoint-2") is None
+    (left,) = tmp_path.glob("checkpoint-1*")
+    assert left.name.startswith(f"checkpoint-1{ckpt.DELETING}")
+    assert ckpt.remove_stale_temporaries(tmp_path) == [left] and not left.exists()
+
+
 def test_the_estimate_of_a_checkpoint_is_close_to_a_real_one(tmp_path, tiny_model_dir):
     from trainer.checkpoint import store as ckpt
     from trainer.infra.disk import directory_bytes, estimate_checkpoint_bytes, state_bytes
@@ -789,9 +816,9 @@ def test_sigkill_at_any_moment_of_background_writes_leaves_only_complete_checkpo
 ):
     """A checkpoint at every step, written in the background (a write takes longer than a step, so one is
     nearly always in flight), and the run killed with SIGKILL 8 times at random moments: every
-    checkpoint-<step> directory is complete and resumable, what a kill cut short is a temporary directory the
-    next run removes, and the last run resumes from the newest checkpoint and finishes. Its log shows each
-    save waiting for the write before it."""
+    checkpoint-<step> directory is complete and resumable, what a kill cut short (a write, or the deletion of
+    a rotated checkpoint) is a temporary directory the next run removes, and the last run resumes from the
+    newest checkpoint and finishes. Its log shows each save waiting for the write before it."""
     from trainer.checkpoint.store import checkpoint_problem, list_checkpoints
 
     config, out = _config(
@@ -827,7 +854,7 @@ def test_sigkill_at_any_moment_of_background_writes_leaves_only_complete_checkpo
     done = _trainer("train", "--config", str(config), "--set", f"max_steps={newest + 3}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"checkpoint-{newest}" in done.stderr
-    assert ("left half-written by an earlier run" in done.stderr) == left_over
+    assert ("left half-done by an earlier run" in done.stderr) == left_over
     assert not list(out.glob("checkpoint-*.tmp-*"))
     events = re.findall(r"checkpoint-(\d+) (staged|written)", done.stderr)
     expected = [(str(step), kind) for step in range(newest + 1, newest + 4) for kind in ("staged", "written")]

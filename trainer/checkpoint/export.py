@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from trainer.checkpoint.model_card import write_model_card
-from trainer.checkpoint.store import is_adapter_model, save_pretrained, whole_model_weights
+from trainer.checkpoint.store import delete_tree, is_adapter_model, save_pretrained, whole_model_weights
 from trainer.data.prompt import save_prompt_template
 from trainer.infra import disk, distributed
 
@@ -63,7 +63,7 @@ def save_final_model(
             if card is not None:
                 write_model_card(tmp, card)
             if final.exists():
-                shutil.rmtree(final)
+                delete_tree(final)
             os.rename(tmp, final)
             log.info("saved the final model and its tokenizer in %s", final)
 

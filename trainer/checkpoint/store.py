@@ -4,7 +4,9 @@ A checkpoint is written into `checkpoint-<step>.tmp-<pid of rank 0>` and renamed
 complete, and its last file is the completion marker `trainer_state.json`; a directory without it (a run
 killed mid-write) is never picked for resume. A write that fails (a full disk: one line, trainer.infra.disk)
 or is interrupted (a second Ctrl-C) removes its temporary directory; one a killed run left behind is removed
-by the next run once it holds output_dir's lock (`remove_stale_temporaries`). Contents:
+by the next run once it holds output_dir's lock (`remove_stale_temporaries`). A checkpoint is deleted
+(rotation, a save of the same step again) by renaming it out of the checkpoints' names first (`delete_tree`),
+so a kill mid-way leaves a stale temporary too, never a half checkpoint under its name. Contents:
 
 - `dcp/`: model weights and optimizer states through `torch.distributed.checkpoint` (DCP), keyed by parameter
   name. Each rank writes its own part (with FSDP, its shards) and DCP re-splits on load, so a checkpoint saved
@@ -196,7 +198,7 @@ def write_checkpoint(contents: CheckpointContents, group=None) -> Path:
                 f.flush()
                 os.fsync(f.fileno())
             if final.exists():
-                shutil.rmtree(final)
+                delete_tree(final)
             os.rename(tmp, final)
             log.info("saved checkpoint %s", final)
     distributed.barrier(group)  # no rank reads or rotates checkpoints before the rename
@@ -356,12 +358,32 @@ def load_training_state(path: str | Path, model, optimizer, scheduler) -> None:
     set_rng_state(torch.load(rng_file if rng_file.exists() else path / "rng.pt", weights_only=False))
 
 
+DELETING = ".tmp-deleting-"  # what `delete_tree` renames a directory to, before it removes it
+
+
+def delete_tree(path: Path) -> None:
+    """Remove the directory `path`, renamed first to `<name>.tmp-deleting-<pid>`: out of the names a reader
+    takes (a checkpoint, final/), so that a kill mid-way leaves what `remove_stale_temporaries` removes at the
+    next start, not a half directory under its name."""
+    trash = path.with_name(f"{path.name}{DELETING}{os.getpid()}")
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def remove_stale_temporaries(output_dir: str | Path) -> list[Path]:
-    """Delete what saves of earlier runs left half-written (`checkpoint-<step>.tmp-<pid>`, `final.tmp`: a
-    run killed while saving). Call it only while holding output_dir's lock (trainer.infra.run_lock): then no
-    other trainer is writing them. Returns what was removed."""
+    """Delete what saves or deletions of earlier runs left half-done (`checkpoint-<step>.tmp-<pid>`,
+    `final.tmp`, `<name>.tmp-deleting-<pid>`: a run killed while saving or rotating). Call it only while
+    holding output_dir's lock (trainer.infra.run_lock): then no other trainer is writing them. Returns what
+    was removed."""
     output_dir = Path(output_dir)
-    stale = [*output_dir.glob("checkpoint-*.tmp-*"), output_dir / "final.tmp"]
+    stale = [
+        *output_dir.glob("checkpoint-*.tmp-*"),
+        output_dir / "final.tmp",
+        *output_dir.glob(f"final{DELETING}*"),
+    ]
     removed = [p for p in stale if p.is_dir()]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
@@ -381,6 +403,6 @@ def rotate_checkpoints(output_dir: str | Path, save_total_limit: int, best: Path
         keep.add(Path(best))
     for p in found:
         if p not in keep:
-            shutil.rmtree(p, ignore_errors=True)
+            delete_tree(p)
             removed.append(p)
     return removed

@@ -217,7 +217,8 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             exits.callback(lock_output_dir(output_dir).release)  # a second trainer here stops now, exit 2
             if rank == 0:
                 for path in ckpt.remove_stale_temporaries(output_dir):
-                    log.info("removed %s, left half-written by an earlier run stopped while saving", path)
+                    what = "deleting" if ckpt.DELETING in path.name else "saving"
+                    log.info("removed %s, left half-done by an earlier run stopped while %s", path, what)
         resume_from = resume.find_resume_checkpoint(cfg.resume, output_dir)
         plan = plan_run(cfg)
         data = open_data(cfg, plan, rank, world_size)
