@@ -14,19 +14,22 @@ from trainer.optim.spec import OptimizerSpec
 OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ADAMW, ADAFACTOR)}
 
 
-def optimizer_spec(name: str) -> OptimizerSpec:
-    """The optimizer the config calls `name` (the config has checked it)."""
-    return OPTIMIZERS[name]
-
-
 def kahan_updates(spec: OptimizerSpec, weight_bytes: int, bf16_update: str) -> bool:
     """Whether 16-bit weights take Kahan-compensated updates: the config asks and the optimizer can."""
     return spec.kahan and weight_bytes == 2 and bf16_update == "kahan"
+
+
+def checkpoint_bytes_per_param(name: str, weight_bytes: int, bf16_update: str) -> float:
+    """Bytes a checkpoint holds per trained parameter for the optimizer `name`: its states, and a Kahan buffer
+    in the weights' dtype where it keeps one."""
+    spec = OPTIMIZERS[name]
+    kahan = weight_bytes if kahan_updates(spec, weight_bytes, bf16_update) else 0
+    return spec.checkpoint_bytes_per_param(weight_bytes) + kahan
 
 
 def build_optimizer(model: Any, cfg: Any, device: Any) -> Any:
     """The optimizer cfg.optimizer names over `model`'s trainable weights, Kahan-compensated as
     cfg.bf16_update says for 16-bit weights."""
     params = [p for p in model.parameters() if p.requires_grad]
-    spec = optimizer_spec(cfg.optimizer)
+    spec = OPTIMIZERS[cfg.optimizer]
     return spec.build(params, cfg, device, kahan_updates(spec, params[0].element_size(), cfg.bf16_update))

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from trainer.infra.memory import GIB
 from trainer.kernels.cross_entropy import CHUNK_TOKENS as CE_CHUNK_TOKENS
 from trainer.model.model_shape import LoraShape, ModelShape, load_shape
-from trainer.optim import kahan_updates, optimizer_spec
+from trainer.optim import OPTIMIZERS, kahan_updates
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def optimizer_state_bytes(
     """Bytes of optimizer state for the whole model, or for `lora`'s fp32 adapters, or on one of `shards`
     FSDP ranks: the optimizer's own states (trainer.optim: each declares them) and, for 16-bit weights with
     Kahan-compensated updates, one compensation buffer per weight in its dtype, sharded like the weights."""
-    spec, e = optimizer_spec(optimizer), _DTYPE_BYTES[dtype]
+    spec, e = OPTIMIZERS[optimizer], _DTYPE_BYTES[dtype]
     states = spec.state_bytes(shape, e, lora, shards)
     if lora is None and kahan_updates(spec, e, bf16_update):
         states += shape.sharded_params(shards) * e
@@ -484,7 +484,7 @@ def plan_memory(
     }
     # What the optimizer's step allocates (trainer.optim declares it: Adafactor's partial sums; optimi's
     # foreach step uses the gradients as its scratch buffer).
-    opt_temp = optimizer_spec(optimizer).step_scratch_bytes(shape, lora, processes if sharded else 1)
+    opt_temp = OPTIMIZERS[optimizer].step_scratch_bytes(shape, lora, processes if sharded else 1)
     moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
     if opt_temp > acts + logits + gathered + unsharded_gradients:
         moment, acts, logits = "optimizer step", 0, 0

@@ -66,7 +66,7 @@ from trainer.model.load import LAST_LOAD, load_model
 from trainer.model.loss import token_loss_sum
 from trainer.model.model_files import ModelFiles, check_model_dir, resolve_tokenizer_file
 from trainer.model.model_shape import LoraShape, load_shape
-from trainer.optim import build_optimizer, kahan_updates, optimizer_spec
+from trainer.optim import build_optimizer, checkpoint_bytes_per_param
 from trainer.plan.memory_plan import RunPlan, gpu_bytes_for, plan_packed_rows, plan_run, planned_peak_bytes
 from trainer.plan.plan_report import memory_plan_line
 from trainer.report.profiling import StepProfiler
@@ -461,11 +461,9 @@ def warn_if_the_disk_is_small(
                 n_params = load_shape(cfg.model_name_or_path).num_params()
         except (ValueError, OSError):
             return
-        weight_bytes, spec = (2 if dtype == "bfloat16" else 4), optimizer_spec(cfg.optimizer)
-        kahan = weight_bytes if kahan_updates(spec, weight_bytes, cfg.bf16_update) else 0
-        one = disk.estimate_checkpoint_bytes(
-            n_params, weight_bytes, spec.checkpoint_bytes_per_param(weight_bytes) + kahan
-        )
+        weight_bytes = 2 if dtype == "bfloat16" else 4
+        per_param = checkpoint_bytes_per_param(cfg.optimizer, weight_bytes, cfg.bf16_update)
+        one = disk.estimate_checkpoint_bytes(n_params, weight_bytes, per_param)
     planned_saves = math.ceil(total_steps / cfg.every("save_steps", total_steps))
     warning = ckpt.free_space_warning(output_dir, one, cfg.save_total_limit, planned_saves)
     if warning:
