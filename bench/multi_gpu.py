@@ -5,13 +5,14 @@ of ddp and FSDP2 on the same global batches, and the memory plan against every m
     python3 bench/multi_gpu.py --out results/multi_gpu_2x            # the runs for the GPUs this machine has
     python3 bench/multi_gpu.py --set max_tokens=8192 gradient_accumulation_steps=8   # the preset changed
     python3 bench/multi_gpu.py --runs ddp1 ddp2 --steps 12           # some runs only (names: --list)
+    python3 bench/multi_gpu.py --shape xxl --cap 48 --runs fsdp2     # FLAN-T5-XXL's shape, 48 GiB per process
     python3 bench/multi_gpu.py --tiny --device cpu --out /tmp/mg     # tiny shape, gloo on the CPU: the script
 
 Every run is `torchrun --standalone --nproc_per_node=N` over the trainer's own loop
 (`trainer.run.train.train`, as `torchrun -m trainer train` runs it) with configs/flan-t5-xl-rtx5090.yaml as it
-is (`--set` changes it for every run), FLAN-T5-XL's shape with random weights (nothing downloads), on
-bench_run's recipe-length records read by the Rust loader, every process capped at 32 GiB
-(`gpu_memory_limit_gib`). The runs (`--list`):
+is (`--set` changes it for every run), FLAN-T5-XL's shape (`--shape xxl`: XXL's) with random weights
+(nothing downloads), on bench_run's recipe-length records read by the Rust loader, every process capped at
+32 GiB (`--cap`; `gpu_memory_limit_gib`). The runs (`--list`):
 
 - `ddpN`: the preset on N GPUs (`distributed_strategy: ddp`, the same per-GPU micro-batch on every N).
 - `graphsN` (when the preset does not already replay CUDA graphs): the preset on packed rows of 8k-token
@@ -19,10 +20,12 @@ bench_run's recipe-length records read by the Rust loader, every process capped 
 - `fsdpN`: the preset under FSDP2, eager (`cuda_graphs: false`: FSDP2's collectives run inside every
   micro-step); `fsdpN_padded` / `fsdpN_packed`: on the rows the preset does not use;
   `fsdpN_one_reduce`: gradients reduce-scattered once per step (`fsdp_sync_each_micro_batch: false`);
-  `fsdpN_kept_weights`: gathered weights kept from forward to backward (`fsdp_reshard_after_forward: false`).
+  `fsdpN_kept_weights`: gathered weights kept from forward to backward (`fsdp_reshard_after_forward: false`);
+  `fsdpN_bf16_reduce`: gradients reduce-scattered in bf16 (as ddp all-reduces them) rather than fp32.
 
 Measured per run: real (non-pad) tokens/s of all GPUs over the steps after `--warmup` (train log, rank 0's
-clock) and how much one step's rate varies (standard deviation over mean: the noise), scaling efficiency
+clock) and how much one step's rate varies (standard deviation over mean: the noise), MFU (the training FLOPs
+of those tokens, trainer.plan.gpu_specs.flops_per_token, over the GPUs' dense bf16 peak), scaling efficiency
 (tokens/s over N x the same run's on one GPU; FSDP2's over ddp1's), each GPU's peak allocated and reserved
 memory and what the device holds outside PyTorch's allocator (CUDA context, NCCL's buffers), the plan's
 predicted peak (run_summary.json) and its error against the largest reserved peak, the optimizer step's and
@@ -45,13 +48,15 @@ import time
 from pathlib import Path
 
 import yaml
-from bench_run import QUIET_RUN, make_records, read_preset, train_rows, write_data
+from bench_run import QUIET_RUN, VOCAB, make_records, read_preset, train_rows, write_data
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_CAP_GIB = 32.0
+# A run's key, not the trainer's: the dtype FSDP2 reduce-scatters in (trainer.run.parallel's).
+REDUCE_DTYPE_KEY = "bench_fsdp_reduce_dtype"
 GRAPH_TOKENS = 8192  # graphsN's micro-batch (512 with --tiny)
 GIB = 2**30
 
@@ -59,7 +64,7 @@ GIB = 2**30
 # --------------------------------------------------------------------------------------------- the runs
 
 
-def preset_values(overrides: list[str], tiny: bool, device: str) -> dict:
+def preset_values(overrides: list[str], tiny: bool, device: str, cap_gib: float) -> dict:
     """The preset's config with `--set` applied, then what a timing run changes: the bench's model and data
     (filled in later), random weights, no evaluation, checkpoints or reporting, the memory cap."""
     values = read_preset()
@@ -69,7 +74,7 @@ def preset_values(overrides: list[str], tiny: bool, device: str) -> dict:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
         values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
     values.update(QUIET_RUN, random_init=True, progress_bar=False)
-    values["gpu_memory_limit_gib"] = GPU_CAP_GIB if device == "cuda" else None
+    values["gpu_memory_limit_gib"] = cap_gib if device == "cuda" else None
     if tiny:  # the script's own check: short rows, small micro-batches
         values.update(max_source_length=64, max_target_length=96, max_tokens=1024, pad_to_multiple_of=8)
     return values
@@ -99,6 +104,7 @@ def all_runs(gpus: int, preset: dict, graph_tokens: int) -> dict[str, tuple[int,
         runs[f"fsdp{gpus}_{other}"] = (gpus, dict(fsdp, packing=not preset.get("packing")))
         runs[f"fsdp{gpus}_one_reduce"] = (gpus, dict(fsdp, fsdp_sync_each_micro_batch=False))
         runs[f"fsdp{gpus}_kept_weights"] = (gpus, dict(fsdp, fsdp_reshard_after_forward=False))
+        runs[f"fsdp{gpus}_bf16_reduce"] = (gpus, dict(fsdp, **{REDUCE_DTYPE_KEY: "bfloat16"}))
     return runs
 
 
@@ -108,7 +114,9 @@ def default_runs(gpus: int, runs: dict) -> list[str]:
     if gpus <= 2:
         return list(runs)
     return [
-        name for name in runs if not name.endswith(("_one_reduce", "_kept_weights")) and name != "graphs2"
+        name
+        for name in runs
+        if not name.endswith(("_one_reduce", "_kept_weights", "_bf16_reduce")) and name != "graphs2"
     ]
 
 
@@ -148,7 +156,12 @@ def worker(config: Path) -> int:
 
     loop.optimizer_step = timed("optimizer", loop.optimizer_step)
     distributed.GradientBuffer.all_reduce = timed("all_reduce", distributed.GradientBuffer.all_reduce)
-    cfg = TrainConfig.from_dict(yaml.safe_load(config.read_text()), source=str(config))
+    values = yaml.safe_load(config.read_text())
+    if REDUCE_DTYPE_KEY in values:
+        from trainer.run import parallel
+
+        parallel.FSDP_REDUCE_DTYPE = getattr(torch, values.pop(REDUCE_DTYPE_KEY))
+    cfg = TrainConfig.from_dict(values, source=str(config))
     rc = loop.train(cfg)
     rank = int(os.environ.get("RANK", 0))
     record = {"rank": rank, "exit_code": rc}
@@ -177,6 +190,26 @@ def steady_tokens_per_s(rows: list[dict], warmup: int) -> float:
     return tokens / (timed[-1]["time"] - rows[warmup - 1]["time"])
 
 
+def steady_flops_per_s(rows: list[dict], warmup: int, flops: tuple[float, float]) -> float:
+    """Training FLOPs of all ranks per second over the steps after `warmup` (`flops`: per real source and
+    target token)."""
+    timed = rows[warmup:]
+    total = sum(flops[0] * r["source_tokens"] + flops[1] * r["target_tokens"] for r in timed)
+    return total / (timed[-1]["time"] - rows[warmup - 1]["time"])
+
+
+def peak_flops() -> float:
+    """This GPU's dense bf16 FLOP/s (trainer.plan.gpu_specs; an H100's for a GPU it does not know)."""
+    import torch
+
+    from trainer.plan.gpu_specs import gpu_spec
+
+    try:
+        return gpu_spec(torch.cuda.get_device_name()).bf16_flops
+    except ValueError:
+        return 989e12
+
+
 def step_spread(rows: list[dict], warmup: int) -> float | None:
     """The standard deviation of the timed steps' tokens/s over their mean: how much one step varies (the
     run's tokens/s is over all of them)."""
@@ -195,8 +228,11 @@ def mean_after(values: list[float], warmup: int) -> float | None:
     return sum(timed) / len(timed) if timed else None
 
 
-def launch(name: str, nproc: int, values: dict, out: Path, device: str, warmup: int) -> dict:
-    """One run through torchrun; its numbers (or why it failed)."""
+def launch(
+    name: str, nproc: int, values: dict, out: Path, device: str, warmup: int, flops: tuple[float, float]
+) -> dict:
+    """One run through torchrun; its numbers (or why it failed). `flops`: training FLOPs per real source and
+    target token of the model (for MFU, against each GPU's dense bf16 rate)."""
     run_dir = out / name
     values = dict(values, output_dir=str(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -231,6 +267,7 @@ def launch(name: str, nproc: int, values: dict, out: Path, device: str, warmup: 
     result.update(
         steps=summary["steps"],
         tokens_per_s=steady_tokens_per_s(rows, warm),
+        mfu=steady_flops_per_s(rows, warm, flops) / (nproc * peak_flops()) if device == "cuda" else None,
         step_spread=step_spread(rows, warm),
         real_token_share=sum(r["source_tokens"] + r["target_tokens"] for r in rows)
         / sum(r["padded_tokens"] for r in rows),
@@ -283,15 +320,15 @@ def table(results: list[dict], header: str) -> str:
     lines = [
         header,
         "",
-        "| run | GPUs | strategy | rows | micro-batch | real tok/s (step spread) | scaling | "
+        "| run | GPUs | strategy | rows | micro-batch | real tok/s (step spread) | MFU | scaling | "
         "peak alloc / reserved per GPU (GiB) | outside allocator | plan (error) | optimizer step | "
         "all-reduce | loss vs ddp |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r["exit_code"] != 0:
             lines.append(
-                f"| {r['run']} | {r['processes']} | failed: exit code {r['exit_code']} |" + " |" * 10
+                f"| {r['run']} | {r['processes']} | failed: exit code {r['exit_code']} |" + " |" * 11
             )
             continue
         plan = "n/a"
@@ -300,7 +337,7 @@ def table(results: list[dict], header: str) -> str:
         graphs = ", graphs" if r["cuda_graphs"] else ""
         lines.append(
             f"| {r['run']} | {r['processes']} | {r['strategy']} | {r['rows']}{graphs} | {r['micro_batch']} | "
-            f"{r['tokens_per_s']:,.0f} ({num(r.get('step_spread'), '.1%')}) | "
+            f"{r['tokens_per_s']:,.0f} ({num(r.get('step_spread'), '.1%')}) | {num(r.get('mfu'), '.1%')} | "
             f"{num(r.get('scaling'), '.1%')} | "
             f"{gib(r['peak_allocated_gib'])} / {gib(r['peak_reserved_gib'])} | "
             f"{gib(r['outside_allocator_gib'])} | {plan} | {ms(r.get('optimizer_step_s'))} | "
@@ -326,6 +363,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timings (default 2)")
     parser.add_argument("--records", type=int, default=16384, help="synthetic recipes (default 16384)")
     parser.add_argument("--time-limit", type=float, default=540.0, help="start no run past this many seconds")
+    parser.add_argument(
+        "--shape", choices=["xl", "xxl"], default="xl", help="the model's shape (default xl: FLAN-T5-XL's)"
+    )
+    parser.add_argument(
+        "--cap", type=float, default=GPU_CAP_GIB, help=f"GiB each process may use (default {GPU_CAP_GIB:g})"
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny shape (checks the script)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
@@ -339,7 +382,11 @@ def main() -> int:
         gpus = torch.cuda.device_count()
         if gpus == 0:
             raise SystemExit("no CUDA GPU here: --device cpu --tiny checks the script on the CPU")
-    preset = preset_values(args.set, args.tiny, args.device)
+    from trainer.model.tiny_model import flan_t5_config
+    from trainer.plan.gpu_specs import flops_per_token
+
+    preset = preset_values(args.set, args.tiny, args.device, args.cap)
+    shape = "tiny" if args.tiny else args.shape
     runs = all_runs(gpus, preset, 512 if args.tiny else GRAPH_TOKENS)
     if args.list:
         for name, (nproc, overrides) in runs.items():
@@ -353,7 +400,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     data_dir = out / "data"
-    data, model_dir = write_data(data_dir, make_records(args.records), "tiny" if args.tiny else "xl")
+    data, model_dir = write_data(data_dir, make_records(args.records), shape)
+    flops = flops_per_token(flan_t5_config(shape, vocab_size=VOCAB))
     preset.update(model_name_or_path=str(model_dir), train_files=[str(data)], max_steps=args.steps)
     results, skipped = [], []
     for name in names:
@@ -362,20 +410,20 @@ def main() -> int:
             skipped.append(name)
             continue
         nproc, overrides = runs[name]
-        results.append(launch(name, nproc, dict(preset, **overrides), out, args.device, args.warmup))
+        results.append(launch(name, nproc, dict(preset, **overrides), out, args.device, args.warmup, flops))
         add_comparisons(results)
         (out / "results.json").write_text(
             json.dumps(results, indent=2) + "\n"
         )  # a cut-short call keeps these
-    shape = "tiny" if args.tiny else "FLAN-T5-XL"
     where = (
-        f"{gpus} GPUs, each process capped at {GPU_CAP_GIB:g} GiB"
+        f"{gpus} GPUs, each process capped at {args.cap:g} GiB"
         if args.device == "cuda"
         else "gloo on the CPU"
     )
     changed = f" with {' '.join(args.set)}" if args.set else ""
+    model = "tiny" if args.tiny else f"FLAN-T5-{shape.upper()}"
     header = (
-        f"{shape} shape, random weights, {where}; configs/flan-t5-xl-rtx5090.yaml{changed}; "
+        f"{model} shape, random weights, {where}; configs/flan-t5-xl-rtx5090.yaml{changed}; "
         f"{args.steps} steps per run, the first {args.warmup} left out of the timings; "
         f"{time.time() - start:.0f} s in all"
     )

@@ -196,3 +196,35 @@ def test_without_host_memory_for_the_copy_saves_stay_in_the_loop():
     assert (
         tensor_bytes({"a": shared, "b": shared, "c": [torch.zeros(8, dtype=torch.float16)], "n": 3}) == 1040
     )
+
+
+def test_staging_copies_the_tensors_to_host_memory_again_at_every_save_into_the_same_buffers():
+    """What a background save copies: every tensor into host memory once (a tensor met twice stays one
+    tensor), the other values as they were (a NumPy scalar among them: torch 2.11's own stager failed on
+    such states at the second save). The next save copies its step's values into the same buffers."""
+    import numpy as np
+
+    from trainer.checkpoint.writer import HostStager
+
+    shared = torch.arange(6.0)
+    state = {
+        "model": {"shared.weight": shared, "lm_head.weight": shared},
+        "optim": {
+            "state": {"w": {"step": 3, "exp_avg": torch.ones(4)}},
+            "param_groups": [{"lr": np.float64(2.5e-4), "eps": (1e-30, 1e-3), "params": ["w"]}],
+        },
+    }
+    stager = HostStager()
+    staged = stager.stage(state)
+    shared.add_(1.0)  # the next step changes the weights: the staged copy keeps this step's
+    assert torch.equal(staged["model"]["shared.weight"], torch.arange(6.0))
+    assert staged["model"]["shared.weight"] is staged["model"]["lm_head.weight"]
+    group = staged["optim"]["param_groups"][0]
+    assert group["lr"] == 2.5e-4 and group["eps"] == (1e-30, 1e-3) and group["params"] == ["w"]
+    assert staged["optim"]["state"]["w"]["step"] == 3
+    assert torch.equal(staged["optim"]["state"]["w"]["exp_avg"], torch.ones(4))
+
+    again = stager.stage(state)  # the next save
+    assert torch.equal(again["model"]["shared.weight"], torch.arange(6.0) + 1.0)
+    assert again["model"]["shared.weight"].data_ptr() == staged["model"]["shared.weight"].data_ptr()
+    assert again["model"]["shared.weight"].data_ptr() != shared.data_ptr()

@@ -369,3 +369,123 @@ def test_a_checkpoint_of_the_hand_written_schedule_resumes():
     planned = _schedule(110, lr_scheduler_type="linear", warmup_steps=10)
     _lrs(planned, 40)
     assert resumed.last_epoch == 40 and _lrs(resumed, 5)[1:] == pytest.approx(_lrs(planned, 5)[1:])
+
+
+_SHARDED_ADAFACTOR = """
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from trainer.kernels.adafactor_kernels import WeightGroup, update_shards
+from trainer.optim.adafactor_optimizer import Adafactor, _local, sharded_adafactor_update
+
+shapes, dtype, out = eval(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,))
+g = torch.Generator().manual_seed(0)
+weights = [(torch.randn(s, generator=g) * 0.02).to(dtype) for s in shapes]
+grads = [[(torch.randn(s, generator=g) * 1e-3).to(dtype) for s in shapes] for _ in range(3)]
+results = {}
+for path in ("torch", "kernels"):
+    params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
+    opt = Adafactor(params, lr=1e-3, weight_decay=0.1, kahan=dtype != torch.float32)
+    for step, (step_grads, grad_scale) in enumerate(zip(grads, (1.0, 0.3, 0.6)), start=1):
+        for p, grad in zip(params, step_grads):
+            p.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+            if not opt.state[p]:
+                opt._init_state(p, opt.state[p])
+        scale = torch.tensor(grad_scale)
+        scalars = opt._queue_scalars(0, 0, torch.device("cpu"), step, opt.param_groups[0], scale)
+        with torch.no_grad():
+            if path == "torch":
+                sharded_adafactor_update([(p, opt.state[p], scalars, 1e-30, 1.0) for p in params])
+                continue
+            by_shape = {}
+            for p in params:
+                by_shape.setdefault(tuple(p.shape), []).append(p)
+            groups = []
+            for same in by_shape.values():
+                states = [{k: _local(v) for k, v in opt.state[p].items()} for p in same]
+                local = [p.to_local() for p in same]
+                grads_here = [p.grad.to_local() for p in same]
+                group = WeightGroup.build(local, states, grads_here, tuple(same[0].shape))
+                groups.append((group, scalars, 1e-30, 1.0))
+            update_shards(groups, dist.all_reduce)
+    results[path] = [
+        {"weight": p.full_tensor()} | {k: v.full_tensor() for k, v in opt.state[p].items() if k != "step"}
+        for p in params
+    ]
+if dist.get_rank() == 0:
+    torch.save(results, out)
+dist.destroy_process_group()
+"""
+
+# Uneven splits over 2 ranks: 3 rows (2 + 1), 1 row (1 + none), 7 elements (4 + 3).
+SHARDED_SHAPES = [(70, 1100), (70, 1100), (3, 5), (3, 5), (1, 40), (1500,), (7,)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_adafactor_on_fsdp_shards_equals_the_whole_weights_update(dtype, tmp_path):
+    """FSDP2's shards on 2 ranks (gloo; the kernels in Triton's interpreter): the torch ops the CPU runs
+    (`sharded_adafactor_update`) and the kernels a GPU runs (`update_shards`), over three steps with weight
+    decay and gradient scales, give what one process gives on the whole weights: states, weights and Kahan
+    buffers. The rows split unevenly, one rank holding none of a weight."""
+    import os
+    import subprocess
+    import sys
+
+    from trainer.optim.adafactor_optimizer import adafactor_update
+
+    script = tmp_path / "sharded_adafactor.py"
+    script.write_text(_SHARDED_ADAFACTOR)
+    out = tmp_path / "sharded.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(script), repr(SHARDED_SHAPES), dtype, str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    got = torch.load(out)
+
+    torch_dtype = getattr(torch, dtype)
+    kahan = torch_dtype != torch.float32
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(s, generator=g) * 0.02).to(torch_dtype) for s in SHARDED_SHAPES]
+    grads = [[(torch.randn(s, generator=g) * 1e-3).to(torch_dtype) for s in SHARDED_SHAPES] for _ in range(3)]
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = Adafactor(params, lr=1e-3, weight_decay=0.1, kahan=kahan)
+    for step, (step_grads, grad_scale) in enumerate(zip(grads, (1.0, 0.3, 0.6), strict=True), start=1):
+        scalars = opt._queue_scalars(
+            0, 0, torch.device("cpu"), step, opt.param_groups[0], torch.tensor(grad_scale)
+        )
+        for p, grad in zip(params, step_grads, strict=True):
+            if not opt.state[p]:
+                opt._init_state(p, opt.state[p])
+            st = opt.state[p]
+            with torch.no_grad():
+                adafactor_update(
+                    p,
+                    grad,
+                    st.get("exp_avg_sq_row"),
+                    st.get("exp_avg_sq_col"),
+                    st.get("exp_avg_sq"),
+                    st.get("kahan_comp"),
+                    scalars,
+                    1e-30,
+                    1.0,
+                )
+    for path in ("torch", "kernels"):
+        for w0, p, st, shard in zip(weights, params, (opt.state[p] for p in params), got[path], strict=True):
+            for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):
+                if key in st:
+                    torch.testing.assert_close(shard[key], st[key], rtol=1e-5, atol=0, msg=f"{path} {key}")
+            effective_ref, effective = p.detach().float(), shard["weight"].float()
+            if kahan:
+                effective_ref = effective_ref + st["kahan_comp"].float()
+                effective = effective + shard["kahan_comp"].float()
+            moved = (effective_ref - w0.float()).norm()
+            assert moved > 0
+            tolerance = 1e-3 if kahan else 1e-5  # as in test_adafactor_kernels_equal_the_torch_update
+            assert (effective - effective_ref).norm() <= tolerance * moved, (path, tuple(p.shape))

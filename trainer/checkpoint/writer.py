@@ -1,13 +1,12 @@
 """Checkpoints written in the background: the loop stops only while the state is copied off the GPU.
 
-A checkpoint of FLAN-T5-XL is ~17 GB (the weights twice, the Kahan buffer, the optimizer's states); written
-in the loop it stopped training for ~30 s. Here `save` takes the contents of a step boundary
-(trainer.checkpoint.store.gather_checkpoint), copies their tensors into host memory with PyTorch's own
-staging (torch.distributed.checkpoint.staging.DefaultStager: pinned buffers, kept from one save to the next,
-one non-blocking copy and a device sync) and returns; a daemon thread writes the copy
-(trainer.checkpoint.store.write_checkpoint: the temporary directory, the completion marker last, the
-rename) while the next steps train. Under torchrun every rank stages and writes its own part, the writers'
-collectives on a gloo group of their own (trainer.infra.distributed.background_group).
+A checkpoint of FLAN-T5-XL is ~17 GB (the weights twice, the Kahan buffer, the optimizer's states); written in
+the loop it stopped training for ~30 s. Here `save` takes the contents of a step boundary
+(trainer.checkpoint.store.gather_checkpoint), copies their tensors into host memory (`HostStager`: pinned
+buffers kept from one save to the next, non-blocking copies and one wait for the GPU) and returns; a daemon
+thread writes the copy (trainer.checkpoint.store.write_checkpoint: the temporary directory, the completion
+marker last, the rename) while the next steps train. Under torchrun every rank stages and writes its own part,
+the writers' collectives on a gloo group of their own (trainer.infra.distributed.background_group).
 
 What holds, as for checkpoints written in the loop:
 - a checkpoint directory exists only complete (the write is the same function, renamed into place last);
@@ -25,6 +24,7 @@ it).
 
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
 import threading
@@ -99,6 +99,87 @@ def available_host_bytes() -> int | None:
         return None
 
 
+class HostStager:
+    """Copies of a state's tensors in host memory, in buffers kept from one save to the next (pinned where
+    the tensors are on a GPU: the copies run at the bus's speed, and 17 GB of pinned memory is not allocated
+    again at every save). FSDP's DTensors are copied as their local shards and come back as DTensors.
+
+    Not PyTorch's own stager (torch.distributed.checkpoint.staging.DefaultStager): torch 2.11's fails at
+    every save after the first (a KeyError on `dict`, seen on a GPU machine), and the copy is simple enough
+    to own."""
+
+    def __init__(self):
+        self._buffers: list[torch.Tensor] = []
+
+    def stage(self, state: dict) -> dict:
+        """`state` with each tensor copied into host memory (a tensor met twice: one copy) and everything
+        else deep-copied. The buffers are written over at the next call: the write of this copy must be done
+        by then (CheckpointWriter.save waits for it)."""
+        from torch.distributed.tensor import DTensor
+
+        tensors: list[torch.Tensor] = []
+        index: dict[int, int] = {}
+
+        def strip(x):
+            if isinstance(x, torch.Tensor):
+                if id(x) not in index:
+                    index[id(x)] = len(tensors)
+                    tensors.append(x)
+                return _TensorSlot(index[id(x)])
+            if type(x) is dict:
+                return {k: strip(v) for k, v in x.items()}
+            if type(x) in (list, tuple):
+                return type(x)(strip(v) for v in x)
+            return copy.deepcopy(x)
+
+        skeleton = strip(state)
+        copies, on_gpu = [], False
+        for i, tensor in enumerate(tensors):
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            on_gpu = on_gpu or local.is_cuda
+            buffer = self._buffer(i, local)
+            buffer.copy_(local, non_blocking=local.is_cuda)
+            if isinstance(tensor, DTensor):
+                # Its spec around the host copy, as PyTorch's stager does (DTensor.from_local would move the
+                # copy back to the mesh's GPU).
+                buffer = DTensor(buffer, tensor._spec, requires_grad=False)
+            copies.append(buffer)
+        if on_gpu:
+            torch.cuda.synchronize()  # the copies are done before the writer reads them
+
+        def fill(x):
+            if isinstance(x, _TensorSlot):
+                return copies[x.index]
+            if type(x) is dict:
+                return {k: fill(v) for k, v in x.items()}
+            if type(x) in (list, tuple):
+                return type(x)(fill(v) for v in x)
+            return x
+
+        return fill(skeleton)
+
+    def _buffer(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """The i-th kept buffer, made anew when it does not fit `like` (the first save, a new shape)."""
+        if i < len(self._buffers):
+            kept = self._buffers[i]
+            if kept.shape == like.shape and kept.dtype == like.dtype:
+                return kept
+        buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+        if i < len(self._buffers):
+            self._buffers[i] = buffer
+        else:
+            self._buffers.append(buffer)
+        return buffer
+
+    def close(self) -> None:
+        self._buffers = []
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    index: int
+
+
 class CheckpointWriter:
     """`save(contents)` after each gather_checkpoint; `written()` at each step boundary; `wait()` where the
     run must not go on before the write is done (the end, a signal, an error). One per run."""
@@ -149,24 +230,14 @@ class CheckpointWriter:
     def _stage(self, contents: CheckpointContents) -> CheckpointContents | None:
         """`contents` with every tensor copied into host memory (the weights for model.safetensors are the
         same copy as dcp/'s model state, or already in host memory: FSDP's gathered); None, said once, where
-        PyTorch cannot stage (a torch before 2.9 has no DefaultStager; pinned memory refused): saves stay in
-        the loop."""
+        the copy fails (pinned memory refused): saves stay in the loop."""
         try:
             if self._stager is None:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-                options = StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=cuda,
-                )
-                self._stager = DefaultStager(options)
+                self._stager = HostStager()
             dcp_state = self._stager.stage(contents.dcp_state)
-        except (ImportError, TypeError, RuntimeError) as e:
+        except (TypeError, RuntimeError) as e:
             log.warning(
-                "checkpoints: PyTorch cannot copy the state to host memory here (%s: %s)",
+                "checkpoints: the state cannot be copied to host memory here (%s: %s)",
                 type(e).__name__,
                 str(e).splitlines()[0] if str(e) else "",
             )

@@ -19,11 +19,20 @@ The gradient is read three times, each time times the step's gradient scale (gra
 instead of a pass that writes the gradients over), and the weight and its buffer once each way: ~14 bytes
 per bf16 weight.
 Sums are fixed-order (no atomics): the same inputs give the same bits.
+
+FSDP2's shards (`update_shards`): each rank runs the same passes on its own rows of every weight (FSDP2
+splits dim 0, as torch.chunk does), the row states split the same way, the column states whole on every
+rank. What a pass needs from the other ranks comes in two all-reduces for all the weights together: after
+pass 1 each weight's column sums and row-state sum (`_shard_stats`, then `_shard_col_state` updates the
+column state and takes the row state's mean over the whole weight), after pass 3 each update's sum of
+squares (its RMS over the whole weight).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +118,42 @@ def _col_stats(Col, Row, ColPartial, RowMean, Scalars, rows, cols, row_blocks, B
             r = r0 + tl.arange(0, BC)
             acc += tl.load(row + r, mask=r < rows, other=0.0)
         tl.store(RowMean + n, tl.sum(acc, 0) / rows)
+
+
+@triton.jit(do_not_specialize=["row_blocks"])
+def _shard_stats(Row, ColPartial, Stats, count, rows, cols, row_blocks, BC: tl.constexpr):
+    """A shard's part of what the whole weight's statistics need: its column sums (the row blocks' partial
+    sums in a fixed order) at Stats[n * cols], its row state's sum at Stats[count * cols + n]."""
+    n, cb = tl.program_id(0), tl.program_id(1)
+    c = cb * BC + tl.arange(0, BC)
+    inside = c < cols
+    total = tl.zeros([BC], tl.float32)
+    for rb in range(0, row_blocks):
+        total += tl.load(ColPartial + (n.to(tl.int64) * row_blocks + rb) * cols + c, mask=inside, other=0.0)
+    tl.store(Stats + n.to(tl.int64) * cols + c, total, mask=inside)
+    if cb == 0:
+        row = _tensor(Row, n, tl.float32)
+        acc = tl.zeros([BC], tl.float32)
+        for r0 in range(0, rows, BC):
+            r = r0 + tl.arange(0, BC)
+            acc += tl.load(row + r, mask=r < rows, other=0.0)
+        tl.store(Stats + count * cols + n, tl.sum(acc, 0))
+
+
+@triton.jit
+def _shard_col_state(Col, Stats, RowMean, Scalars, count, whole_rows, cols, BC: tl.constexpr):
+    """From every rank's summed `_shard_stats`: the column state (whole on every rank) and the row state's
+    mean over the whole weight."""
+    n, cb = tl.program_id(0), tl.program_id(1)
+    c = cb * BC + tl.arange(0, BC)
+    inside = c < cols
+    beta = tl.load(Scalars + 1)
+    col = _tensor(Col, n, tl.float32)
+    total = tl.load(Stats + n.to(tl.int64) * cols + c, mask=inside, other=0.0)
+    old = tl.load(col + c, mask=inside, other=0.0)
+    tl.store(col + c, old * beta + total / whole_rows * (1.0 - beta), mask=inside)
+    if cb == 0:
+        tl.store(RowMean + n, tl.load(Stats + count * cols + n) / whole_rows)
 
 
 @triton.jit
@@ -238,14 +283,18 @@ class WeightGroup:
     dtype: torch.dtype
     addresses: tuple[int, ...]
     tables: dict[str, torch.Tensor]
+    # A shard's group (`update_shards`): the whole weight's rows and elements; the shard's are rows, cols.
+    whole_rows: int = 0
+    whole_numel: int = 0
 
     @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
-        """Whether the kernels can update `weight`: a plain contiguous CUDA tensor of at most two dimensions
-        (more would need the leading ones factored separately) in a dtype they know, with a contiguous
-        gradient of its dtype, both at addresses that are multiples of 16 bytes (views into a larger buffer
-        need not be; trainer.infra.distributed's gradient buffer aligns them)."""
-        grad = weight.grad
+    def supports(weight: torch.Tensor, grad: torch.Tensor | None = None) -> bool:
+        """Whether the kernels can update `weight` (with `grad`, by default its .grad): a plain contiguous
+        CUDA tensor of at most two dimensions (more would need the leading ones factored separately) in a
+        dtype they know, with a contiguous gradient of its dtype, both at addresses that are multiples of 16
+        bytes (views into a larger buffer need not be; trainer.infra.distributed's gradient buffer aligns
+        them)."""
+        grad = weight.grad if grad is None else grad
         return (
             weight.is_cuda
             and type(weight.data) is torch.Tensor
@@ -260,22 +309,40 @@ class WeightGroup:
         )
 
     @staticmethod
-    def tensors_of(weights: list[torch.Tensor], states: list[dict]) -> dict[str, list[torch.Tensor]]:
-        """What the kernels read and write, by table name. A state the weights lack (the factored ones of a
-        vector, a Kahan buffer without compensation) is never read: the weight stands in for it."""
-        out = {"p": list(weights), "g": [w.grad for w in weights]}
+    def tensors_of(
+        weights: list[torch.Tensor], states: list[dict], grads: list[torch.Tensor] | None = None
+    ) -> dict[str, list[torch.Tensor]]:
+        """What the kernels read and write, by table name (`grads`: the weights' .grad by default). A state
+        the weights lack (the factored ones of a vector, a Kahan buffer without compensation) is never read:
+        the weight stands in for it."""
+        out = {"p": list(weights), "g": [w.grad for w in weights] if grads is None else list(grads)}
         for table, key in [("comp", "kahan_comp"), ("row", "exp_avg_sq_row"), ("col", "exp_avg_sq_col")]:
             out[table] = [s.get(key, w) for w, s in zip(weights, states, strict=True)]
         out["sq"] = [s.get("exp_avg_sq", w) for w, s in zip(weights, states, strict=True)]
         return out
 
     @classmethod
-    def build(cls, weights: list[torch.Tensor], states: list[dict]) -> WeightGroup:
+    def build(
+        cls,
+        weights: list[torch.Tensor],
+        states: list[dict],
+        grads: list[torch.Tensor] | None = None,
+        whole_shape: tuple[int, ...] | None = None,
+    ) -> WeightGroup:
+        """The group of `weights` (same shape and dtype) and their `states`. A group of shards
+        (`update_shards`): `weights`, `grads` and the states are each rank's local tensors, `whole_shape` the
+        weights' shape before FSDP2 split their rows."""
         first = weights[0]
-        tensors = cls.tensors_of(weights, states)
-        if any(t.data_ptr() % 16 for ts in tensors.values() for t in ts):
+        tensors = cls.tensors_of(weights, states, grads)
+        if any(t.data_ptr() % 16 for ts in tensors.values() for t in ts if t.numel()):
             raise ValueError("Adafactor's kernels need tensors at addresses that are multiples of 16 bytes")
         rows, cols, factored = matrix_layout(tuple(first.shape))
+        whole_rows = whole_numel = 0
+        if whole_shape is not None:
+            whole_rows, whole_cols, _ = matrix_layout(whole_shape)
+            whole_numel = whole_rows * whole_cols
+            if factored and whole_cols != cols:
+                raise ValueError(f"a shard {tuple(first.shape)} of {whole_shape} not split by rows")
         return cls(
             count=len(weights),
             rows=rows,
@@ -285,6 +352,8 @@ class WeightGroup:
             dtype=first.dtype,
             addresses=cls.addresses_of(tensors),
             tables={name: _table(ts, first.device) for name, ts in tensors.items()},
+            whole_rows=whole_rows,
+            whole_numel=whole_numel,
         )
 
     @staticmethod
@@ -294,33 +363,13 @@ class WeightGroup:
     def update(self, scalars: torch.Tensor, eps: float, clip_threshold: float) -> None:
         """One Adafactor step of every weight of the group. scalars: [lr, beta2t, weight decay, gradient
         scale], fp32, on the weights' device."""
-        t, ty = self.tables, _TRITON_DTYPES[self.dtype]
-        device = scalars.device
-        br, bc = (BLOCK_ROWS, BLOCK_COLS) if self.factored else (1, VECTOR_BLOCK)
-        row_blocks = triton.cdiv(self.rows, br)
-        grid = (self.count, row_blocks)
-        row_mean = torch.empty(self.count, dtype=torch.float32, device=device)
-        rms_partial = torch.empty(self.count * row_blocks, dtype=torch.float32, device=device)
+        row_blocks = self._row_blocks()
+        row_mean = torch.empty(self.count, dtype=torch.float32, device=scalars.device)
         if self.factored:
-            col_partial = torch.empty(self.count * row_blocks * self.cols, dtype=torch.float32, device=device)
-            _row_stats[grid](
-                t["g"],
-                t["row"],
-                col_partial,
-                scalars,
-                self.rows,
-                self.cols,
-                row_blocks,
-                eps,
-                TY=ty,
-                BR=br,
-                BC=bc,
-                STAGES=STAGES,
-                num_warps=NUM_WARPS,
-            )
+            col_partial = self._row_stats(scalars, eps)
             _col_stats[(self.count, triton.cdiv(self.cols, COL_STATS_BLOCK))](
-                t["col"],
-                t["row"],
+                self.tables["col"],
+                self.tables["row"],
                 col_partial,
                 row_mean,
                 scalars,
@@ -329,7 +378,102 @@ class WeightGroup:
                 row_blocks,
                 BC=COL_STATS_BLOCK,
             )
-        _update_rms[grid](
+        rms_partial = self._update_rms(scalars, eps, row_mean)
+        self._apply(scalars, row_mean, rms_partial, row_blocks, self.rows * self.cols, clip_threshold)
+
+    # -- FSDP2's shards (update_shards): the same passes, the whole weight's sums from every rank
+
+    def stats_size(self) -> int:
+        """fp32 numbers this group adds to the first all-reduce: each weight's column sums and row-state
+        sum (none for vectors, whose state is elementwise)."""
+        return self.count * (self.cols + 1) if self.factored else 0
+
+    def shard_stats(self, scalars: torch.Tensor, eps: float, stats: torch.Tensor) -> None:
+        """Pass 1 on this rank's rows (its row states updated); its part of the column sums and row-state
+        sums written into `stats` (this group's slice, summed over ranks next)."""
+        if not self.factored:
+            return
+        if self.rows == 0:  # no rows here (a weight with fewer rows than ranks): nothing to add
+            stats.zero_()
+            return
+        _shard_stats[(self.count, triton.cdiv(self.cols, COL_STATS_BLOCK))](
+            self.tables["row"],
+            self._row_stats(scalars, eps),
+            stats,
+            self.count,
+            self.rows,
+            self.cols,
+            self._row_blocks(),
+            BC=COL_STATS_BLOCK,
+        )
+
+    def shard_squares(
+        self, scalars: torch.Tensor, eps: float, stats: torch.Tensor, squares: torch.Tensor
+    ) -> torch.Tensor:
+        """After the stats' all-reduce: the column states and the row states' means (returned), and each
+        weight's sum of squared updates over this rank's part written into `squares` (summed over ranks
+        next). Vectors update their state here."""
+        row_mean = torch.empty(self.count, dtype=torch.float32, device=scalars.device)
+        if self.factored:
+            _shard_col_state[(self.count, triton.cdiv(self.cols, COL_STATS_BLOCK))](
+                self.tables["col"],
+                stats,
+                row_mean,
+                scalars,
+                self.count,
+                float(self.whole_rows),
+                self.cols,
+                BC=COL_STATS_BLOCK,
+            )
+        if self.rows * self.cols == 0:
+            squares.zero_()
+        else:
+            torch.sum(self._update_rms(scalars, eps, row_mean).view(self.count, -1), dim=1, out=squares)
+        return row_mean
+
+    def shard_apply(
+        self, scalars: torch.Tensor, row_mean: torch.Tensor, squares: torch.Tensor, clip_threshold: float
+    ) -> None:
+        """After the squares' all-reduce: the update, clipped by its RMS over the whole weight, written."""
+        if self.rows * self.cols:
+            self._apply(scalars, row_mean, squares, 1, self.whole_numel, clip_threshold)
+
+    # -- the passes
+
+    def _row_blocks(self) -> int:
+        return triton.cdiv(self.rows, BLOCK_ROWS) if self.factored else 1
+
+    def _tile(self) -> tuple[int, int]:
+        return (BLOCK_ROWS, BLOCK_COLS) if self.factored else (1, VECTOR_BLOCK)
+
+    def _row_stats(self, scalars: torch.Tensor, eps: float) -> torch.Tensor:
+        """Pass 1 (factored weights): row states updated; the columns' partial sums per block of rows."""
+        row_blocks, (br, bc) = self._row_blocks(), self._tile()
+        col_partial = torch.empty(
+            self.count * row_blocks * self.cols, dtype=torch.float32, device=scalars.device
+        )
+        _row_stats[(self.count, row_blocks)](
+            self.tables["g"],
+            self.tables["row"],
+            col_partial,
+            scalars,
+            self.rows,
+            self.cols,
+            row_blocks,
+            eps,
+            TY=_TRITON_DTYPES[self.dtype],
+            BR=br,
+            BC=bc,
+            STAGES=STAGES,
+            num_warps=NUM_WARPS,
+        )
+        return col_partial
+
+    def _update_rms(self, scalars: torch.Tensor, eps: float, row_mean: torch.Tensor) -> torch.Tensor:
+        """Pass 3: each weight's squared update summed per block of rows (vectors: their state updated)."""
+        t, row_blocks, (br, bc) = self.tables, self._row_blocks(), self._tile()
+        rms_partial = torch.empty(self.count * row_blocks, dtype=torch.float32, device=scalars.device)
+        _update_rms[(self.count, row_blocks)](
             t["g"],
             t["row"],
             t["col"],
@@ -342,13 +486,27 @@ class WeightGroup:
             row_blocks,
             eps,
             FACTORED=self.factored,
-            TY=ty,
+            TY=_TRITON_DTYPES[self.dtype],
             BR=br,
             BC=bc,
             STAGES=STAGES,
             num_warps=NUM_WARPS,
         )
-        _apply[grid](
+        return rms_partial
+
+    def _apply(
+        self,
+        scalars: torch.Tensor,
+        row_mean: torch.Tensor,
+        rms_partial: torch.Tensor,
+        rms_blocks: int,
+        numel: int,
+        clip_threshold: float,
+    ) -> None:
+        """Pass 4: the update clipped by the RMS of `numel` elements (the sum of `rms_blocks` partial sums
+        per weight), weight decay, the weight (and its Kahan buffer) written."""
+        t, (br, bc) = self.tables, self._tile()
+        _apply[(self.count, self._row_blocks())](
             t["p"],
             t["g"],
             t["comp"],
@@ -360,18 +518,50 @@ class WeightGroup:
             scalars,
             self.rows,
             self.cols,
-            row_blocks,
-            float(self.rows * self.cols),
+            rms_blocks,
+            float(numel),
             clip_threshold,
             FACTORED=self.factored,
             KAHAN=self.kahan,
-            TY=ty,
+            TY=_TRITON_DTYPES[self.dtype],
             BR=br,
             BC=bc,
-            ROW_BLOCKS=triton.next_power_of_2(row_blocks),
+            ROW_BLOCKS=triton.next_power_of_2(rms_blocks),
             STAGES=STAGES,
             num_warps=NUM_WARPS,
         )
+
+
+def update_shards(
+    groups: list[tuple[WeightGroup, torch.Tensor, float, float]], all_reduce: Callable[[torch.Tensor], None]
+) -> None:
+    """One Adafactor step of FSDP2's shards: `groups` are (a group of shards, its scalars, eps,
+    clip_threshold), in the same order on every rank; `all_reduce` sums a tensor over the ranks in place.
+    Two all-reduces for all the groups."""
+    device = groups[0][1].device
+    stats = torch.empty(sum(g.stats_size() for g, *_ in groups), dtype=torch.float32, device=device)
+    squares = torch.empty(sum(g.count for g, *_ in groups), dtype=torch.float32, device=device)
+    stats_at, squares_at = (
+        _offsets([g.stats_size() for g, *_ in groups]),
+        _offsets([g.count for g, *_ in groups]),
+    )
+    for (group, scalars, eps, _), (a, b) in zip(groups, stats_at, strict=True):
+        group.shard_stats(scalars, eps, stats[a:b])
+    all_reduce(stats)
+    row_means = [
+        group.shard_squares(scalars, eps, stats[a:b], squares[c:d])
+        for (group, scalars, eps, _), (a, b), (c, d) in zip(groups, stats_at, squares_at, strict=True)
+    ]
+    all_reduce(squares)
+    for (group, scalars, _, clip_threshold), row_mean, (c, d) in zip(
+        groups, row_means, squares_at, strict=True
+    ):
+        group.shard_apply(scalars, row_mean, squares[c:d], clip_threshold)
+
+
+def _offsets(sizes: list[int]) -> list[tuple[int, int]]:
+    ends = list(itertools.accumulate(sizes))
+    return [(end - size, end) for size, end in zip(sizes, ends, strict=True)]
 
 
 def matrix_layout(shape: tuple[int, ...]) -> tuple[int, int, bool]:

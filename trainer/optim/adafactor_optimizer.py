@@ -26,8 +26,10 @@ class Adafactor(torch.optim.Optimizer):
     the bf16 weight cannot represent is kept in a bf16 buffer and added back on the next step.
 
     On a GPU the weights of one shape are updated together by trainer.kernels.adafactor_kernels (four launches
-    per shape, each weight read where it lies); on the CPU one at a time by `adafactor_update`; FSDP's sharded
-    weights (DTensors) by `sharded_adafactor_update`, on each rank's shards, with two all-reduces per step.
+    per shape, each weight read where it lies); on the CPU one at a time by `adafactor_update`. FSDP's sharded
+    weights (DTensors) are updated on each rank's shards with two all-reduces per step for all of them: by
+    the kernels' `update_shards` on a GPU, by `sharded_adafactor_update` on the CPU. Under FSDP the row
+    states are split like the weights' rows, the column states whole on every rank.
     """
 
     def __init__(
@@ -117,9 +119,13 @@ class Adafactor(torch.optim.Optimizer):
         self._advanced = False
         from torch.distributed.tensor import DTensor
 
-        sharded = []
+        sharded, shard_groups, mesh = [], [], None
         for params, scalars, group, weight_group in self._work:
             eps, clip_threshold = group["eps"][0], group["clip_threshold"]
+            if weight_group is not None and isinstance(params[0], DTensor):
+                shard_groups.append((weight_group, scalars, eps, clip_threshold))
+                mesh = params[0].device_mesh
+                continue
             if weight_group is not None:
                 weight_group.update(scalars, eps, clip_threshold)
                 continue
@@ -139,18 +145,36 @@ class Adafactor(torch.optim.Optimizer):
                     eps,
                     clip_threshold,
                 )
+        if shard_groups:
+            import torch.distributed as dist
+
+            from trainer.kernels.adafactor_kernels import update_shards
+
+            process_group = mesh.get_group()
+            update_shards(shard_groups, lambda t: dist.all_reduce(t, group=process_group))
         if sharded:
             sharded_adafactor_update(sharded)
 
     def _weight_group(self, key: tuple, params: list[torch.Tensor]) -> WeightGroup:
-        """The kernels' tables for `params`, made again only when a tensor moved (new gradients, loaded
-        states)."""
+        """The kernels' tables for `params` (FSDP's: their local shards), made again only when a tensor moved
+        (new gradients, loaded states)."""
+        from torch.distributed.tensor import DTensor
+
         from trainer.kernels.adafactor_kernels import WeightGroup  # Triton: on a GPU only (_on_kernels)
 
         states = [self.state[p] for p in params]
+        grads, whole_shape = None, None
+        if isinstance(params[0], DTensor):
+            # FSDP2's gradients are views into its reduce-scatter's output; one not on a 16-byte boundary
+            # is read from a copy (this rank's choice alone: the kernels run on every rank either way).
+            grads = [p.grad.to_local() for p in params]
+            grads = [g if g.data_ptr() % 16 == 0 else g.clone() for g in grads]
+            params, whole_shape = [p.to_local() for p in params], tuple(params[0].shape)
+            states = [{k: _local(v) for k, v in state.items()} for state in states]
         kept = self._weight_groups.get(key)
-        if kept is None or kept.addresses != WeightGroup.addresses_of(WeightGroup.tensors_of(params, states)):
-            kept = self._weight_groups[key] = WeightGroup.build(params, states)
+        tensors = WeightGroup.tensors_of(params, states, grads)
+        if kept is None or kept.addresses != WeightGroup.addresses_of(tensors):
+            kept = self._weight_groups[key] = WeightGroup.build(params, states, grads, whole_shape)
         return kept
 
     def _queue_scalars(
@@ -177,16 +201,16 @@ class Adafactor(torch.optim.Optimizer):
         return scalars
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
-        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import DTensor, Replicate, Shard
         from torch.distributed.tensor import zeros as dtensor_zeros
 
         state["step"] = 0
         if p.dim() >= 2:
             rows, cols = p.shape[:-1], p.shape[:-2] + p.shape[-1:]
-            if isinstance(p, DTensor):  # FSDP's shard: the statistics whole on every rank
-                whole = dict(dtype=torch.float32, device_mesh=p.device_mesh, placements=[Replicate()])
-                state["exp_avg_sq_row"] = dtensor_zeros(rows, **whole)
-                state["exp_avg_sq_col"] = dtensor_zeros(cols, **whole)
+            if isinstance(p, DTensor):  # FSDP's shard: the row state split like its rows, the columns' whole
+                on = dict(dtype=torch.float32, device_mesh=p.device_mesh)
+                state["exp_avg_sq_row"] = dtensor_zeros(rows, placements=[Shard(0)], **on)
+                state["exp_avg_sq_col"] = dtensor_zeros(cols, placements=[Replicate()], **on)
             else:
                 state["exp_avg_sq_row"] = p.new_zeros(rows, dtype=torch.float32)
                 state["exp_avg_sq_col"] = p.new_zeros(cols, dtype=torch.float32)
@@ -198,12 +222,25 @@ class Adafactor(torch.optim.Optimizer):
 
 def _on_kernels(p: torch.Tensor) -> bool:
     """Whether trainer.kernels.adafactor_kernels update `p` (a GPU's; imported there only: they need
-    Triton)."""
+    Triton). FSDP's shards: decided by what is the same on every rank (the kernels' all-reduces must meet
+    the other ranks'); a shard's gradient off a 16-byte boundary is read from a copy."""
     if not p.is_cuda:
         return False
+    from torch.distributed.tensor import DTensor
+
     from trainer.kernels.adafactor_kernels import WeightGroup
 
+    if isinstance(p, DTensor):
+        local = p.to_local()
+        return p.dim() <= 2 and WeightGroup.supports(local, torch.empty_like(local))
     return WeightGroup.supports(p)
+
+
+def _local(t):
+    """A DTensor's local part (FSDP's shard); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_threshold: float) -> None:
@@ -244,69 +281,61 @@ def write_update(p, comp, update, rms, scalars, clip_threshold: float) -> None:
 
 
 def sharded_adafactor_update(weights: list[tuple]) -> None:
-    """`adafactor_update` of FSDP's sharded weights, all at once: `weights` are (p, its state, scalars, eps,
-    clip_threshold), p a DTensor split by rows (FSDP2's Shard(0)) whose gradient is split the same way.
+    """`adafactor_update` of FSDP's sharded weights, all at once, in torch ops (the CPU's way; a GPU runs
+    trainer.kernels.adafactor_kernels.update_shards, the same passes): `weights` are (p, its state, scalars,
+    eps, clip_threshold), p a DTensor split by rows (FSDP2's Shard(0)) whose gradient and row state are
+    split the same way, the column state whole on every rank.
 
-    Each rank works on its own rows (`to_local`), as a DTensor op would, but with two all-reduces for all the
-    weights instead of collectives per weight and op: one for what the factored statistics need from every
-    rank (each row's mean over its columns, which fills in the whole row state every rank keeps, and each
-    column's partial sum over this rank's rows), one for each update's sum of squares (its RMS). The row and
-    column states are whole on every rank (Replicate), the vector states and the Kahan buffer split like the
-    weight. The update is computed again in the last pass rather than kept: no fp32 copy of the shards."""
+    Each rank works on its own rows, as a DTensor op would, but with two all-reduces for all the weights
+    instead of collectives per weight and op: one for what the factored statistics need from every rank
+    (each column's sum over this rank's rows, this rank's row-state sum), one for each update's sum of
+    squares (its RMS). The update is computed again in the last pass rather than kept: no fp32 copy of the
+    shards."""
     import torch.distributed as dist
 
     if any(p.dim() > 2 for p, *_ in weights):
         raise ValueError("Adafactor on FSDP's shards updates weights of one or two dimensions (T5's)")
-    mesh = weights[0][0].device_mesh
-    group, rank, ranks = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    group = weights[0][0].device_mesh.get_group()
     device = weights[0][0].to_local().device
 
-    def local(t):
-        return t.to_local() if t is not None else None
-
-    def rows_of(p) -> tuple[int, int]:  # this rank's rows of p: torch.chunk's split of dim 0
-        per_rank = -(-p.shape[0] // ranks)
-        start = min(p.shape[0], rank * per_rank)
-        return start, min(p.shape[0], start + per_rank)
-
-    def factored_update(p, state, grad):
-        start, end = rows_of(p)
-        assert grad.shape[0] == end - start, "FSDP2 splits a weight's rows as torch.chunk does"
-        row, col = local(state["exp_avg_sq_row"]), local(state["exp_avg_sq_col"])
-        r_factor = (row[start:end] / row.mean()).rsqrt().unsqueeze(-1)
-        return r_factor * col.unsqueeze(-2).rsqrt() * grad
-
     def scaled_grad(p, scalars):
-        return local(p.grad).float() * scalars[3]
+        return _local(p.grad).float() * scalars[3]
 
-    # 1. Row means and column partial sums of (grad^2 + eps), every weight's in one buffer; vector states.
-    sizes = [p.shape[0] + p.shape[1] if p.dim() == 2 else 0 for p, *_ in weights]
+    def factored_update(p, state, grad, row_mean):
+        r_factor = (_local(state["exp_avg_sq_row"]) / row_mean).rsqrt().unsqueeze(-1)
+        return r_factor * _local(state["exp_avg_sq_col"]).unsqueeze(-2).rsqrt() * grad
+
+    # 1. Row states of this rank's rows; each weight's column sums over them and its row-state sum.
+    sizes = [p.shape[1] + 1 if p.dim() == 2 else 0 for p, *_ in weights]
     stats = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
     offset = 0
     for (p, state, scalars, eps, _), size in zip(weights, sizes, strict=True):
         update = scaled_grad(p, scalars).square() + eps
         beta2t = scalars[1]
         if p.dim() == 2:
-            start, end = rows_of(p)
-            stats[offset + start : offset + end] = update.mean(dim=-1)
-            stats[offset + p.shape[0] : offset + size] = update.sum(dim=-2)
+            row = _local(state["exp_avg_sq_row"])
+            if row.numel():
+                row.mul_(beta2t).add_(update.mean(dim=-1) * (1.0 - beta2t))
+                stats[offset : offset + size - 1] = update.sum(dim=-2)
+                stats[offset + size - 1] = row.sum()
         else:
-            local(state["exp_avg_sq"]).mul_(beta2t).add_(update * (1.0 - beta2t))
+            _local(state["exp_avg_sq"]).mul_(beta2t).add_(update * (1.0 - beta2t))
         offset += size
     dist.all_reduce(stats, group=group)
-    # 2. The factored states (whole on every rank), and each update's sum of squares over this rank's part.
+    # 2. The column states (whole on every rank), and each update's sum of squares over this rank's part.
     squares = torch.zeros(len(weights), dtype=torch.float32, device=device)
-    offset = 0
+    row_means, offset = [], 0
     for i, ((p, state, scalars, _, _), size) in enumerate(zip(weights, sizes, strict=True)):
         grad, beta2t = scaled_grad(p, scalars), scalars[1]
         if p.dim() == 2:
             rows = p.shape[0]
-            local(state["exp_avg_sq_row"]).mul_(beta2t).add_(stats[offset : offset + rows] * (1.0 - beta2t))
-            col_mean = stats[offset + rows : offset + size] / rows
-            local(state["exp_avg_sq_col"]).mul_(beta2t).add_(col_mean * (1.0 - beta2t))
-            update = factored_update(p, state, grad)
+            col_mean = stats[offset : offset + size - 1] / rows
+            _local(state["exp_avg_sq_col"]).mul_(beta2t).add_(col_mean * (1.0 - beta2t))
+            row_means.append(stats[offset + size - 1] / rows)
+            update = factored_update(p, state, grad, row_means[-1])
         else:
-            update = local(state["exp_avg_sq"]).rsqrt() * grad
+            row_means.append(None)
+            update = _local(state["exp_avg_sq"]).rsqrt() * grad
         squares[i] = update.square().sum()
         offset += size
     dist.all_reduce(squares, group=group)
@@ -314,8 +343,8 @@ def sharded_adafactor_update(weights: list[tuple]) -> None:
     for i, (p, state, scalars, _, clip_threshold) in enumerate(weights):
         grad = scaled_grad(p, scalars)
         if p.dim() == 2:
-            update = factored_update(p, state, grad)
+            update = factored_update(p, state, grad, row_means[i])
         else:
-            update = local(state["exp_avg_sq"]).rsqrt() * grad
+            update = _local(state["exp_avg_sq"]).rsqrt() * grad
         rms = (squares[i] / p.numel()).sqrt()
-        write_update(local(p), local(state.get("kahan_comp")), update, rms, scalars, clip_threshold)
+        write_update(_local(p), _local(state.get("kahan_comp")), update, rms, scalars, clip_threshold)

@@ -36,7 +36,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.infra import distributed
+# Other threads use the GPU while this one captures: NCCL's watchdog under torchrun queries its events, the
+# background checkpoint writer runs. In CUDA's default (global) capture mode another thread's call ends the
+# capture with an error (a run on one GPU failed so during its second background save); in this mode only
+# the capturing thread's calls are checked. (The collectives stay outside the graphs.)
+CAPTURE_MODE = "thread_local"
 
 if TYPE_CHECKING:
     from trainer.optim.adafactor_optimizer import Adafactor
@@ -65,10 +69,6 @@ class MicroStepGraph:
         self.side = torch.cuda.Stream()
         self.captures = 0
         self.capture_seconds = 0.0  # the host's time in captures, with their syncs (the run's goodput)
-        # Under torchrun NCCL's watchdog thread queries its events while this thread captures: in CUDA's
-        # default (global) capture mode another thread's call ends the capture with an error; only this
-        # thread's calls are checked then. (The collectives themselves stay outside the graphs.)
-        self.capture_mode = "thread_local" if distributed.is_distributed() else "global"
 
     def run(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
         shape = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()))
@@ -104,7 +104,7 @@ class MicroStepGraph:
             before, started = torch.cuda.memory_reserved(), time.monotonic()
             try:
                 with torch.cuda.graph(
-                    graph, pool=self.graph.pool(), stream=self.side, capture_error_mode=self.capture_mode
+                    graph, pool=self.graph.pool(), stream=self.side, capture_error_mode=CAPTURE_MODE
                 ):
                     optimizer.apply()
             except BaseException:
@@ -157,7 +157,7 @@ class MicroStepGraph:
         try:
             # On the warm-up's stream: autograd's nodes of an earlier micro-step stay on theirs, and a
             # capture on another would leave their gradient accumulation out.
-            with torch.cuda.graph(graph, stream=self.side, capture_error_mode=self.capture_mode):
+            with torch.cuda.graph(graph, stream=self.side, capture_error_mode=CAPTURE_MODE):
                 loss = self.loss_fn(**self.static)
                 (loss * self.scale).backward()
                 self.loss = loss.detach()

@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 # FSDP2's compute dtype: the weights are all-gathered in it. (The CPU tests run the packed Triton kernels in
 # Triton's interpreter, which computes fp16 right but not bf16: they set fp16 here.)
 FSDP_COMPUTE_DTYPE = torch.bfloat16
+# The dtype FSDP2 reduce-scatters gradients in (bench/multi_gpu.py's `fsdpN_bf16_reduce` measures bf16).
+FSDP_REDUCE_DTYPE = torch.float32
 
 
 def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
@@ -37,16 +39,17 @@ def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
         )
         return model
     loss_module = Seq2SeqLMLoss(model)
-    mp = MixedPrecisionPolicy(param_dtype=FSDP_COMPUTE_DTYPE, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=FSDP_COMPUTE_DTYPE, reduce_dtype=FSDP_REDUCE_DTYPE)
     blocks = [*model.encoder.block, *model.decoder.block]
     for block in blocks:
         fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.fsdp_reshard_after_forward)
     fully_shard(loss_module, mp_policy=mp)
     log.info(
-        "distributed: FSDP2 over %d ranks, %d T5 blocks + root, bf16 compute, fp32 gradient reduction %s, "
+        "distributed: FSDP2 over %d ranks, %d T5 blocks + root, bf16 compute, %s gradient reduction %s, "
         "%s sharded weights and optimizer states%s",
         world_size(),
         len(blocks),
+        {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(FSDP_REDUCE_DTYPE, str(FSDP_REDUCE_DTYPE)),
         "after every micro-batch" if cfg.fsdp_sync_each_micro_batch else "once per optimizer step",
         next(model.parameters()).dtype,
         "" if cfg.fsdp_reshard_after_forward else ", gathered weights kept from forward to backward",
