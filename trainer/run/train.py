@@ -982,8 +982,10 @@ def save(run: Run, state: RunState) -> Path:
     if run.is_main:
         fsync_file(run.output_dir / TRAIN_LOG)  # on the disk up to the checkpoint, whatever happens next
     started = time.monotonic()
+    in_flight = run.writer.in_flight
     with run.intact.changing():  # a write that failed is not tried again after the error
         run.writer.wait()  # one write at a time: the staged copy is reused
+    waited = time.monotonic() - started
     after_checkpoints(run, state)
     with run.intact.changing():  # a save that failed is not tried again after the error
         contents = ckpt.gather_checkpoint(
@@ -1004,7 +1006,16 @@ def save(run: Run, state: RunState) -> Path:
     run.meter.paused("save", paused)
     state.saved_step = state.step
     how = "staged, written in the background" if background else "saved"
-    log.info("step %d: checkpoint-%d %s (training paused %.1f s)", state.step, state.step, how, paused)
+    # A write still going on when the next save comes (saves closer together than a write takes) is waited
+    # for: said apart from the copy, which is what save_steps cannot change.
+    wait = (
+        f", {waited:.1f} s of it waiting for checkpoint-{in_flight}'s write"
+        if waited >= 0.1 and in_flight
+        else ""
+    )
+    log.info(
+        "step %d: checkpoint-%d %s (training paused %.1f s%s)", state.step, state.step, how, paused, wait
+    )
     if not background:
         after_checkpoints(run, state)
     return contents.final
