@@ -68,6 +68,8 @@ def test_epoch_time_is_the_work_over_the_rate():
         ("NVIDIA H100 80GB HBM3", "H100 SXM"),
         ("NVIDIA H200", "H200 SXM"),
         ("NVIDIA A100-SXM4-80GB", "A100 80GB SXM"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA RTX 6000 Ada Generation", "RTX 6000 Ada"),
     ],
 )
 def test_gpu_names_as_users_and_torch_write_them(name, expected):
@@ -76,7 +78,10 @@ def test_gpu_names_as_users_and_torch_write_them(name, expected):
 
 @pytest.mark.parametrize("name", ["H100 PCIe", "RTX 2080", ""])
 def test_an_unknown_gpu_is_one_clear_error(name):
-    with pytest.raises(ValueError, match="unknown GPU .*known: RTX 5090, RTX 4090, RTX 4080, RTX 3090, A100"):
+    with pytest.raises(
+        ValueError,
+        match="unknown GPU .*known: RTX 5090, RTX 4090, RTX 4080, RTX 3090, L40S, RTX 6000 Ada, A100",
+    ):
         gpu_spec(name)
 
 

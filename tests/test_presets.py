@@ -46,6 +46,17 @@ def test_presets_lists_each_with_its_card_model_and_the_speed_trainer_plan_predi
     planned = re.search(r"RTX 4090 \(.*?\): ([\d,]+) real tokens/s", capsys.readouterr().out).group(1)
     assert listed == planned
 
+    # A preset of several cards: its card count, and the speed of all of them at FSDP2's measured MFU, as
+    # `trainer plan --processes 2` predicts it.
+    line = next(row for row in table.splitlines() if row.startswith("xxl-fsdp-2x-rtx6000ada "))
+    assert "2 x RTX 6000 Ada (48 GB each)" in line and "google/flan-t5-xxl" in line
+    listed = re.search(r"([\d,]+) real tok/s", line).group(1)
+    config = str(REPO_CONFIGS / "flan-t5-xxl-fsdp-2x-rtx6000ada.yaml")
+    assert cli_main(["plan", "--config", config, "--processes", "2", "--gpu-memory", "48GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "2 GPUs under fsdp, each at FSDP2's measured MFU" in out
+    assert re.search(r"RTX 6000 Ada \(.*?\): ([\d,]+) real tokens/s", out).group(1) == listed
+
 
 def test_init_writes_the_preset_with_the_users_paths_and_nothing_else_changed(
     tmp_path, monkeypatch, sample_csv, capsys
@@ -91,9 +102,9 @@ def test_init_refuses_to_replace_a_file_or_to_guess_a_preset(tmp_path, monkeypat
     assert TrainConfig.load(mine).optimizer == "adafactor"
     capsys.readouterr()
 
-    assert cli_main(["init", "--preset", "rtx5090"]) == 2  # the XL and the XXL LoRA preset both end so
+    assert cli_main(["init", "--preset", "rtx5090"]) == 2  # the XL, XXL LoRA and 4-card XXL presets end so
     err = capsys.readouterr().err
-    assert "names 2 presets: xl-rtx5090" in err and "xxl-lora-rtx5090" in err
+    assert "names 3 presets: xl-rtx5090" in err and "xxl-lora-rtx5090" in err and "xxl-fsdp-4x-rtx5090" in err
     assert cli_main(["init", "--preset", "rtx6000"]) == 2
     assert "no preset 'rtx6000'; the presets: " in capsys.readouterr().err
 

@@ -275,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict peak GPU memory for a config, and the training time on named GPUs",
         description="Predict a config's peak GPU memory by component on a card of --gpu-memory, the largest "
         "micro-batch that fits, the host memory a checkpoint's copy takes, and the time of an epoch and of "
-        "the run on the RTX 5090, 4090, 4080, 3090, A100, H100 and H200, without loading the model. --set "
-        "KEY=VALUE or --KEY VALUE override the config.",
+        "the run on the RTX 5090, 4090, 4080, 3090, L40S, RTX 6000 Ada, A100, H100 and H200, without loading "
+        "the model. --set KEY=VALUE or --KEY VALUE override the config.",
     )
     plan.add_argument(
         "--config",

@@ -53,6 +53,9 @@ GPUS: dict[str, GpuSpec] = {
     "rtx4090": GpuSpec("RTX 4090", ("rtx4090", "4090"), 165.2, 330.3, 24, 1008),
     "rtx4080": GpuSpec("RTX 4080", ("rtx4080", "4080"), 97.5, 194.9, 16, 716.8),
     "rtx3090": GpuSpec("RTX 3090", ("rtx3090", "3090"), 71.0, 142.0, 24, 936),
+    # Ada's professional cards run bf16 with fp32 accumulation at the full tensor rate (GeForce at half).
+    "l40s": GpuSpec("L40S", ("l40s",), 362.05, 362.05, 48, 864),
+    "rtx6000ada": GpuSpec("RTX 6000 Ada", ("rtx6000ada", "rtx6000adageneration"), 364.2, 364.2, 48, 960),
     "a100": GpuSpec("A100 80GB SXM", ("a100", "a10080gb", "a100sxm480gb"), 312.0, 312.0, 80, 2039),
     "h100": GpuSpec("H100 SXM", ("h100", "h100sxm", "h10080gbhbm3", "h100sxm580gb"), 989.0, 989.0, 80, 3350),
     "h200": GpuSpec("H200 SXM", ("h200", "h200sxm", "h200141gb"), 989.0, 989.0, 141, 4800),

@@ -1,7 +1,8 @@
 """`trainer plan`: the memory plan for a config on a given card, printed by component, and the time the
 training takes on named GPUs (the CLI's output).
 
-The time is predicted from one measured MFU (model FLOPs utilisation, `MEASURED_MFU`) and each card's dense
+The time is predicted from a measured MFU (model FLOPs utilisation: `MEASURED_MFU`, or `MEASURED_FSDP_MFU` for
+several GPUs under FSDP2) and each card's dense
 bf16 tensor rate (trainer.plan.gpu_specs): real tokens/s = MFU x rate / FLOPs per real token, with the FLOPs
 per token of the model and the mean record lengths of the data (the loader's token lengths when `train_files`
 can be read; otherwise typical recipes, and the output says so).
@@ -58,7 +59,19 @@ MEASURED_MFU = MfuMeasurement(
     mfu=0.423,
     how="`python3 bench/train_throughput.py --variants preset` on an H100 at 32 GiB, 2026-11-26",
 )
+# Several GPUs under FSDP2 (weights, gradients and optimizer states split): FLAN-T5-XXL with every weight
+# trained, 8k-token micro-batches x 8 per GPU, eager, on 2 H200s capped at 48 GiB: 19,578 real tokens/s.
+MEASURED_FSDP_MFU = MfuMeasurement(
+    mfu=0.329,
+    how="`python3 bench/multi_gpu.py --shape xxl --cap 48 --runs fsdp2` on 2 H200s at 48 GiB, 2026-11-28",
+)
 ASSUMED_RECORDS = 1_000_000  # the epoch the prediction describes when the data cannot be read
+
+
+def measured_mfu(strategy: str, processes: int) -> MfuMeasurement:
+    """The measurement a prediction rests on: FSDP2's over several GPUs, one GPU's otherwise (ddp's GPUs
+    each run as one does)."""
+    return MEASURED_FSDP_MFU if strategy == "fsdp" and processes > 1 else MEASURED_MFU
 
 
 @dataclass(frozen=True)
@@ -302,21 +315,25 @@ def time_report(
     cfg, plan: RunPlan, shape: ModelShape, peak_bytes: float, epoch: EpochData, hours: float | None
 ) -> list[str]:
     """Lines: real tokens/s, one epoch, the run and (with `hours`) what those hours cover, on each named GPU
-    at MEASURED_MFU; a card with less memory than the micro-batch's predicted peak says so instead."""
+    at the measured MFU (`measured_mfu`); a card with less memory than the micro-batch's predicted peak says
+    so instead."""
     records = max(epoch.records, 1)
     mean_src, mean_tgt = epoch.source_tokens / records, epoch.target_tokens / records
     lora = LoraShape.of(cfg)
     per_token = flops_per_real_token(shape, mean_src, mean_tgt, lora)
-    mfu = MEASURED_MFU.mfu
+    measured = measured_mfu(cfg.distributed_strategy, plan.processes)
+    mfu = measured.mfu
     run_epochs = epoch.total_steps / max(epoch.steps, 1e-9)
     gpus = plan.processes
     where = "one GPU"
     per_step = f"{plan.micro_batch()} x {cfg.gradient_accumulation_steps}"
-    if gpus > 1:
+    if gpus > 1 and measured is MEASURED_FSDP_MFU:
+        where = f"{gpus} GPUs under fsdp, each at FSDP2's measured MFU (docs/distributed.md)"
+    elif gpus > 1:
         where = f"{gpus} GPUs, each as fast as one alone (docs/distributed.md: how close each strategy comes)"
         per_step += f" x {gpus} GPUs"
     lines = [
-        f"time on {where}, at {mfu:.1%} MFU (measured with {MEASURED_MFU.how}; assumed the same on every "
+        f"time on {where}, at {mfu:.1%} MFU (measured with {measured.how}; assumed the same on every "
         "card, closer between cards of one design than across designs):",
         f"  data: {epoch.source}",
         f"  one epoch: {epoch.records:,} records, {epoch.steps:,.0f} optimizer steps of {per_step}; mean "

@@ -2,10 +2,11 @@
 directory): `trainer presets` lists them with their card, model and predicted speed, and `trainer init`
 writes one as a local config with the user's paths.
 
-A preset's file name ends with its card (`flan-t5-xl-rtx4090.yaml`: an RTX 4090, trainer.plan.gpu_specs);
-its name is the file name without `flan-t5-` and `.yaml` (`xl-rtx4090`). The presets' paths are the
-container's (`/data`, `/outputs`); `trainer init` maps them to `data/` and `outputs/` under the working
-directory unless `--data` and `--output` say otherwise.
+A preset's file name ends with its card (`flan-t5-xl-rtx4090.yaml`: an RTX 4090, trainer.plan.gpu_specs),
+after the number of them for a preset of several GPUs (`flan-t5-xxl-fsdp-2x-l40s.yaml`: two L40S, one process
+each under torchrun); its name is the file name without `flan-t5-` and `.yaml` (`xl-rtx4090`). The presets'
+paths are the container's (`/data`, `/outputs`); `trainer init` maps them to `data/` and `outputs/` under the
+working directory unless `--data` and `--output` say otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from trainer.data import hf_datasets
 from trainer.model.model_shape import LoraShape, load_shape
 from trainer.plan.gpu_specs import GPUS, GpuSpec, flops_per_real_token, predicted_tokens_per_s
 from trainer.plan.memory_plan import TYPICAL_SOURCE, TYPICAL_TARGET
-from trainer.plan.plan_report import MEASURED_MFU, unmatched_files
+from trainer.plan.plan_report import MEASURED_FSDP_MFU, MEASURED_MFU, measured_mfu, unmatched_files
 from trainer.report.step_meter import format_duration
 
 PREFIX = "flan-t5-"
@@ -36,6 +37,7 @@ class Preset:
     text: str  # the YAML as shipped, comments included
     config: TrainConfig
     card: GpuSpec | None  # None: a CPU preset (quickstart)
+    processes: int = 1  # GPUs (torchrun's --nproc_per_node)
 
     def trains(self) -> str:
         """What the preset trains, in words: `every weight` or `LoRA r 16, merged at the end`."""
@@ -44,11 +46,15 @@ class Preset:
         return "every weight"
 
     def card_text(self) -> str:
-        return f"{self.card.name} ({self.card.memory_gb:g} GB)" if self.card else "CPU"
+        if self.card is None:
+            return "CPU"
+        if self.processes > 1:
+            return f"{self.processes} x {self.card.name} ({self.card.memory_gb:g} GB each)"
+        return f"{self.card.name} ({self.card.memory_gb:g} GB)"
 
     def predicted(self) -> tuple[float, float] | None:
-        """Real tokens/s on the preset's card and the seconds of one epoch of RECIPES typical recipes (what
-        `trainer plan` predicts without data: the measured MFU on the card's bf16 rate); None for a CPU
+        """Real tokens/s on the preset's cards and the seconds of one epoch of RECIPES typical recipes (what
+        `trainer plan` predicts without data: the measured MFU on the cards' bf16 rate); None for a CPU
         preset or a model whose shape cannot be had without loading it."""
         if self.card is None:
             return None
@@ -59,7 +65,8 @@ class Preset:
         src = min(self.config.max_source_length, TYPICAL_SOURCE)
         tgt = min(self.config.max_target_length, TYPICAL_TARGET)
         per_token = flops_per_real_token(shape, src, tgt, LoraShape.of(self.config))
-        tokens_per_s = predicted_tokens_per_s(self.card, MEASURED_MFU.mfu, per_token)
+        mfu = measured_mfu(self.config.distributed_strategy, self.processes).mfu
+        tokens_per_s = self.processes * predicted_tokens_per_s(self.card, mfu, per_token)
         return tokens_per_s, RECIPES * (src + tgt) / tokens_per_s
 
 
@@ -71,10 +78,12 @@ def presets() -> list[Preset]:
             continue
         stem = entry.name.removesuffix(".yaml")
         card = GPUS.get(stem.rsplit("-", 1)[-1])
+        several = re.search(r"-(\d+)x-[a-z0-9]+$", stem)
         text = entry.read_text(encoding="utf-8")
         with importlib.resources.as_file(entry) as path:
             config = TrainConfig.load(path)
-        found.append(Preset(stem.removeprefix(PREFIX), entry.name, text, config, card))
+        processes = int(several.group(1)) if several else 1
+        found.append(Preset(stem.removeprefix(PREFIX), entry.name, text, config, card, processes))
     return found
 
 
@@ -117,7 +126,8 @@ def presets_table() -> str:
         "",
         "Predicted as `trainer plan --config PRESET --gpu-memory <card>` does without data: "
         f"{MEASURED_MFU.mfu:.1%} MFU (measured with {MEASURED_MFU.how}) on the card's bf16 rate, records of "
-        f"{TYPICAL_SOURCE} + {TYPICAL_TARGET} tokens.",
+        f"{TYPICAL_SOURCE} + {TYPICAL_TARGET} tokens; several GPUs under fsdp at {MEASURED_FSDP_MFU.mfu:.1%} "
+        f"each (measured with {MEASURED_FSDP_MFU.how}).",
         "A local config from one: trainer init --preset NAME --data 'recipes/*.csv' --output outputs/NAME",
     ]
     return "\n".join(lines)
