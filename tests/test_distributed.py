@@ -200,8 +200,8 @@ def test_fsdp_with_the_presets_adafactor_trains_like_one_process_and_resumes_in_
     """Adafactor with Kahan-compensated bf16 weights (the rtx5090 preset's optimizer) on FSDP2's sharded
     weights (each rank updates its shards; the factored statistics are agreed in two all-reduces), two
     micro-batches per step reduce-scattered once (`fsdp_sync_each_micro_batch: false`), gathered weights
-    kept from forward to backward (`fsdp_reshard_after_forward: false`); its checkpoint (the statistics
-    whole on every rank, the Kahan buffers sharded) resumes in one process."""
+    kept from forward to backward (`fsdp_reshard_after_forward: false`); its checkpoint (the row statistics
+    and Kahan buffers sharded, the column statistics whole on every rank) resumes in one process."""
     values = dict(optimizer="adafactor", dtype="bfloat16", gradient_checkpointing=True)
     single = _one_process(model_dir, sample_csv, tmp_path / "one", gradient_accumulation_steps=4, **values)
     out = tmp_path / "fsdp"
