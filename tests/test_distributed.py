@@ -401,3 +401,20 @@ def test_fsdp_16_bit_compute_runs_the_packed_kernels_and_gives_one_process_gradi
         want = p.grad.float()
         err = float((got["grads"][name] - want).norm() / want.norm().clamp_min(1e-30))
         assert err < 5e-2, (name, err)
+
+
+def test_cuda_graphs_under_fsdp_is_refused_with_what_to_do_instead(
+    model_dir, sample_csv, tmp_path, monkeypatch
+):
+    """The rtx5090 preset switched to fsdp keeps its cuda_graphs: one error naming both keys, and the
+    micro-batches that make eager FSDP2 fast (not the preset's small ones). Nothing starts: the check comes
+    before the process group."""
+    from trainer.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    values = _values(
+        model_dir, sample_csv, tmp_path / "out", distributed_strategy="fsdp", packing=True, cuda_graphs=True
+    )
+    with pytest.raises(ConfigError, match="cuda_graphs with distributed_strategy fsdp.*max_tokens 32768"):
+        train(TrainConfig.from_dict(values))
+    assert not (tmp_path / "out" / TRAIN_LOG).exists()

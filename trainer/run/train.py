@@ -185,7 +185,9 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
     if cfg.cuda_graphs and world_size > 1 and cfg.distributed_strategy == "fsdp":
         raise ConfigError(
             "cuda_graphs with distributed_strategy fsdp: FSDP2 gathers and reduces inside every micro-step, "
-            "which a CUDA graph cannot replay; use distributed_strategy ddp or cuda_graphs false",
+            "which a CUDA graph cannot replay; use distributed_strategy ddp, or cuda_graphs false with "
+            "micro-batches as large as memory allows (eager small ones leave the GPU waiting: FLAN-T5-XL "
+            "on 2 GPUs ran at 78% of ddp's speed per GPU with max_tokens 32768 x 2, 36% with 8192 x 8)",
             key=("cuda_graphs", "distributed_strategy"),
         )
     distributed.quiet_other_ranks()
