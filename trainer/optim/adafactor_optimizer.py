@@ -230,9 +230,9 @@ def _on_kernels(p: torch.Tensor) -> bool:
 
     from trainer.kernels.adafactor_kernels import WeightGroup
 
-    if isinstance(p, DTensor):
+    if isinstance(p, DTensor):  # the shard stands in for its gradient: FSDP2 gives it the shard's dtype
         local = p.to_local()
-        return p.dim() <= 2 and WeightGroup.supports(local, torch.empty_like(local))
+        return p.dim() <= 2 and WeightGroup.supports(local, local)
     return WeightGroup.supports(p)
 
 
