@@ -182,6 +182,23 @@ def test_a_skipped_step_leaves_adafactor_as_if_it_never_came(small_t5, device):
 # Shapes that cover the kernels' edges: several row blocks and column chunks with partial last ones
 # (70 x 1100: 5 x 16 rows, 5 x 256 columns, 2 x 1024 in the column sums), a tiny matrix, and vectors longer
 # than one block; each shape a group of several weights.
+def _torch_update(p, grad, state: dict, scalars) -> None:
+    """One step of `p` by the torch ops the optimizer runs off a GPU (eps 1e-30, clip threshold 1)."""
+    from trainer.optim.adafactor_optimizer import adafactor_update
+
+    adafactor_update(
+        p,
+        grad,
+        state.get("exp_avg_sq_row"),
+        state.get("exp_avg_sq_col"),
+        state.get("exp_avg_sq"),
+        state.get("kahan_comp"),
+        scalars,
+        1e-30,
+        1.0,
+    )
+
+
 KERNEL_SHAPES = [(70, 1100), (70, 1100), (3, 5), (3, 5), (3, 5), (1500,), (1500,), (7,)]
 
 
@@ -192,7 +209,6 @@ def test_adafactor_kernels_equal_the_torch_update(dtype, kahan):
     second-moment states, the weights and (bf16) the Kahan buffers, whose weight + buffer is the effective
     weight."""
     from trainer.kernels.adafactor_kernels import WeightGroup
-    from trainer.optim.adafactor_optimizer import adafactor_update
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
@@ -221,17 +237,7 @@ def test_adafactor_kernels_equal_the_torch_update(dtype, kahan):
                         WeightGroup.build(group, states).update(scalars, 1e-30, 1.0)
                         continue
                     for p, st in zip(group, states, strict=True):
-                        adafactor_update(
-                            p,
-                            p.grad,
-                            st.get("exp_avg_sq_row"),
-                            st.get("exp_avg_sq_col"),
-                            st.get("exp_avg_sq"),
-                            st.get("kahan_comp"),
-                            scalars,
-                            1e-30,
-                            1.0,
-                        )
+                        _torch_update(p, p.grad, st, scalars)
         results.append((params, [opt.state[p] for p in params]))
     (ref_params, ref_states), (params, states) = results
     for w0, p_ref, p, st_ref, st in zip(weights, ref_params, params, ref_states, states, strict=True):
@@ -437,8 +443,6 @@ def test_adafactor_on_fsdp_shards_equals_the_whole_weights_update(dtype, tmp_pat
     import subprocess
     import sys
 
-    from trainer.optim.adafactor_optimizer import adafactor_update
-
     script = tmp_path / "sharded_adafactor.py"
     script.write_text(_SHARDED_ADAFACTOR)
     out = tmp_path / "sharded.pt"
@@ -463,19 +467,8 @@ def test_adafactor_on_fsdp_shards_equals_the_whole_weights_update(dtype, tmp_pat
         for p, grad in zip(params, step_grads, strict=True):
             if not opt.state[p]:
                 opt._init_state(p, opt.state[p])
-            st = opt.state[p]
             with torch.no_grad():
-                adafactor_update(
-                    p,
-                    grad,
-                    st.get("exp_avg_sq_row"),
-                    st.get("exp_avg_sq_col"),
-                    st.get("exp_avg_sq"),
-                    st.get("kahan_comp"),
-                    scalars,
-                    1e-30,
-                    1.0,
-                )
+                _torch_update(p, grad, opt.state[p], scalars)
     for path in ("torch", "kernels"):
         for w0, p, st, shard in zip(weights, params, (opt.state[p] for p in params), got[path], strict=True):
             for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):

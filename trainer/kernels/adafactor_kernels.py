@@ -443,12 +443,14 @@ class WeightGroup:
     def _row_blocks(self) -> int:
         return triton.cdiv(self.rows, BLOCK_ROWS) if self.factored else 1
 
-    def _tile(self) -> tuple[int, int]:
-        return (BLOCK_ROWS, BLOCK_COLS) if self.factored else (1, VECTOR_BLOCK)
+    def _tiling(self) -> dict:
+        """What every pass's launch takes beyond its arguments: the weights' dtype and the tile."""
+        br, bc = (BLOCK_ROWS, BLOCK_COLS) if self.factored else (1, VECTOR_BLOCK)
+        return dict(TY=_TRITON_DTYPES[self.dtype], BR=br, BC=bc, STAGES=STAGES, num_warps=NUM_WARPS)
 
     def _row_stats(self, scalars: torch.Tensor, eps: float) -> torch.Tensor:
         """Pass 1 (factored weights): row states updated; the columns' partial sums per block of rows."""
-        row_blocks, (br, bc) = self._row_blocks(), self._tile()
+        row_blocks = self._row_blocks()
         col_partial = torch.empty(
             self.count * row_blocks * self.cols, dtype=torch.float32, device=scalars.device
         )
@@ -461,17 +463,13 @@ class WeightGroup:
             self.cols,
             row_blocks,
             eps,
-            TY=_TRITON_DTYPES[self.dtype],
-            BR=br,
-            BC=bc,
-            STAGES=STAGES,
-            num_warps=NUM_WARPS,
+            **self._tiling(),
         )
         return col_partial
 
     def _update_rms(self, scalars: torch.Tensor, eps: float, row_mean: torch.Tensor) -> torch.Tensor:
         """Pass 3: each weight's squared update summed per block of rows (vectors: their state updated)."""
-        t, row_blocks, (br, bc) = self.tables, self._row_blocks(), self._tile()
+        t, row_blocks = self.tables, self._row_blocks()
         rms_partial = torch.empty(self.count * row_blocks, dtype=torch.float32, device=scalars.device)
         _update_rms[(self.count, row_blocks)](
             t["g"],
@@ -486,11 +484,7 @@ class WeightGroup:
             row_blocks,
             eps,
             FACTORED=self.factored,
-            TY=_TRITON_DTYPES[self.dtype],
-            BR=br,
-            BC=bc,
-            STAGES=STAGES,
-            num_warps=NUM_WARPS,
+            **self._tiling(),
         )
         return rms_partial
 
@@ -505,7 +499,7 @@ class WeightGroup:
     ) -> None:
         """Pass 4: the update clipped by the RMS of `numel` elements (the sum of `rms_blocks` partial sums
         per weight), weight decay, the weight (and its Kahan buffer) written."""
-        t, (br, bc) = self.tables, self._tile()
+        t = self.tables
         _apply[(self.count, self._row_blocks())](
             t["p"],
             t["g"],
@@ -523,12 +517,8 @@ class WeightGroup:
             clip_threshold,
             FACTORED=self.factored,
             KAHAN=self.kahan,
-            TY=_TRITON_DTYPES[self.dtype],
-            BR=br,
-            BC=bc,
             ROW_BLOCKS=triton.next_power_of_2(rms_blocks),
-            STAGES=STAGES,
-            num_warps=NUM_WARPS,
+            **self._tiling(),
         )
 
 
