@@ -99,7 +99,8 @@ def main() -> int:
     ]
     copies = [paused - waited for paused, waited in saves]
     writes = [float(s) for s in re.findall(r"checkpoint-\d+ written in ([\d.]+) s", log)]
-    evals = [float(s) for s in re.findall(r"\(evaluation ([\d.]+) s, generation", log)]
+    eval_lines = re.findall(r"step (\d+): .*\(evaluation ([\d.]+) s, generation ([\d.]+) s", log)
+    evals = [float(seconds) for _, seconds, _ in eval_lines]
     step_s = goodput["steps_s"] / steps
     # The first save also allocates the pinned host buffers the later ones reuse: once per run.
     save_s = sum(copies[1:] or copies) / max(len(copies[1:] or copies), 1)
@@ -122,6 +123,10 @@ def main() -> int:
         print(
             f"save {i}: training paused {paused:.2f} s: {waited:.2f} waiting for the write before, "
             f"{copy:.2f} copying"
+        )
+    for step, seconds, generation in eval_lines:
+        print(
+            f"evaluation at step {step}: {float(seconds):.1f} s, {float(generation):.1f} s of it generating"
         )
     print(
         f"each save after the first paused training {save_s:.2f} s to copy the state (the writes took "

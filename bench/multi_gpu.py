@@ -5,20 +5,25 @@ of ddp and FSDP2 on the same global batches, and the memory plan against every m
     python3 bench/multi_gpu.py --out results/multi_gpu_2x            # the runs for the GPUs this machine has
     python3 bench/multi_gpu.py --set max_tokens=8192 gradient_accumulation_steps=8   # the preset changed
     python3 bench/multi_gpu.py --runs ddp1 ddp2 --steps 12           # some runs only (names: --list)
-    python3 bench/multi_gpu.py --shape xxl --cap 48 --runs fsdp2     # FLAN-T5-XXL's shape, 48 GiB per process
+    python3 bench/multi_gpu.py --shape xxl --cap 48 --runs fsdp2 \
+        --preset configs/flan-t5-xxl-fsdp-2x-rtx6000ada.yaml         # XXL's shape and preset, 48 GiB each
+    python3 bench/multi_gpu.py --shape xxl --runs fsdp4 --preset configs/flan-t5-xxl-fsdp-4x-rtx5090.yaml \
+        --resume-on 2 --resume-cap 48                                 # saved on 4 GPUs, resumed on 2
     python3 bench/multi_gpu.py --tiny --device cpu --out /tmp/mg     # tiny shape, gloo on the CPU: the script
 
 Every run is `torchrun --standalone --nproc_per_node=N` over the trainer's own loop
-(`trainer.run.train.train`, as `torchrun -m trainer train` runs it) with configs/flan-t5-xl-rtx5090.yaml as it
-is (`--set` changes it for every run), FLAN-T5-XL's shape (`--shape xxl`: XXL's) with random weights
-(nothing downloads), on bench_run's recipe-length records read by the Rust loader, every process capped at
-32 GiB (`--cap`; `gpu_memory_limit_gib`). The runs (`--list`):
+(`trainer.run.train.train`, as `torchrun -m trainer train` runs it) with configs/flan-t5-xl-rtx5090.yaml as
+it is (`--preset`: another config; `--set` changes it for every run), FLAN-T5-XL's shape (`--shape xxl`:
+XXL's) with random weights (nothing downloads), on bench_run's recipe-length records read by the Rust
+loader, every process capped at 32 GiB (`--cap`; `gpu_memory_limit_gib`). The runs (`--list`):
 
 - `ddpN`: the preset on N GPUs (`distributed_strategy: ddp`, the same per-GPU micro-batch on every N).
 - `graphsN` (when the preset does not already replay CUDA graphs): the preset on packed rows of 8k-token
   micro-batches replayed as CUDA graphs (`cuda_graphs`), accumulating as many tokens per step as the preset.
-- `fsdpN`: the preset under FSDP2, eager (`cuda_graphs: false`: FSDP2's collectives run inside every
-  micro-step); `fsdpN_padded` / `fsdpN_packed`: on the rows the preset does not use;
+- `fsdpN` (N = 2 and all the GPUs): the preset under FSDP2, eager (`cuda_graphs: false`: FSDP2's collectives
+  run inside every micro-step); `fsdpN_two_micro`: the same tokens per optimizer step in two micro-batches
+  (what FSDP2 needs to hide its collectives; the cuda_graphs refusal suggests it). On all the GPUs only:
+  `fsdpN_padded` / `fsdpN_packed`: on the rows the preset does not use;
   `fsdpN_one_reduce`: gradients reduce-scattered once per step (`fsdp_sync_each_micro_batch: false`);
   `fsdpN_kept_weights`: gathered weights kept from forward to backward (`fsdp_reshard_after_forward: false`);
   `fsdpN_bf16_reduce`: gradients reduce-scattered in bf16 (as ddp all-reduces them) rather than fp32.
@@ -31,6 +36,9 @@ memory and what the device holds outside PyTorch's allocator (CUDA context, NCCL
 predicted peak (run_summary.json) and its error against the largest reserved peak, the optimizer step's and
 ddp's gradient all-reduce's GPU time per step (CUDA events around them, rank 0), and for FSDP2 the largest
 per-step loss difference from ddpN on the same global batches (bf16: ~1e-3 expected).
+`--resume-on M`: the first run also saves a checkpoint at its last step, which `<run>_resumed_on_M` resumes on
+M processes (capped at `--resume-cap` GiB) for two more steps: the checkpoint reshards to another process
+count, and the table shows the resumed run's memory against its plan.
 The whole set stops starting runs when `--time-limit` would be passed, and prints its table either way.
 NCCL's NVLink multicast is off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1): some multi-GPU hosts
 cannot use it. Results: `--out`/results.json (every number), `--out`/table.md, and each run's train log.
@@ -48,7 +56,7 @@ import time
 from pathlib import Path
 
 import yaml
-from bench_run import QUIET_RUN, VOCAB, make_records, read_preset, train_rows, write_data
+from bench_run import PRESET, QUIET_RUN, VOCAB, make_records, train_rows, write_data
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -64,10 +72,10 @@ GIB = 2**30
 # --------------------------------------------------------------------------------------------- the runs
 
 
-def preset_values(overrides: list[str], tiny: bool, device: str, cap_gib: float) -> dict:
+def preset_values(preset: Path, overrides: list[str], tiny: bool, device: str, cap_gib: float) -> dict:
     """The preset's config with `--set` applied, then what a timing run changes: the bench's model and data
     (filled in later), random weights, no evaluation, checkpoints or reporting, the memory cap."""
-    values = read_preset()
+    values = yaml.safe_load(preset.read_text(encoding="utf-8"))
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -93,14 +101,18 @@ def all_runs(gpus: int, preset: dict, graph_tokens: int) -> dict[str, tuple[int,
     runs: dict[str, tuple[int, dict]] = {}
     preset_is_graphs = preset.get("cuda_graphs") and preset.get("packing")
     for n in sorted({1, 2, gpus} & set(range(1, gpus + 1))):
-        runs[f"ddp{n}"] = (n, {})
+        runs[f"ddp{n}"] = (n, dict(distributed_strategy="ddp"))
         if not preset_is_graphs:
-            runs[f"graphs{n}"] = (n, graphs)
+            runs[f"graphs{n}"] = (n, dict(graphs, distributed_strategy="ddp"))
+    # FSDP2 gathers and reduces inside every micro-step, which a CUDA graph cannot replay: eager.
+    fsdp = dict(distributed_strategy="fsdp", cuda_graphs=False)
+    two_micro = dict(fsdp, max_tokens=step_tokens // 2, gradient_accumulation_steps=2)
+    for n in sorted({2, gpus} & set(range(2, gpus + 1))):
+        runs[f"fsdp{n}"] = (n, fsdp)
+        if preset.get("max_tokens") and preset.get("gradient_accumulation_steps", 1) > 2:
+            runs[f"fsdp{n}_two_micro"] = (n, two_micro)
     if gpus >= 2:
-        # FSDP2 gathers and reduces inside every micro-step, which a CUDA graph cannot replay: eager.
-        fsdp = dict(distributed_strategy="fsdp", cuda_graphs=False)
         other = "padded" if preset.get("packing") else "packed"
-        runs[f"fsdp{gpus}"] = (gpus, fsdp)
         runs[f"fsdp{gpus}_{other}"] = (gpus, dict(fsdp, packing=not preset.get("packing")))
         runs[f"fsdp{gpus}_one_reduce"] = (gpus, dict(fsdp, fsdp_sync_each_micro_batch=False))
         runs[f"fsdp{gpus}_kept_weights"] = (gpus, dict(fsdp, fsdp_reshard_after_forward=False))
@@ -109,15 +121,12 @@ def all_runs(gpus: int, preset: dict, graph_tokens: int) -> dict[str, tuple[int,
 
 
 def default_runs(gpus: int, runs: dict) -> list[str]:
-    """What one call of a few minutes measures: on 2 GPUs every run; on more, ddp and graphs on 1 and on all
-    of them, ddp on 2, and FSDP2 on both kinds of rows."""
+    """What one call of a few minutes measures: on 2 GPUs every run; on more, ddp and graphs on 1, 2 and all
+    of them, and FSDP2 on 2 and all of them, on the preset's micro-batches and on two per step."""
     if gpus <= 2:
         return list(runs)
-    return [
-        name
-        for name in runs
-        if not name.endswith(("_one_reduce", "_kept_weights", "_bf16_reduce")) and name != "graphs2"
-    ]
+    kept = ("ddp", "graphs", "fsdp")
+    return [name for name in runs if name.rstrip("0123456789") in kept or name.endswith("_two_micro")]
 
 
 # ----------------------------------------------------------------------------------- one rank (torchrun)
@@ -294,7 +303,7 @@ def launch(
 
 def add_comparisons(results: list[dict]) -> None:
     """Scaling efficiency against the same run on one GPU (FSDP2 against ddp1), and FSDP2's largest per-step
-    loss difference from ddp on the same GPUs and rows."""
+    loss difference from ddp on the same GPUs, rows and micro-batches."""
     by_name = {r["run"]: r for r in results if r["exit_code"] == 0}
     for r in by_name.values():
         family = r["run"].split("_")[0].rstrip("0123456789")  # ddp, graphs or fsdp
@@ -302,7 +311,11 @@ def add_comparisons(results: list[dict]) -> None:
         if one is not None and r["processes"] > 1 and r["rows"] == one["rows"]:
             r["scaling"] = r["tokens_per_s"] / (r["processes"] * one["tokens_per_s"])
         peer = by_name.get(f"ddp{r['processes']}")
-        if r["strategy"] == "fsdp" and peer is not None and peer["rows"] == r["rows"]:
+        same_batches = peer is not None and (peer["rows"], peer["micro_batch"]) == (
+            r["rows"],
+            r["micro_batch"],
+        )
+        if r["strategy"] == "fsdp" and same_batches:
             pairs = list(zip(peer["losses"], r["losses"], strict=False))
             r["loss_vs_ddp"] = max(abs(f - d) / abs(d) for d, f in pairs)
 
@@ -369,6 +382,19 @@ def main() -> int:
     parser.add_argument(
         "--cap", type=float, default=GPU_CAP_GIB, help=f"GiB each process may use (default {GPU_CAP_GIB:g})"
     )
+    parser.add_argument(
+        "--preset",
+        type=Path,
+        default=PRESET,
+        help=f"the config every run starts from (default {PRESET.name})",
+    )
+    parser.add_argument(
+        "--resume-on",
+        type=int,
+        metavar="M",
+        help="save the first run's last step and resume it on M processes for two more steps",
+    )
+    parser.add_argument("--resume-cap", type=float, help="GiB each resumed process may use (default: --cap)")
     parser.add_argument("--tiny", action="store_true", help="tiny shape (checks the script)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
@@ -385,7 +411,7 @@ def main() -> int:
     from trainer.model.tiny_model import flan_t5_config
     from trainer.plan.gpu_specs import flops_per_token
 
-    preset = preset_values(args.set, args.tiny, args.device, args.cap)
+    preset = preset_values(args.preset, args.set, args.tiny, args.device, args.cap)
     shape = "tiny" if args.tiny else args.shape
     runs = all_runs(gpus, preset, 512 if args.tiny else GRAPH_TOKENS)
     if args.list:
@@ -404,17 +430,43 @@ def main() -> int:
     flops = flops_per_token(flan_t5_config(shape, vocab_size=VOCAB))
     preset.update(model_name_or_path=str(model_dir), train_files=[str(data)], max_steps=args.steps)
     results, skipped = [], []
-    for name in names:
+    for index, name in enumerate(names):
         longest = max((r["wall_s"] for r in results), default=0.0)
         if results and time.time() - start + longest > args.time_limit:
             skipped.append(name)
             continue
         nproc, overrides = runs[name]
-        results.append(launch(name, nproc, dict(preset, **overrides), out, args.device, args.warmup, flops))
+        values = dict(preset, **overrides)
+        if args.resume_on and index == 0:
+            values["save_steps"] = args.steps  # the checkpoint the resumed run starts from
+        results.append(launch(name, nproc, values, out, args.device, args.warmup, flops))
         add_comparisons(results)
         (out / "results.json").write_text(
             json.dumps(results, indent=2) + "\n"
         )  # a cut-short call keeps these
+    if args.resume_on and results and results[0]["exit_code"] == 0:
+        saved = results[0]
+        cap = args.resume_cap or args.cap
+        values = dict(
+            preset,
+            **runs[saved["run"]][1],
+            resume=str(out / saved["run"] / f"checkpoint-{args.steps}"),
+            max_steps=args.steps + 2,
+            gpu_memory_limit_gib=cap if args.device == "cuda" else None,
+        )
+        name = f"{saved['run']}_resumed_on_{args.resume_on}"
+        resumed = launch(name, args.resume_on, values, out, args.device, 1, flops)
+        results.append(resumed)
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        if resumed["exit_code"] == 0:
+            print(
+                f"resumed: {saved['run']}'s checkpoint-{args.steps} ({saved['processes']} processes) on "
+                f"{args.resume_on} processes capped at {cap:g} GiB: "
+                f"steps {args.steps + 1}-{resumed['steps']}, "
+                f"losses {', '.join(f'{x:.4f}' for x in resumed['losses'])} (the saved run's last "
+                f"{saved['losses'][-1]:.4f})",
+                flush=True,
+            )
     where = (
         f"{gpus} GPUs, each process capped at {args.cap:g} GiB"
         if args.device == "cuda"
@@ -423,10 +475,12 @@ def main() -> int:
     changed = f" with {' '.join(args.set)}" if args.set else ""
     model = "tiny" if args.tiny else f"FLAN-T5-{shape.upper()}"
     header = (
-        f"{model} shape, random weights, {where}; configs/flan-t5-xl-rtx5090.yaml{changed}; "
+        f"{model} shape, random weights, {where}; {args.preset.resolve().name}{changed}; "
         f"{args.steps} steps per run, the first {args.warmup} left out of the timings; "
         f"{time.time() - start:.0f} s in all"
     )
+    if args.resume_on:
+        header += f"; the resumed run capped at {args.resume_cap or args.cap:g} GiB"
     if skipped:
         header += f"; not run (--time-limit {args.time_limit:g} s): {', '.join(skipped)}"
     text = table(results, header)

@@ -179,6 +179,37 @@ def test_a_skipped_step_leaves_adafactor_as_if_it_never_came(small_t5, device):
         assert torch.equal(runs[1][name], w), name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_resumed_adafactor_keeps_fp32_statistics_and_continues_as_the_uninterrupted_one(small_t5, device):
+    """A checkpoint's optimizer state loaded into a new Adafactor over bf16 weights: the second-moment
+    statistics stay fp32 (torch's load casts every state to its weight's dtype; the kernels read and write
+    them as fp32) and the next steps equal those of the optimizer that never stopped."""
+    base, x, y = small_t5
+    x, y = x.to(device), y.to(device)
+    model = copy.deepcopy(base).to(device=device, dtype=torch.bfloat16)
+    opt = Adafactor(model.parameters(), lr=1e-3)
+
+    def train(model, opt, steps: int) -> None:
+        for _ in range(steps):
+            model(input_ids=x, labels=y).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    train(model, opt, 2)
+    resumed_model = copy.deepcopy(model)
+    resumed = Adafactor(resumed_model.parameters(), lr=1e-3)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for state in resumed.state.values():
+        for key in Adafactor.FP32_STATES:
+            if key in state:
+                assert state[key].dtype == torch.float32, key
+        assert state["kahan_comp"].dtype == torch.bfloat16
+    train(model, opt, 2)
+    train(resumed_model, resumed, 2)
+    for (name, w), r in zip(model.named_parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(r, w), name
+
+
 # Shapes that cover the kernels' edges: several row blocks and column chunks with partial last ones
 # (70 x 1100: 5 x 16 rows, 5 x 256 columns, 2 x 1024 in the column sums), a tiny matrix, and vectors longer
 # than one block; each shape a group of several weights.
@@ -378,6 +409,7 @@ def test_a_checkpoint_of_the_hand_written_schedule_resumes():
 
 
 _SHARDED_ADAFACTOR = """
+import os
 import sys
 
 import torch
@@ -389,11 +421,14 @@ from trainer.kernels.adafactor_kernels import WeightGroup, update_shards
 from trainer.optim.adafactor_optimizer import Adafactor, _local, sharded_adafactor_update
 
 shapes, dtype, out = eval(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3]
-dist.init_process_group("gloo")
-mesh = init_device_mesh("cpu", (2,))
+device = torch.device(sys.argv[4], int(os.environ["LOCAL_RANK"]) if sys.argv[4] == "cuda" else None)
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+mesh = init_device_mesh(device.type, (2,))
 g = torch.Generator().manual_seed(0)
-weights = [(torch.randn(s, generator=g) * 0.02).to(dtype) for s in shapes]
-grads = [[(torch.randn(s, generator=g) * 1e-3).to(dtype) for s in shapes] for _ in range(3)]
+weights = [(torch.randn(s, generator=g) * 0.02).to(device, dtype) for s in shapes]
+grads = [[(torch.randn(s, generator=g) * 1e-3).to(device, dtype) for s in shapes] for _ in range(3)]
 results = {}
 for path in ("torch", "kernels"):
     params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
@@ -403,8 +438,8 @@ for path in ("torch", "kernels"):
             p.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
             if not opt.state[p]:
                 opt._init_state(p, opt.state[p])
-        scale = torch.tensor(grad_scale)
-        scalars = opt._queue_scalars(0, 0, torch.device("cpu"), step, opt.param_groups[0], scale)
+        scale = torch.tensor(grad_scale, device=device)
+        scalars = opt._queue_scalars(0, 0, device, step, opt.param_groups[0], scale)
         with torch.no_grad():
             if path == "torch":
                 sharded_adafactor_update([(p, opt.state[p], scalars, 1e-30, 1.0) for p in params])
@@ -421,7 +456,8 @@ for path in ("torch", "kernels"):
                 groups.append((group, scalars, 1e-30, 1.0))
             update_shards(groups, dist.all_reduce)
     results[path] = [
-        {"weight": p.full_tensor()} | {k: v.full_tensor() for k, v in opt.state[p].items() if k != "step"}
+        {"weight": p.full_tensor().cpu()}
+        | {k: v.full_tensor().cpu() for k, v in opt.state[p].items() if k != "step"}
         for p in params
     ]
 if dist.get_rank() == 0:
@@ -435,10 +471,11 @@ SHARDED_SHAPES = [(70, 1100), (70, 1100), (3, 5), (3, 5), (1, 40), (1500,), (7,)
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_adafactor_on_fsdp_shards_equals_the_whole_weights_update(dtype, tmp_path):
-    """FSDP2's shards on 2 ranks (gloo; the kernels in Triton's interpreter): the torch ops the CPU runs
-    (`sharded_adafactor_update`) and the kernels a GPU runs (`update_shards`), over three steps with weight
-    decay and gradient scales, give what one process gives on the whole weights: states, weights and Kahan
-    buffers. The rows split unevenly, one rank holding none of a weight."""
+    """FSDP2's shards on 2 ranks (on 2 GPUs with NCCL where there are; else gloo, the kernels in Triton's
+    interpreter): the torch ops the CPU runs (`sharded_adafactor_update`) and the kernels a GPU runs
+    (`update_shards`), over three steps with weight decay and gradient scales, give what one process gives on
+    the whole weights: states, weights and Kahan buffers. The rows split unevenly, one rank holding none of a
+    weight."""
     import os
     import subprocess
     import sys
@@ -447,8 +484,11 @@ def test_adafactor_on_fsdp_shards_equals_the_whole_weights_update(dtype, tmp_pat
     script.write_text(_SHARDED_ADAFACTOR)
     out = tmp_path / "sharded.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(script), repr(SHARDED_SHAPES), dtype, str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+    cmd += [str(script), repr(SHARDED_SHAPES), dtype, str(out), device]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if device == "cpu":
+        env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-6000:]
     got = torch.load(out)

@@ -61,7 +61,25 @@ class Adafactor(torch.optim.Optimizer):
         # tensors stay put.
         self._weight_groups: dict[tuple, WeightGroup] = {}
         self._work: list[tuple[list[torch.Tensor], torch.Tensor, dict, WeightGroup | None]] = []
+        # Aligned copies of gradients the kernels' tables point at (FSDP2's, `_weight_group`): the tables hold
+        # addresses only, so the copies live here until `apply` has run.
+        self._grad_copies: list[torch.Tensor] = []
         self._advanced = False  # `advance` prepared a step that `apply` has not run yet
+
+    # The statistics are fp32 whatever the weights' dtype (the kernels read and write them as fp32).
+    FP32_STATES = ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, with the second-moment statistics kept in fp32: torch casts every floating-point state to
+        its weight's dtype (bf16 statistics would lose precision, and the kernels would write past them)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, p in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(saved_id, {})
+            for key in self.FP32_STATES:
+                if key in saved:
+                    self.state[p][key] = saved[key].to(device=p.device, dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -80,7 +98,7 @@ class Adafactor(torch.optim.Optimizer):
         make equal `apply` calls (the same tensors at the same addresses), which a captured `apply` needs.
         `grad_scale`: a one-element device tensor the update multiplies every gradient by as it reads it
         (gradient clipping's coefficient, `clip_coefficient`), so the gradients are not written over first."""
-        self._work, self._advanced = [], True
+        self._work, self._grad_copies, self._advanced = [], [], True
         for gi, group in enumerate(self.param_groups):
             # Same-shape weights at the same step count, updated together.
             batches: dict[tuple, list[torch.Tensor]] = {}
@@ -111,7 +129,7 @@ class Adafactor(torch.optim.Optimizer):
         for params, *_ in self._work:
             for p in params:
                 self.state[p]["step"] -= 1
-        self._work, self._advanced = [], False
+        self._work, self._grad_copies, self._advanced = [], [], False
 
     @torch.no_grad()
     def apply(self) -> None:
@@ -154,6 +172,7 @@ class Adafactor(torch.optim.Optimizer):
             update_shards(shard_groups, lambda t: dist.all_reduce(t, group=process_group))
         if sharded:
             sharded_adafactor_update(sharded)
+        self._grad_copies = []  # the kernels that read them are queued: the allocator keeps them until done
 
     def _weight_group(self, key: tuple, params: list[torch.Tensor]) -> WeightGroup:
         """The kernels' tables for `params` (FSDP's: their local shards), made again only when a tensor moved
@@ -168,7 +187,9 @@ class Adafactor(torch.optim.Optimizer):
             # FSDP2's gradients are views into its reduce-scatter's output; one not on a 16-byte boundary
             # is read from a copy (this rank's choice alone: the kernels run on every rank either way).
             grads = [p.grad.to_local() for p in params]
-            grads = [g if g.data_ptr() % 16 == 0 else g.clone() for g in grads]
+            copies = {i: g.clone() for i, g in enumerate(grads) if g.data_ptr() % 16}
+            grads = [copies.get(i, g) for i, g in enumerate(grads)]
+            self._grad_copies += copies.values()
             params, whole_shape = [p.to_local() for p in params], tuple(params[0].shape)
             states = [{k: _local(v) for k, v in state.items()} for state in states]
         kept = self._weight_groups.get(key)
