@@ -59,8 +59,8 @@ def run_config(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> li
     from trainer.optim import build_optimizer
     from trainer.plan.memory_plan import plan_packed_rows, plan_run
     from trainer.run.schedule import clip_coefficient
+    from trainer.run.setup import setup_device
     from trainer.run.step import accumulate_gradients
-    from trainer.run.train import setup_device
 
     tokens, checkpointing = parse(name)
     cuda = torch.cuda.is_available()

@@ -3,6 +3,7 @@
     python3 bench/quality.py --out results/quality             # every variant, 3 seeds, on all GPUs
     python3 bench/quality.py --out results/quality --variants padded,packed,packed_graphs --seeds 5
     python3 bench/quality.py --out results/quality --variants padded --extra lora_r16:adapter=lora,lora_r=16
+    python3 bench/quality.py --out results/quality --variants padded,ddp2,fsdp2   # FSDP2 against ddp, 2 GPUs
     python3 bench/quality.py --tiny --out /tmp/quality         # CPU: tiny shapes through the same code
 
 What users do with FLAN-T5, at a size that runs many times in minutes: a small T5 (FLAN-T5-small's shape) is
@@ -23,7 +24,8 @@ that one pretrained model on other recipes and is evaluated on held-out ones:
 3. Fine-tuning: each variant x each seed (data order and dropout) is one run of --steps optimizer steps from
    the pretrained weights (dropout 0.1, as FLAN-T5's config), evaluated every --eval-every steps, then scored
    by `trainer evaluate` (ROUGE-L, ingredient coverage, ...) on a fixed sample of the held-out records. The
-   runs are spread over the GPUs, one run per GPU at a time.
+   runs are spread over the GPUs, one run per GPU at a time (`--runs-per-gpu`); a run of several processes
+   (`ddp2`, `fsdp2`, or `processes=N` in `--extra`) under torchrun on as many GPUs.
 
 The baseline (`padded`) is the rtx5090 preset's optimization (optimizer, learning rate, schedule, Kahan
 bf16, clipping: read from configs/flan-t5-xl-rtx5090.yaml) on padded rows in the eager loop, its batch scaled
@@ -106,6 +108,7 @@ class Variant:
     title: str
     settings: dict  # config values on top of the baseline's (ours), or the reference's spec (hf)
     hf: bool = False
+    processes: int = 1  # ours under torchrun on this many GPUs (each its share of the same global batch)
 
 
 def preset_optimization() -> dict:
@@ -168,6 +171,18 @@ def variants(args, packed_rows: int) -> dict[str, Variant]:
             adamw,
         ),
         Variant(
+            "ddp2",
+            "ours, padded, ddp on 2 GPUs (one micro-batch each: the baseline's global batches)",
+            dict(distributed_strategy="ddp", gradient_accumulation_steps=1),
+            processes=2,
+        ),
+        Variant(
+            "fsdp2",
+            "ours, padded, FSDP2 on 2 GPUs (one micro-batch each: the baseline's global batches)",
+            dict(distributed_strategy="fsdp", gradient_accumulation_steps=1),
+            processes=2,
+        ),
+        Variant(
             "hf_adamw",
             f"HF Seq2SeqTrainer, AdamW lr {args.adamw_lr:g}, fp32 + bf16 autocast, warm-up {warmup} + linear",
             adamw | dict(optim="adamw_torch_fused"),
@@ -181,12 +196,14 @@ def variants(args, packed_rows: int) -> dict[str, Variant]:
         ),
     ]
     found = {v.name: v for v in known}
-    for extra in args.extra:  # NAME:key=value,key=value on top of the baseline
+    for extra in args.extra:  # NAME:key=value,key=value on top of the baseline (processes=N: under torchrun)
         name, _, sets = extra.partition(":")
         values = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in sets.split(",") if s)}
-        found[name] = Variant(
-            name, f"ours, padded, {', '.join(f'{k}={v}' for k, v in values.items())}", values
-        )
+        processes = int(values.pop("processes", 1))
+        title = f"ours, padded, {', '.join(f'{k}={v}' for k, v in values.items())}"
+        if processes > 1:
+            title += f", {processes} GPUs"
+        found[name] = Variant(name, title, values, processes=processes)
     return found
 
 
@@ -440,7 +457,11 @@ def ours_job(variant: Variant, seed: int, base: dict, setup: dict, work: Path) -
     values = base | variant.settings | dict(seed=seed, output_dir=str(out / "run"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(values), encoding="utf-8")
-    train = [sys.executable, "-m", "trainer", "train", "--config", str(out / "config.yaml")]
+    launcher = [sys.executable, "-m", "trainer"]
+    if variant.processes > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launcher += [f"--nproc_per_node={variant.processes}", "-m", "trainer"]
+    train = [*launcher, "train", "--config", str(out / "config.yaml")]
     return Job(variant, seed, out, [train, evaluate_command(out / "run" / "final", setup, out)])
 
 
@@ -487,41 +508,54 @@ def run_logged(cmd: list[str], log: Path, env) -> int:
 
 
 def run_pool(jobs: list[Job], gpus: int, per_gpu: int, deadline: float, on_done) -> None:
-    """Each job's commands in turn, `per_gpu` jobs on each GPU (CUDA_VISIBLE_DEVICES) at a time (one at a
-    time on the CPU); no job starts after `deadline` (time.monotonic()). `on_done(job)` after each job."""
+    """Each job's commands in turn, in order, on as many GPUs as its variant has processes
+    (CUDA_VISIBLE_DEVICES: the least busy ones), `per_gpu` jobs on each GPU at a time (one job at a time on
+    the CPU); no job starts after `deadline` (time.monotonic()). `on_done(job)` after each job."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")[:gpus]
-    visible = visible * per_gpu
-    slots = max(len(visible), 1)
-    waiting, running = list(jobs), {}  # slot -> (job, Popen, command index, log file)
+    too_wide = {j.variant.name for j in jobs if gpus and j.variant.processes > len(visible)}
+    if too_wide:
+        raise SystemExit(f"variants {sorted(too_wide)} need more GPUs than the {len(visible)} here")
+    load = dict.fromkeys(visible, 0)  # jobs running on each GPU
+    waiting, running = list(jobs), []  # running: [job, Popen, command index, log file, its GPUs]
     while waiting or running:
-        for slot in range(slots):
-            if slot not in running and waiting and time.monotonic() < deadline:
-                job = waiting.pop(0)
-                job.started = time.monotonic()
-                running[slot] = _start(job, 0, visible[slot] if gpus else None)
+        while waiting and time.monotonic() < deadline:
+            need = waiting[0].variant.processes
+            free = sorted((g for g in visible if load[g] < per_gpu), key=lambda g: load[g])
+            if (visible and len(free) < need) or (not visible and running):
+                break  # the next job waits for its GPUs (the CPU: for the running job)
+            job, chosen = waiting.pop(0), free[:need]
+            for g in chosen:
+                load[g] += 1
+            job.started = time.monotonic()
+            running.append([job, *_start(job, 0, chosen), chosen])
         time.sleep(0.5)
-        for slot, (job, proc, index, log) in list(running.items()):
+        for entry in list(running):
+            job, proc, index, log, chosen = entry
             if proc.poll() is None:
                 continue
             log.close()
             if proc.returncode == 0 and index + 1 < len(job.commands):
-                running[slot] = _start(job, index + 1, visible[slot] if gpus else None)
+                entry[1:4] = _start(job, index + 1, chosen)
                 continue
             job.rc, job.seconds = proc.returncode, time.monotonic() - job.started
-            del running[slot]
+            running.remove(entry)
+            for g in chosen:
+                load[g] -= 1
             on_done(job)
         if not running and time.monotonic() >= deadline and waiting:
             print(f"--budget-s reached: {len(waiting)} runs not started", flush=True)
             return
 
 
-def _start(job: Job, index: int, gpu: str | None):
-    env = dict(os.environ) | ({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})
+def _start(job: Job, index: int, gpus: list[str]):
+    """Command `index` of `job` started on `gpus` (none: as this process sees the devices); its Popen, the
+    index and its log file."""
+    env = dict(os.environ) | ({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {})
     log = open(job.out / "run.log", "a", encoding="utf-8")  # noqa: SIM115 (closed when the command ends)
     log.write("$ " + " ".join(job.commands[index]) + "\n")
     log.flush()
     proc = subprocess.Popen(job.commands[index], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=job.out)
-    return job, proc, index, log
+    return proc, index, log
 
 
 # ------------------------------------------------------------------------------------- the HF reference

@@ -228,7 +228,7 @@ def test_max_grad_norm_zero_measures_the_norm_without_clipping():
 
 def test_cuda_graphs_without_a_gpu_run_the_micro_steps_eagerly(caplog):
     from trainer.config import TrainConfig
-    from trainer.run.train import micro_step_graph
+    from trainer.run.setup import micro_step_graph
 
     cfg = TrainConfig(train_files=["recipes.jsonl"], packing=True, cuda_graphs=True)
     with caplog.at_level(logging.WARNING):

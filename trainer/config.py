@@ -533,8 +533,8 @@ class TrainConfig:
         if self.distributed_strategy == "fsdp":
             raise ConfigError(
                 "adapter: lora trains with one process or distributed_strategy: ddp, not fsdp (the adapters "
-                "and their optimizer states are small, and FLAN-T5-XXL's frozen weights with them fit one 32 GB "
-                "card: set distributed_strategy: ddp; docs/distributed.md)",
+                "and their optimizer states are small, and FLAN-T5-XXL's frozen weights with them fit one "
+                "32 GB card: set distributed_strategy: ddp; docs/distributed.md)",
                 key=("adapter", "distributed_strategy"),
             )
 
