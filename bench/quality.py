@@ -1049,9 +1049,13 @@ def main() -> int:
     results["total_s"] = time.monotonic() - started
     results["summary"] = summarize(results)
     (out / "quality.json").write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
-    plot(results, out)
-    print(f"\nwrote {out / 'quality.json'} and {out / 'quality.png'}; {results['total_s']:.0f} s in all\n")
+    print(f"\nwrote {out / 'quality.json'}; {results['total_s']:.0f} s in all\n")
     print(table(results))
+    try:
+        plot(results, out)
+        print(f"\nthe curves: {out / 'quality.png'}")
+    except ModuleNotFoundError as e:  # the bench extra's plotting library
+        print(f"\nno quality.png: {e} (pip install '.[bench]')")
     return 0 if all(r.get("ok") for r in results["runs"].values()) else 1
 
 
