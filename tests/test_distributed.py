@@ -139,8 +139,9 @@ def test_ddp_on_packed_rows_matches_one_process_keeps_the_best_and_resumes_in_on
     model_dir, sample_csv, tmp_path
 ):
     """Packed rows under torchrun: rank r of 2 trains the packed global batches r, r+2, ..., so 2 ranks match
-    1 process with accumulation 2; rank 0 writes the best checkpoint's weights (by eval_loss) into final/;
-    a checkpoint of 2 ranks resumes in 1 process on the same packed batches."""
+    1 process with accumulation 2; each checkpoint's model.safetensors holds its step's weights (rank 0's
+    own); rank 0 writes the best checkpoint's weights (by eval_loss) into final/; a checkpoint of 2 ranks
+    resumes in 1 process on the same packed batches."""
     from safetensors.torch import load_file
 
     packed = dict(packing=True, eval_steps=1, save_steps=1, save_total_limit=2, load_best_model_at_end=True)
@@ -166,6 +167,12 @@ def test_ddp_on_packed_rows_matches_one_process_keeps_the_best_and_resumes_in_on
     assert all(final_weights[k].equal(best_weights[k]) for k in final_weights)
 
     before_last = out / f"checkpoint-{STEPS - 1}"  # kept: save_total_limit 2
+    # rank 0's model.safetensors is its own weights of that step (ddp: no gather), as one process's
+    ddp_weights = load_file(before_last / "model.safetensors")
+    one_weights = load_file(one_out / before_last.name / "model.safetensors")
+    assert ddp_weights.keys() == one_weights.keys()
+    for k in ddp_weights:
+        torch.testing.assert_close(ddp_weights[k], one_weights[k], rtol=1e-4, atol=1e-6, msg=k)
     resumed = _resume_in_one_process(model_dir, sample_csv, before_last, tmp_path / "resumed", **packed)
     assert sorted(resumed) == [STEPS]
     assert resumed[STEPS] == pytest.approx(one[STEPS], rel=1e-5), (resumed, one)

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from trainer.data.prompt import save_prompt_template
 from trainer.infra import disk, distributed
@@ -152,9 +153,11 @@ def gather_checkpoint(
                 from trainer.model.lora import save_adapter
 
                 save_adapter(model, tmp)
-        elif not distributed.is_distributed():
-            weights = model_state  # the same tensors as dcp/'s
-        else:
+        elif not any(isinstance(t, DTensor) for t in model_state.values()):
+            # One process, or ddp (every rank holds the whole model): rank 0's own weights, the same tensors
+            # as dcp/'s, staged once with them; nothing to gather.
+            weights = model_state if rank == 0 else None
+        else:  # FSDP's shards: the whole model gathered to rank 0
             weights = whole_model_weights(model)
     return CheckpointContents(
         step=step,
@@ -225,7 +228,8 @@ def _states(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
 
 def whole_model_weights(model) -> dict[str, Any] | None:
     """Under torchrun, the whole model's state dict gathered into rank 0's host memory (FSDP's shards, or
-    ddp's copy), None on the other ranks; in one process None (the model's own). Collective."""
+    ddp's copy: final/ takes it), None on the other ranks; in one process None (the model's own).
+    Collective."""
     if not distributed.is_distributed():
         return None
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
