@@ -345,6 +345,20 @@ def common_values(sizes: Sizes) -> dict:
     )
 
 
+def trainer_command(processes: int) -> list[str]:
+    """The `trainer` CLI as one process, or under torchrun as `processes` (one per visible GPU)."""
+    if processes <= 1:
+        return [sys.executable, "-m", "trainer"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+    ]
+    return [*torchrun, "-m", "trainer"]
+
+
 def pretrain(prep: dict, sizes: Sizes, work: Path, gpus: int) -> tuple[Path, dict]:
     """The pretrained model (work/pretraining/final): span corruption and prefix LM on every GPU; dropout then
     set to 0.1. Also what the pretraining did (steps, tokens, losses, seconds)."""
@@ -372,13 +386,9 @@ def pretrain(prep: dict, sizes: Sizes, work: Path, gpus: int) -> tuple[Path, dic
     )
     config = work / "pretrain.yaml"
     config.write_text(yaml.safe_dump(values), encoding="utf-8")
-    launcher = [sys.executable, "-m", "trainer"]
-    if gpus > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-        launcher += ["-m", "trainer"]
     t0 = time.perf_counter()
     log = work / "pretrain.log"
-    rc = run_logged([*launcher, "train", "--config", str(config)], log, env=os.environ)
+    rc = run_logged([*trainer_command(gpus), "train", "--config", str(config)], log, env=os.environ)
     if rc != 0:
         raise SystemExit(f"pretraining failed (exit {rc}):\n{tail(log, 30)}")
     rows = read_log(work / "pretraining" / "train_log.jsonl")[0]
@@ -457,11 +467,7 @@ def ours_job(variant: Variant, seed: int, base: dict, setup: dict, work: Path) -
     values = base | variant.settings | dict(seed=seed, output_dir=str(out / "run"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(values), encoding="utf-8")
-    launcher = [sys.executable, "-m", "trainer"]
-    if variant.processes > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        launcher += [f"--nproc_per_node={variant.processes}", "-m", "trainer"]
-    train = [*launcher, "train", "--config", str(out / "config.yaml")]
+    train = [*trainer_command(variant.processes), "train", "--config", str(out / "config.yaml")]
     return Job(variant, seed, out, [train, evaluate_command(out / "run" / "final", setup, out)])
 
 
