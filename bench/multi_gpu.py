@@ -319,10 +319,7 @@ def add_comparisons(results: list[dict]) -> None:
         if one is not None and r["processes"] > 1 and r["rows"] == one["rows"]:
             r["scaling"] = r["tokens_per_s"] / (r["processes"] * one["tokens_per_s"])
         peer = by_name.get(f"ddp{r['processes']}")
-        same_batches = peer is not None and (peer["rows"], peer["micro_batch"]) == (
-            r["rows"],
-            r["micro_batch"],
-        )
+        same_batches = peer is not None and all(peer[k] == r[k] for k in ("rows", "micro_batch"))
         if r["strategy"] == "fsdp" and same_batches:
             pairs = list(zip(peer["losses"], r["losses"], strict=False))
             r["loss_vs_ddp"] = max(abs(f - d) / abs(d) for d, f in pairs)
