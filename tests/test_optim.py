@@ -210,9 +210,6 @@ def test_a_resumed_adafactor_keeps_fp32_statistics_and_continues_as_the_uninterr
         assert torch.equal(r, w), name
 
 
-# Shapes that cover the kernels' edges: several row blocks and column chunks with partial last ones
-# (70 x 1100: 5 x 16 rows, 5 x 256 columns, 2 x 1024 in the column sums), a tiny matrix, and vectors longer
-# than one block; each shape a group of several weights.
 def _torch_update(p, grad, state: dict, scalars) -> None:
     """One step of `p` by the torch ops the optimizer runs off a GPU (eps 1e-30, clip threshold 1)."""
     from trainer.optim.adafactor_optimizer import adafactor_update
@@ -230,6 +227,9 @@ def _torch_update(p, grad, state: dict, scalars) -> None:
     )
 
 
+# Shapes that cover the kernels' edges: several row blocks and column chunks with partial last ones
+# (70 x 1100: 5 x 16 rows, 5 x 256 columns, 2 x 1024 in the column sums), a tiny matrix, and vectors longer
+# than one block; each shape a group of several weights.
 KERNEL_SHAPES = [(70, 1100), (70, 1100), (3, 5), (3, 5), (3, 5), (1500,), (1500,), (7,)]
 
 

@@ -32,6 +32,9 @@ class Adafactor(torch.optim.Optimizer):
     states are split like the weights' rows, the column states whole on every rank.
     """
 
+    # The statistics are fp32 whatever the weights' dtype (the kernels read and write them as fp32).
+    FP32_STATES = ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq")
+
     def __init__(
         self,
         params,
@@ -65,9 +68,6 @@ class Adafactor(torch.optim.Optimizer):
         # addresses only, so the copies live here until `apply` has run.
         self._grad_copies: list[torch.Tensor] = []
         self._advanced = False  # `advance` prepared a step that `apply` has not run yet
-
-    # The statistics are fp32 whatever the weights' dtype (the kernels read and write them as fp32).
-    FP32_STATES = ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, with the second-moment statistics kept in fp32: torch casts every floating-point state to
