@@ -25,7 +25,6 @@ loader, every process capped at 32 GiB (`--cap`; `gpu_memory_limit_gib`). The ru
   (what FSDP2 needs to hide its collectives; the cuda_graphs refusal suggests it). On all the GPUs only:
   `fsdpN_padded` / `fsdpN_packed`: on the rows the preset does not use;
   `fsdpN_one_reduce`: gradients reduce-scattered once per step (`fsdp_sync_each_micro_batch: false`);
-  `fsdpN_prefetch2` / `fsdpN_two_micro_prefetch2`: each block's all-gathers issued two blocks ahead;
   `fsdpN_kept_weights`: gathered weights kept from forward to backward (`fsdp_reshard_after_forward: false`);
   `fsdpN_bf16_reduce`: gradients reduce-scattered in bf16 (as ddp all-reduces them) rather than fp32.
 
@@ -64,10 +63,8 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_CAP_GIB = 32.0
-# Runs' keys, not the trainer's: the dtype FSDP2 reduce-scatters in, the blocks it all-gathers ahead
-# (trainer.run.parallel's FSDP_REDUCE_DTYPE, FSDP_PREFETCH_BLOCKS).
+# A run's key, not the trainer's: the dtype FSDP2 reduce-scatters in (trainer.run.parallel.FSDP_REDUCE_DTYPE).
 REDUCE_DTYPE_KEY = "bench_fsdp_reduce_dtype"
-PREFETCH_KEY = "bench_fsdp_prefetch_blocks"
 GRAPH_TOKENS = 8192  # graphsN's micro-batch (512 with --tiny)
 GIB = 2**30
 
@@ -120,9 +117,6 @@ def all_runs(gpus: int, preset: dict, graph_tokens: int) -> dict[str, tuple[int,
         runs[f"fsdp{gpus}_one_reduce"] = (gpus, dict(fsdp, fsdp_sync_each_micro_batch=False))
         runs[f"fsdp{gpus}_kept_weights"] = (gpus, dict(fsdp, fsdp_reshard_after_forward=False))
         runs[f"fsdp{gpus}_bf16_reduce"] = (gpus, dict(fsdp, **{REDUCE_DTYPE_KEY: "bfloat16"}))
-        runs[f"fsdp{gpus}_prefetch2"] = (gpus, dict(fsdp, **{PREFETCH_KEY: 2}))
-        if f"fsdp{gpus}_two_micro" in runs:
-            runs[f"fsdp{gpus}_two_micro_prefetch2"] = (gpus, dict(two_micro, **{PREFETCH_KEY: 2}))
     return runs
 
 
@@ -176,8 +170,6 @@ def worker(config: Path) -> int:
 
     if REDUCE_DTYPE_KEY in values:
         parallel.FSDP_REDUCE_DTYPE = getattr(torch, values.pop(REDUCE_DTYPE_KEY))
-    if PREFETCH_KEY in values:
-        parallel.FSDP_PREFETCH_BLOCKS = int(values.pop(PREFETCH_KEY))
     cfg = TrainConfig.from_dict(values, source=str(config))
     rc = loop.train(cfg)
     rank = int(os.environ.get("RANK", 0))

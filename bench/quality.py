@@ -171,6 +171,11 @@ def variants(args, packed_rows: int) -> dict[str, Variant]:
             adamw,
         ),
         Variant(
+            "adamw8bit",
+            f"ours, padded, 8-bit AdamW lr {args.adamw_lr:g} (stochastic bf16 rounding), as adamw otherwise",
+            adamw | dict(optimizer="adamw8bit"),
+        ),
+        Variant(
             "ddp2",
             "ours, padded, ddp on 2 GPUs (one micro-batch each: the baseline's global batches)",
             dict(distributed_strategy="ddp", gradient_accumulation_steps=1),

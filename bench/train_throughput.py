@@ -98,6 +98,8 @@ VARIANTS = {
     # The preset with AdamW (Kahan bf16 weights) at the quality benchmark's rate: 10 GiB of moments more, so
     # the memory plan recomputes most blocks at 32 GiB (docs/quality.md).
     "preset_adamw": PRESET_VALUES | {"optimizer": "adamw", "learning_rate": 3e-4},
+    # The same with 8-bit moments (stochastically rounded bf16 weights, no Kahan buffer): Adafactor's memory.
+    "preset_adamw8bit": PRESET_VALUES | {"optimizer": "adamw8bit", "learning_rate": 3e-4},
     "ours": {},
     "ours_compile": {"torch_compile": True},
     "ours_empty_cache_every_step": {"empty_cache_steps": 1},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -54,6 +55,7 @@ def _final_loss(small_t5, dtype, optimizer, update, lr):
         adam_epsilon=1e-8,
     )
     opt = build_optimizer(model, cfg, torch.device("cpu"))
+    torch.manual_seed(0)  # stochastic rounding's numbers (adamw8bit)
     for _ in range(STEPS):
         model(input_ids=x, labels=y).loss.backward()
         opt.step()
@@ -63,7 +65,8 @@ def _final_loss(small_t5, dtype, optimizer, update, lr):
 
 
 # Learning rates so small that most updates fall below bf16 resolution of the weights, as in fine-tuning.
-@pytest.mark.parametrize(("optimizer", "lr"), [("adamw", 2e-5), ("adafactor", 1e-4)])
+# adamw8bit's compensated updates are stochastically rounded, not Kahan-summed: the same in expectation.
+@pytest.mark.parametrize(("optimizer", "lr"), [("adamw", 2e-5), ("adamw8bit", 2e-5), ("adafactor", 1e-4)])
 def test_kahan_bf16_matches_fp32_and_naive_does_not(small_t5, optimizer, lr, record_property):
     start = small_t5[0](input_ids=small_t5[1], labels=small_t5[2]).loss.item()
     ref = _final_loss(small_t5, torch.float32, optimizer, "kahan", lr)
@@ -100,9 +103,7 @@ def test_each_optimizer_holds_the_states_it_declares(small_t5, name, dtype):
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     model(input_ids=x, labels=y).loss.backward()
     opt.step()
-    held = sum(
-        t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)
-    )
+    held = sum(_bytes(t) for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
     params = list(model.parameters())
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     declared = optimizer_state_bytes(ModelShape.from_config(base.config), name, "kahan", dtype_name)
@@ -114,9 +115,18 @@ def test_each_optimizer_holds_the_states_it_declares(small_t5, name, dtype):
     estimate = estimate_checkpoint_bytes(
         n, weight_bytes, spec.checkpoint_bytes_per_param(weight_bytes) + kahan
     )
-    # Factored states (Adafactor's row and column vectors) count as nothing in the estimate: a few % here,
-    # nothing at FLAN-T5-XL's size.
+    # Factored states (Adafactor's row and column vectors) count as nothing in the estimate, and adamw8bit's
+    # fp32 moments of weights not in whole blocks (the norms here) as 8-bit ones: a few % here, nothing at
+    # FLAN-T5-XL's size.
     assert 0.9 <= estimate / state_bytes(model, opt) <= 1.0
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """What a tensor holds in memory: a tensor subclass (adamw8bit's 8-bit moments) the tensors inside it."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
 
 
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -522,3 +532,136 @@ def test_adafactor_on_fsdp_shards_equals_the_whole_weights_update(dtype, tmp_pat
             assert moved > 0
             tolerance = 1e-3 if kahan else 1e-5  # as in test_adafactor_kernels_equal_the_torch_update
             assert (effective - effective_ref).norm() <= tolerance * moved, (path, tuple(p.shape))
+
+
+def test_adamw8bit_trains_saves_8bit_moments_and_resumes_as_the_uninterrupted_run(
+    tiny_model_dir, sample_csv, tmp_path, caplog
+):
+    """`optimizer: adamw8bit` (Hugging Face's `adamw_torch_8bit`) through the trainer on bf16 weights: its
+    checkpoints hold the moments as 8-bit codes and block scales, and a run resumed from step 4 takes the
+    same steps (losses, stochastic rounding's numbers included) as the run that never stopped."""
+    import json
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from tiny_run import tiny_run_values
+
+    from trainer.config import TrainConfig
+    from trainer.report.step_meter import TRAIN_LOG
+    from trainer.run.train import train
+
+    out = tmp_path / "out"
+    values = dict(
+        optimizer="adamw_torch_8bit", dtype="bfloat16", per_device_train_batch_size=8, max_steps=8,
+        save_steps=4, eval_steps=1000, eval_fraction=0.05, eval_max_batches=1, num_eval_generations=0,
+    )  # fmt: skip
+    cfg = TrainConfig.from_dict(tiny_run_values(tiny_model_dir, sample_csv, out, **values))
+    assert cfg.optimizer == "adamw8bit"
+
+    def losses() -> dict[int, float]:
+        rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    caplog.set_level("INFO")
+    assert train(cfg) == 0
+    assert "8-bit AdamW" in caplog.text and "stochastically rounded bf16 updates" in caplog.text
+    straight = losses()
+    assert sorted(straight) == list(range(1, 9)) and straight[8] < straight[1]
+    saved = dcp.FileSystemReader(out / "checkpoint-4" / "dcp").read_metadata().state_dict_metadata
+    codes = {k: v for k, v in saved.items() if k.endswith("exp_avg_codes")}
+    assert codes and all(v.properties.dtype == torch.uint8 for v in codes.values())
+    assert any(k.endswith("exp_avg_sq_scale") for k in saved)
+
+    # As if killed after step 8 was logged but before its checkpoint: the rerun resumes at step 4.
+    shutil.rmtree(out / "checkpoint-8")
+    shutil.rmtree(out / "final")
+    caplog.clear()
+    assert train(cfg) == 0
+    assert "resumed from step 4" in caplog.text
+    assert losses() == straight
+
+
+# Two groups of same-size weights: 20 blocks (three tiles of 8, the last partial) and 1 block.
+ADAMW8BIT_SHAPES = [(5, 1024), (5, 1024), (5, 1024), (2, 128), (2, 128)]
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_adamw8bit_kernel_equals_the_torch_update(half):
+    """trainer.kernels.adamw8bit_kernels' kernel (on CPU in Triton's interpreter) against `reference_update`,
+    the torch ops the optimizer runs off a GPU, over three steps with weight decay: the 8-bit codes and
+    block scales of both moments and the weights (rounding to nearest here; stochastic rounding below)."""
+    from trainer.kernels import adamw8bit_kernels as k
+    from trainer.optim.adamw8bit_optimizer import AdamW8bit
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # 16-bit weights: bf16 on a GPU; fp16 in the interpreter, whose fp32 -> bf16 conversion truncates
+    dtype = (torch.bfloat16 if device == "cuda" else torch.float16) if half else torch.float32
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(s, generator=g) * 0.02).to(device, dtype) for s in ADAMW8BIT_SHAPES]
+    grads = [
+        [(torch.randn(s, generator=g) * 1e-3).to(device, dtype) for s in ADAMW8BIT_SHAPES] for _ in range(3)
+    ]
+    results = []
+    for kernel in (False, True):
+        params = [w.clone() for w in weights]
+        opt = AdamW8bit([torch.nn.Parameter(p) for p in params], lr=1e-3, weight_decay=0.1)
+        states = [opt._new_state(p) for p in params]
+        maps = opt.maps(params[0].device)
+        for t, step_grads in enumerate(grads, start=1):
+            s = k.StepScalars(1e-3, 0.1, 0.9, 0.999, 1e-8, 1 - 0.9**t, math.sqrt(1 - 0.999**t))
+            if kernel:
+                for group in (slice(0, 3), slice(3, 5)):
+                    k.update_group(params[group], step_grads[group], states[group], maps, s, stochastic=False)
+            else:
+                for p, grad, state in zip(params, step_grads, states, strict=True):
+                    k.reference_update(p, grad, state, maps, s, stochastic=False)
+        results.append((params, states))
+    (ref_params, ref_states), (params, states) = results
+    for w0, p_ref, p, st_ref, st in zip(weights, ref_params, params, ref_states, states, strict=True):
+        moved = (p_ref.float() - w0.float()).norm()
+        assert moved > 0
+        for name, qmap in (("exp_avg", maps[0]), ("exp_avg_sq", maps[1])):
+            ref = k.dequantize(st_ref[f"{name}_codes"], st_ref[f"{name}_scale"], qmap)
+            got = k.dequantize(st[f"{name}_codes"], st[f"{name}_scale"], qmap)
+            assert ref.abs().max() > 0
+            # torch's fused multiply-adds (CPU) or a GPU's division may move a number across a code boundary,
+            # and a number so moved that is later its block's largest moves the block's scale by a code step
+            # (~1%, seen on an H200): the moments agree to that, not bit for bit.
+            scale, scale_ref = st[f"{name}_scale"], st_ref[f"{name}_scale"]
+            assert (scale - scale_ref).norm() <= 1e-2 * scale_ref.norm(), name
+            assert (st[f"{name}_codes"] != st_ref[f"{name}_codes"]).float().mean() < 5e-2, name
+            assert (got - ref).norm() <= 1e-2 * ref.norm(), name
+        # 16-bit: a weight whose fp32 result differs in the last bits may round to the neighbouring value
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        assert (p.float() - p_ref.float()).norm() <= tolerance * moved
+
+
+def test_adamw8bit_kernel_rounds_bf16_weights_stochastically():
+    """With stochastic rounding each bf16 weight is the fp32 result rounded toward or away from zero, away
+    with the probability of the part bf16 drops (in expectation the fp32 result: no small update lost)."""
+    from trainer.kernels import adamw8bit_kernels as k
+    from trainer.optim.adamw8bit_optimizer import AdamW8bit
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    weight = (torch.randn(64, 1024, generator=g) * 0.02).to(device, torch.bfloat16)
+    grad = (torch.randn(64, 1024, generator=g) * 1e-3).to(device, torch.bfloat16)
+    opt = AdamW8bit([torch.nn.Parameter(weight.clone())], lr=1e-3)
+    maps = opt.maps(weight.device)
+    s = k.StepScalars(1e-3, 0.0, 0.9, 0.999, 1e-8, 0.1, math.sqrt(0.001))
+    exact = weight.float()  # the fp32 result: the reference update of an fp32 copy
+    k.reference_update(exact, grad, opt._new_state(exact), maps, s, stochastic=False)
+    rounded = weight.clone()
+    k.update_group([rounded], [grad], [opt._new_state(rounded)], maps, s, stochastic=True)
+
+    bits = exact.view(torch.int32)
+    toward = (bits & -65536).view(torch.float32)
+    away = ((bits & -65536) + 65536).view(torch.float32)
+    got = rounded.float()
+    assert bool(((got == toward) | (got == away)).all())
+    fraction = (bits & 0xFFFF).float() / 65536  # the chance of rounding away
+    went_away = (got == away) & (toward != away)
+    assert abs(went_away.float().mean().item() - fraction.mean().item()) < 0.01
+    # Unbiased: the mean rounding error is far below half a bf16 step of these weights (~4e-5).
+    assert abs((got - exact).mean().item()) < 1e-6

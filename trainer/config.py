@@ -219,7 +219,9 @@ class TrainConfig:
     # --- optimization ---
     optimizer: OptimizerName = _key("adamw", " or ".join(spec.help for spec in OPTIMIZERS.values()) + ".")
     bf16_update: Literal["kahan", "naive"] = _key(
-        "kahan", "How bf16 weights take updates: Kahan-compensated (no small update lost), or naive."
+        "kahan",
+        "How bf16 weights take updates: Kahan-compensated (no small update lost; adamw8bit rounds them "
+        "stochastically instead), or naive.",
     )
     learning_rate: float = _key(1e-4, "The peak learning rate.")
     weight_decay: float = _key(0.0, "Decoupled weight decay (AdamW and Adafactor).")

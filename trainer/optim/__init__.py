@@ -9,9 +9,10 @@ from typing import Any
 
 from trainer.optim.adafactor import ADAFACTOR
 from trainer.optim.adamw import ADAMW
+from trainer.optim.adamw8bit import ADAMW8BIT
 from trainer.optim.spec import OptimizerSpec
 
-OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ADAMW, ADAFACTOR)}
+OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ADAMW, ADAMW8BIT, ADAFACTOR)}
 
 
 def kahan_updates(spec: OptimizerSpec, weight_bytes: int, bf16_update: str) -> bool:
@@ -28,8 +29,8 @@ def checkpoint_bytes_per_param(name: str, weight_bytes: int, bf16_update: str) -
 
 
 def build_optimizer(model: Any, cfg: Any, device: Any) -> Any:
-    """The optimizer cfg.optimizer names over `model`'s trainable weights, Kahan-compensated as
-    cfg.bf16_update says for 16-bit weights."""
+    """The optimizer cfg.optimizer names over `model`'s trainable weights; 16-bit weights with compensated
+    updates where cfg.bf16_update says kahan (a Kahan buffer, or the optimizer's own way)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    spec = OPTIMIZERS[cfg.optimizer]
-    return spec.build(params, cfg, device, kahan_updates(spec, params[0].element_size(), cfg.bf16_update))
+    compensated = params[0].element_size() == 2 and cfg.bf16_update == "kahan"
+    return OPTIMIZERS[cfg.optimizer].build(params, cfg, device, compensated)

@@ -46,11 +46,12 @@ class AdafactorSpec(OptimizerSpec):
             return partial
         return partial + sum(4 * count * (dims[-1] + 2) for dims, count in weights.items())
 
-    def build(self, params: list, cfg: Any, device: Any, kahan: bool) -> Any:
+    def build(self, params: list, cfg: Any, device: Any, compensated: bool) -> Any:
         from trainer.optim.adafactor_optimizer import Adafactor
 
-        log.info("optimizer: Adafactor (T5 settings, factored), %s updates", "Kahan" if kahan else "plain")
-        return Adafactor(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, kahan=kahan)
+        update = "Kahan" if compensated else "plain"
+        log.info("optimizer: Adafactor (T5 settings, factored), %s updates", update)
+        return Adafactor(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, kahan=compensated)
 
 
 ADAFACTOR = AdafactorSpec()

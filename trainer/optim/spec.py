@@ -20,6 +20,7 @@ class OptimizerSpec:
     help: str = ""  # a few words for `trainer config` (what it is, when to pick it)
     hf_names: tuple[str, ...] = ()  # Hugging Face `optim` values that mean the same algorithm and settings
     kahan: bool = True  # keeps a bf16 compensation buffer per weight with `bf16_update: kahan`
+    compensation: str = "kahan"  # what `bf16_update: kahan` does with this optimizer, in words
     fsdp: bool = True  # updates FSDP2's sharded weights (DTensors)
 
     def state_bytes(self, shape: Any, weight_bytes: int, lora: Any = None, shards: int = 1) -> int:
@@ -37,8 +38,8 @@ class OptimizerSpec:
         """GPU memory the step itself allocates beyond the states and gradients, at its peak."""
         return 0
 
-    def build(self, params: list, cfg: Any, device: Any, kahan: bool) -> Any:
+    def build(self, params: list, cfg: Any, device: Any, compensated: bool) -> Any:
         """The torch optimizer over `params` with the config's learning rate, weight decay and the
-        optimizer's own keys; `kahan`: compensated bf16 updates (the weights are bf16 and bf16_update says
-        kahan, and the optimizer supports it)."""
+        optimizer's own keys; `compensated`: the weights are bf16 and bf16_update says kahan, so no small
+        update may be lost (a Kahan buffer where `kahan` is set; otherwise the optimizer's own way)."""
         raise NotImplementedError

@@ -23,6 +23,7 @@ from trainer.data.loader import RecipeDataError, RecipeFileError, stream_for
 from trainer.infra.memory import GIB
 from trainer.model.model_files import ModelFilesError, resolve_tokenizer_file
 from trainer.model.model_shape import LoraShape, ModelShape, load_shape
+from trainer.optim import OPTIMIZERS
 from trainer.plan.gpu_specs import (
     GPUS,
     flops_per_real_token,
@@ -155,7 +156,8 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None, processes: int 
             f"{', '.join(lora.targets)}: {shape.lora_num_params(lora) / 1e6:.1f}M fp32 parameters trained "
             f"(their gradients and optimizer states alone), the base frozen in {cfg.dtype}"
         )
-    update = "fp32 adapters" if lora is not None else f"{cfg.bf16_update} bf16 update"
+    bf16_update = OPTIMIZERS[cfg.optimizer].compensation if cfg.bf16_update == "kahan" else cfg.bf16_update
+    update = "fp32 adapters" if lora is not None else f"{bf16_update} bf16 update"
     print(
         f"optimizer: {cfg.optimizer} ({update}), "
         f"checkpointing: {cfg.gradient_checkpointing}, attention: {kw_all['attn_implementation']}"

@@ -21,9 +21,6 @@ log = logging.getLogger(__name__)
 FSDP_COMPUTE_DTYPE = torch.bfloat16
 # The dtype FSDP2 reduce-scatters gradients in (bench/multi_gpu.py's `fsdpN_bf16_reduce` measures bf16).
 FSDP_REDUCE_DTYPE = torch.float32
-# Blocks whose weights each block's forward and backward all-gather ahead, issued from the host at once (0:
-# FSDP2's own one-ahead, issued when the next block starts; bench/multi_gpu.py's `_prefetch2` runs measure 2).
-FSDP_PREFETCH_BLOCKS = 0
 
 
 def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
@@ -52,11 +49,6 @@ def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
     for block in blocks:
         fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.fsdp_reshard_after_forward)
     fully_shard(loss_module, mp_policy=mp)
-    if FSDP_PREFETCH_BLOCKS:  # the blocks run encoder then decoder forward, the reverse backward
-        ahead = FSDP_PREFETCH_BLOCKS
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + ahead])
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - ahead) : i][::-1])
     log.info(
         "distributed: FSDP2 over %d ranks, %d T5 blocks + root, bf16 compute, %s gradient reduction %s, "
         "%s sharded weights and optimizer states%s",
