@@ -176,7 +176,7 @@ def _update(
     NB: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    n, t = tl.program_id(0), tl.program_id(1)
+    t, n = tl.program_id(0), tl.program_id(1)  # a weight's tiles on the grid's long axis (up to 2**31 - 1)
     weight, grad = _tensor(P, n, TY), _tensor(G, n, TY)
     m_codes, v_codes = _tensor(MCodes, n, tl.uint8), _tensor(VCodes, n, tl.uint8)
     m_scale, v_scale = _tensor(MScale, n, tl.float32), _tensor(VScale, n, tl.float32)
@@ -232,7 +232,7 @@ def update_group(
     ]
     blocks = weights[0].numel() // BLOCK
     seed = torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
-    _update[(len(weights), triton.cdiv(blocks, TILE_BLOCKS))](
+    _update[(triton.cdiv(blocks, TILE_BLOCKS), len(weights))](
         *tables,
         *maps,
         seed,
