@@ -183,6 +183,36 @@ def test_a_background_write_holds_the_state_of_its_step_and_is_the_same_checkpoi
         assert torch.equal(a, b)  # the step's weights, not the changed ones
 
 
+def test_while_a_write_is_in_flight_the_loop_waits_less_for_the_interpreter_lock(tmp_path, monkeypatch):
+    """The interpreter's switch interval is short while the writer thread writes (the loop, waking from each
+    wait on the GPU, would otherwise wait up to 5 ms for the lock: once per generated token in an
+    evaluation), and as it was once the write is done."""
+    import sys
+
+    from trainer.checkpoint import writer
+
+    seen = []
+    real = writer.write_checkpoint
+
+    def write_checkpoint(contents, group=None):  # the real write, with the interval it ran under noted
+        seen.append(sys.getswitchinterval())
+        return real(contents, group)
+
+    monkeypatch.setattr(writer, "write_checkpoint", write_checkpoint)
+    before = sys.getswitchinterval()
+    assert before > writer.WRITING_SWITCH_INTERVAL_S
+    model, opt, sched = _setup()
+    background = writer.CheckpointWriter(background=True)
+    contents = ckpt.gather_checkpoint(
+        tmp_path, 1, model=model, optimizer=opt, scheduler=sched, trainer_state={}
+    )
+    assert background.save(contents) is True
+    background.close()
+    assert seen == [writer.WRITING_SWITCH_INTERVAL_S]
+    assert sys.getswitchinterval() == before
+    assert ckpt.checkpoint_problem(tmp_path / "checkpoint-1") is None
+
+
 def test_without_host_memory_for_the_copy_saves_stay_in_the_loop():
     from trainer.checkpoint.writer import HOST_MEMORY_RESERVE_BYTES, background_saves, tensor_bytes
 
