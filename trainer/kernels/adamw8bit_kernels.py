@@ -11,7 +11,8 @@ moments, updates them and the weight in fp32, writes the moments back quantized 
 8-step binary search over the map per number, then the nearer of the two neighbours) and the weight rounded
 to its dtype: stochastically for bf16 (an update below half a bf16 step lands with the probability of its
 size, so none is lost on average), from a counter-based hash of each number's index keyed by a seed drawn
-from torch's generator each step (trainer.kernels.dropout.uniform16). ~10 bytes per bf16 weight each way.
+from torch's generator each step (trainer.kernels.dropout.uniform16). ~10 bytes moved per bf16 weight: 6
+read, 4 written.
 """
 
 from __future__ import annotations
