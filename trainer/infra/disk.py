@@ -183,13 +183,12 @@ def estimate_checkpoint_bytes(n_params: int, weight_bytes: int, state_bytes_per_
 
 def state_bytes(model, optimizer) -> int:
     """What a checkpoint of `model` and `optimizer` holds now: the trained weights twice (model.safetensors,
-    or a LoRA run's adapter, and dcp/) and every tensor of the optimizer's state dict (its states as a
-    checkpoint holds them: adamw8bit's 8-bit codes and scales). (Local sizes: under FSDP, this rank's
+    or a LoRA run's adapter, and dcp/) and every optimizer state tensor. (Local sizes: under FSDP, this rank's
     shards.)"""
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     states = sum(
         t.numel() * t.element_size()
-        for state in optimizer.state_dict()["state"].values()
+        for state in optimizer.state.values()
         for t in state.values()
         if hasattr(t, "element_size")
     )

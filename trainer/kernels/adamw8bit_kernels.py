@@ -42,21 +42,13 @@ def dynamic_map(signed: bool) -> list[float]:
     magnitudes keep their relative precision (torchao.optim.quant_utils.create_dynamic_map, BSD-3, with
     max_exponent_bits 7 and 8 bits)."""
     data: list[float] = []
-    exponent_bits, non_sign_bits = 7, 7
-    additional_items = 2 ** (non_sign_bits - exponent_bits) - 1
-    for i in range(exponent_bits):
-        fractions = 2 ** (i + non_sign_bits - exponent_bits) + 1 if signed else 2 ** (i + 1) + 1
-        boundaries = torch.linspace(0.1, 1, int(fractions))
+    for i in range(7):  # exponents 1e-6 .. 1; a signed map gives half its fractions to the negatives
+        fractions = 2**i + 1 if signed else 2 ** (i + 1) + 1
+        boundaries = torch.linspace(0.1, 1, fractions)
         means = ((boundaries[:-1] + boundaries[1:]) / 2.0).tolist()
-        data += [10 ** (-(exponent_bits - 1) + i) * m for m in means]
+        data += [10 ** (i - 6) * m for m in means]
         if signed:
-            data += [-(10 ** (-(exponent_bits - 1) + i)) * m for m in means]
-    if additional_items > 0:
-        boundaries = torch.linspace(0.1, 1, additional_items + 1)
-        means = ((boundaries[:-1] + boundaries[1:]) / 2.0).tolist()
-        data += [10 ** (-(exponent_bits - 1) + i) * m for m in means]
-        if signed:
-            data += [-(10 ** (-(exponent_bits - 1) + i)) * m for m in means]
+            data += [-(10 ** (i - 6)) * m for m in means]
     data += [0.0, 1.0]
     assert len(data) == 256
     return sorted(data)

@@ -15,9 +15,14 @@ from trainer.optim.spec import OptimizerSpec
 OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ADAMW, ADAMW8BIT, ADAFACTOR)}
 
 
+def compensated_updates(weight_bytes: int, bf16_update: str) -> bool:
+    """Whether no small update may be lost: 16-bit weights, and the config asks (`bf16_update: kahan`)."""
+    return weight_bytes == 2 and bf16_update == "kahan"
+
+
 def kahan_updates(spec: OptimizerSpec, weight_bytes: int, bf16_update: str) -> bool:
     """Whether 16-bit weights take Kahan-compensated updates: the config asks and the optimizer can."""
-    return spec.kahan and weight_bytes == 2 and bf16_update == "kahan"
+    return spec.kahan and compensated_updates(weight_bytes, bf16_update)
 
 
 def checkpoint_bytes_per_param(name: str, weight_bytes: int, bf16_update: str) -> float:
@@ -32,5 +37,5 @@ def build_optimizer(model: Any, cfg: Any, device: Any) -> Any:
     """The optimizer cfg.optimizer names over `model`'s trainable weights; 16-bit weights with compensated
     updates where cfg.bf16_update says kahan (a Kahan buffer, or the optimizer's own way)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    compensated = params[0].element_size() == 2 and cfg.bf16_update == "kahan"
+    compensated = compensated_updates(params[0].element_size(), cfg.bf16_update)
     return OPTIMIZERS[cfg.optimizer].build(params, cfg, device, compensated)

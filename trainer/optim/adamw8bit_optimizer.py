@@ -76,7 +76,7 @@ class AdamW8bit(torch.optim.Optimizer):
                     eps=group["eps"], bias_correction1=1 - beta1**t,
                     sqrt_bias_correction2=math.sqrt(1 - beta2**t),
                 )  # fmt: skip
-                if kernels.supports(p, p.grad) and "exp_avg_codes" in state:
+                if kernels.supports(p, p.grad):  # in whole blocks: 8-bit moments
                     batches.setdefault((p.dtype, p.numel(), scalars), []).append(p)
                 else:
                     kernels.reference_update(

@@ -356,7 +356,7 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
         state.rng = ckpt.rng_state()
         empty_cache.after_step(state.step)
         count_nan_step(run, state, loss, grad_norm)
-        lr = float(run.scheduler.get_last_lr()[0])  # a tensor where the optimizer keeps it so (adamw8bit)
+        lr = run.scheduler.get_last_lr()[0]
         # Summed over ranks: the train log and tokens/s count the whole job.
         counts = StepCounts(*(int(c) for c in distributed.all_sum(list(current.counts.row().values()))))
         run.meter.step_done(state.step, loss, lr, counts, grad_norm)
