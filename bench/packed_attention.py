@@ -1,17 +1,13 @@
-"""T5 attention over packed rows (trainer.kernels.packed_attention) against today's kernels on padded rows
+"""T5 attention (trainer.kernels.packed_attention) over packed rows against the same records in padded rows
 (GPU).
 
     python3 bench/packed_attention.py [--shapes 16x1024x512,8x2048x1024] [--dropout 0.1] [--sweep]
     python3 bench/packed_attention.py --tiny        # this script's code paths on CPU (Triton's interpreter)
 
-The padded batches also go through the packed kernels, each padded row one segment (the last columns:
-whether one kernel family could serve both batch kinds at the dense kernels' speed; `vs dense` above 1 is
-faster).
-
 Records with recipe-like lengths (source ~ lognormal(median 96, sigma 0.35), target ~ lognormal(median 256,
 sigma 0.45)) are packed in order into R rows of Lt decoder and Ls encoder positions (a shape RxLtxLs); the
 same records, sorted by target length and cut into padded batches of at most R x Lt decoder positions (the
-loop's length bucketing), go through trainer.kernels.attention's kernels with T5's dense (H, T, S) bias.
+loop's length bucketing), go through the same kernels, each padded row one segment.
 FLAN-T5-XL heads (32 x 64), bf16. For each attention kind it prints forward and forward+backward ms (median of
 triton.testing.do_bench) of both, the share of 64 x 64 tiles the packed kernels visit, and their useful
 TFLOP/s (matmul FLOPs of the attended pairs only: forward 4 x D per pair and head, backward 2.5x that).
@@ -40,7 +36,6 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.kernels import packed_attention as packed  # noqa: E402
-from trainer.kernels.attention import t5_attention  # noqa: E402
 from trainer.kernels.packed_attention import (
     PackedAttentionLayout,
     RelativeBias,
@@ -180,44 +175,34 @@ def bucketed(records, budget: int, multiple: int = 8):
 
 
 def unpacked_times(kind, batches, heads, head_dim, table, bias, dropout, timer, device, dtype, gen):
-    """Forward and forward+backward ms over the padded batches, summed: of trainer.kernels.attention's
-    kernels (dense bias, key mask), and of the packed kernels given each padded row as one segment (what one
-    kernel family for both batch kinds would run)."""
-    fwd = total = one_fwd = one_total = 0.0
+    """Forward and forward+backward ms of the kernels over the padded batches (each padded row one segment),
+    summed."""
+    fwd = total = 0.0
     for records, src_len, tgt_len in batches:
         b = len(records)
         q_len = src_len if kind == "encoder" else tgt_len
         k_len = tgt_len if kind == "decoder" else src_len
         q = projections(b, q_len, heads, head_dim, device, dtype, gen)
         k, v = (projections(b, k_len, heads, head_dim, device, dtype, gen) for _ in range(2))
-        lengths = torch.tensor([r[1] if kind == "decoder" else r[0] for r in records], device=device)
-        key_padding = torch.arange(k_len, device=device)[None, :] < lengths[:, None]
+        k_lengths = torch.tensor([r[1] if kind == "decoder" else r[0] for r in records], device=device)
         q_lengths = torch.tensor([r[0] if kind == "encoder" else r[1] for r in records], device=device)
         query_segments = (torch.arange(q_len, device=device)[None, :] < q_lengths[:, None]).int()
+        key_segments = (torch.arange(k_len, device=device)[None, :] < k_lengths[:, None]).int()
         layout = PackedAttentionLayout.build(
-            query_segments, key_padding.int(), causal=kind == "decoder", position_bias=bias
+            query_segments, key_segments, causal=kind == "decoder", position_bias=bias
         )
+        inputs = [q, k, v]
         if bias is not None:
             layout.use_bias_table(table)
-        dense = None
-        if bias is not None:
-            dense = dense_position_bias(table.detach(), bias, q_len, k_len).to(dtype).requires_grad_()
-        inputs = [q, k, v] + ([dense] if dense is not None else [])
-        causal = kind == "decoder"
+            inputs.append(table)
 
-        def forward(q=q, k=k, v=v, dense=dense, key_padding=key_padding, causal=causal):
-            return t5_attention(q, k, v, dense, key_padding, causal=causal, dropout_p=dropout)
-
-        def one_segment(q=q, k=k, v=v, layout=layout):
+        def forward(q=q, k=k, v=v, layout=layout):
             return packed_attention(q, k, v, layout, dropout_p=dropout)
 
         grad_out = torch.randn(b, q_len, heads, head_dim, generator=gen).to(device, dtype)
         fwd += timer(forward)
         total += timer(lambda forward=forward, g=grad_out: forward().backward(g), grad_to_none=inputs)
-        one_fwd += timer(one_segment)
-        one_inputs = [q, k, v] + ([table] if bias is not None else [])
-        one_total += timer(lambda f=one_segment, g=grad_out: f().backward(g), grad_to_none=one_inputs)
-    return fwd, total, one_fwd, one_total
+    return fwd, total
 
 
 def compiled_kernels(fn):
@@ -353,8 +338,7 @@ def main() -> int:
         print(
             f"unpacked: {len(batches)} padded batches of the same records, {100 * (1 - real / padded):.1f}% "
             f"padding\n  {'kind':<17} {'packed fwd':>10} {'fwd+bwd':>9} {'unpacked fwd':>13} {'fwd+bwd':>9} "
-            f"{'speedup':>8} {'tiles':>7} {'TFLOP/s':>8} | padded rows, packed kernels: {'fwd':>7} "
-            f"{'fwd+bwd':>8} {'vs dense':>8}"
+            f"{'speedup':>8} {'tiles':>7} {'TFLOP/s':>8}"
         )
         for kind, (qseg, kseg, causal, bias) in kinds.items():
             q, k, v = tensors[kind]
@@ -371,7 +355,7 @@ def main() -> int:
             fwd = timer(forward)
             total = timer(lambda forward=forward, g=grad_out: forward().backward(g), grad_to_none=inputs)
             unpacked_kind = "cross" if kind == "cross" else kind.split(",")[0]
-            u_fwd, u_total, one_fwd, one_total = unpacked_times(
+            u_fwd, u_total = unpacked_times(
                 unpacked_kind, batches, heads, head_dim, table, bias, args.dropout, timer, device, dtype, gen
             )
             visited, dense = tiles_visited(layout, kseg.size(1))
@@ -380,8 +364,7 @@ def main() -> int:
             tflops = flops / (total * 1e-3) / 1e12
             print(
                 f"  {kind:<17} {fwd:10.3f} {total:9.3f} {u_fwd:13.3f} {u_total:9.3f} {u_total / total:7.2f}x "
-                f"{100 * visited / dense:6.1f}% {tflops:8.1f} | {'':29}{one_fwd:7.3f} {one_total:8.3f} "
-                f"{u_total / one_total:7.2f}x"
+                f"{100 * visited / dense:6.1f}% {tflops:8.1f}"
             )
         if args.sweep and cuda:
             sweep(tensors["decoder"], dec_seg, decoder_bias, table, args.dropout, heads, head_dim, timer, gen)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-# Triton kernels (trainer.kernels.attention) run in Triton's interpreter on CPU
+# Triton kernels (trainer.kernels) run in Triton's interpreter on CPU
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

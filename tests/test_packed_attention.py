@@ -202,3 +202,26 @@ def test_relative_buckets_are_t5s(bidirectional, num_buckets, max_distance):
         distances, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
     )
     assert torch.equal(got, expected)
+
+
+def test_checkpoint_recompute_reproduces_dropout():
+    """Gradient checkpointing's recompute restores torch's generator: the kernels draw the same seed and drop
+    the same probabilities, so the checkpointed gradients are the plain ones, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    seg = rows_of([[20, 30], [45]], 64)
+    layout = PackedAttentionLayout.build(seg, seg, causal=True, position_bias=T5_UNIDIRECTIONAL)
+    table = torch.randn(32, 2, generator=g).to(DEVICE, DTYPE).requires_grad_()
+    q, k, v = (projections(2, 2, 64, 16, g) for _ in range(3))
+
+    def attend(q, k, v, table):
+        layout.use_bias_table(table)
+        return packed_attention(q, k, v, layout, dropout_p=0.3).float().square().sum()
+
+    tensors = [q, k, v, table]
+    torch.manual_seed(3)
+    plain = torch.autograd.grad(attend(*tensors), tensors)
+    torch.manual_seed(3)
+    loss = torch.utils.checkpoint.checkpoint(attend, *tensors, use_reentrant=False)
+    recomputed = torch.autograd.grad(loss, tensors)
+    for a, b in zip(plain, recomputed, strict=True):
+        assert torch.equal(a, b)

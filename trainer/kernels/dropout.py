@@ -1,7 +1,7 @@
 """Dropout inside the Triton kernels, without a stored mask: each element's random number is a counter-based
 hash (`uniform16`) of its index, keyed by a seed drawn from torch's generator (`dropout_seed`). The backward
 and gradient checkpointing's recompute (which restores that generator) draw the same seed, so they drop the
-same elements. Used by the attention kernels (trainer.kernels.attention, trainer.kernels.packed_attention)
+same elements. Used by the attention kernels (trainer.kernels.packed_attention)
 and the fused feed-forward and residual ops (trainer.kernels.fused_ops)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def uniform16(seed, index):
     """A uniform 16-bit random number (as uint32) for each element index, keyed by `seed`: the mixed index
     plus the mixed seed, mixed again. Distinct indices below 2**32 get distinct hashes (the mix is a
     bijection). One hash per number, computed where the number is used: the kernels' tiles need no
-    reshaping, which made Philox (eight 16-bit numbers per call) ~2x dearer here (bench/dropout_rng.py)."""
+    reshaping, which made Philox (eight 16-bit numbers per call) ~2x dearer here (bench/NOTES.md)."""
     return _mix32(index.to(tl.uint32) + _mix32(seed.to(tl.uint32))) >> 16
 
 

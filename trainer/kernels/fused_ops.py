@@ -306,7 +306,7 @@ class _GatedGeluLinear(torch.autograd.Function):
         return grad_a, grad_b, grad_weight, None, None, None, None, grad_lora_a, grad_lora_b
 
 
-@torch.compiler.disable  # a compiled block calls the kernels as they are, like trainer.kernels.attention's
+@torch.compiler.disable  # a compiled block calls the kernels as they are, like the attention's
 def gated_gelu_linear(
     a: torch.Tensor,
     b: torch.Tensor,

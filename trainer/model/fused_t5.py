@@ -1,7 +1,7 @@
 """FLAN-T5's modules running on trainer.kernels: T5 attention through transformers' attention interface onto
-the Triton attention kernels (plain and packed), the gated feed-forward as one fused function, and the
-sublayers' output dropout and residual sum as one kernel. Each swapped module holds the original submodules
-under the same names, so state-dict keys and checkpoints are unchanged.
+the Triton attention kernels (trainer.kernels.packed_attention), the gated feed-forward as one fused
+function, and the sublayers' output dropout and residual sum as one kernel. Each swapped module holds the
+original submodules under the same names, so state-dict keys and checkpoints are unchanged.
 
 Needs Triton (torch's Linux wheels bring it): trainer.model.swaps imports this module only where the
 kernels run."""
@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import torch
 
-from trainer.kernels.attention import t5_attention
 from trainer.kernels.fused_ops import gated_gelu_linear, norm_and_residual, residual_dropout
 from trainer.kernels.packed_attention import PackedAttentionLayout, packed_attention
 from trainer.kernels.projections import LowRank
@@ -25,33 +24,31 @@ NAME = "triton"  # the attn_implementation name this module registers with trans
 def transformers_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_bias=None, **kwargs
 ):
-    """transformers' attention-interface signature, as T5Attention calls it (transformers >= 5). A packed
-    batch (trainer.model.packed_t5) passes its attention layout as the position bias:
-    trainer.kernels.packed_attention."""
+    """transformers' attention-interface signature, as T5Attention calls it (transformers >= 5). The trainer's
+    own forwards (training and evaluation losses: trainer.model.packed_t5; the decoding engine's encoder)
+    pass an attention layout as the position bias: the Triton kernels. Calls from transformers' own code
+    (Hugging Face's `generate` for the settings only it has, e.g. beam search, with its cache) bring T5's
+    dense bias: SDPA, with the bias and the padding as its additive mask."""
     if isinstance(position_bias, PackedAttentionLayout):
         return transformers_packed_attention(module, query, key, value, position_bias, dropout, scaling)
-    if getattr(module, "trainer_zero_bias", False):
-        position_bias = None  # T5's cross-attention passes an all-zero bias; nothing to add or differentiate
-    bias = None
-    if position_bias is not None:
-        if position_bias.dim() != 4 or position_bias.size(0) != 1:
-            raise ValueError(f"expected a (1, H, T, S) position bias, got {tuple(position_bias.shape)}")
-        bias = position_bias[0]
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"expected a (batch, keys) padding mask, got shape {tuple(attention_mask.shape)}")
-    out = t5_attention(
-        query,
-        key,
-        value,
-        bias,
-        attention_mask,
-        scale=1.0 if scaling is None else scaling,
-        dropout_p=dropout,
-        # The mask is padding only (key_padding_mask): causality is this flag. With a cache (generation) the
-        # queries are the newest positions and may see every cached key, so it stays off there.
-        causal=bool(getattr(module, "is_causal", False)) and query.size(2) == key.size(2),
+    q_len, k_len = query.size(2), key.size(2)
+    mask = torch.zeros((1, 1, q_len, k_len), dtype=query.dtype, device=query.device)
+    if position_bias is not None:  # (1, H, T, S); zeros for T5's cross-attention
+        mask = mask + position_bias.to(query.dtype)
+    lowest = torch.finfo(query.dtype).min
+    if attention_mask is not None:
+        mask = mask.masked_fill(~attention_mask.bool()[:, None, None, :], lowest)
+    # The mask is padding only (key_padding_mask): causality is added here. With a cache the queries are the
+    # newest positions and may see every cached key.
+    if getattr(module, "is_causal", False) and q_len == k_len:
+        future = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).triu(1)
+        mask = mask.masked_fill(future, lowest)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=1.0 if scaling is None else scaling
     )
-    return out, None
+    return out.transpose(1, 2), None
 
 
 def key_padding_mask(
@@ -80,9 +77,6 @@ def use_triton_attention(model: torch.nn.Module) -> None:
 
     AttentionInterface.register(NAME, transformers_attention)
     AttentionMaskInterface.register(NAME, key_padding_mask)
-    for module in model.modules():
-        if type(module).__name__.endswith("LayerCrossAttention") and hasattr(module, "EncDecAttention"):
-            module.EncDecAttention.trainer_zero_bias = True
     # The encoder and decoder stacks hold their own copies of the config.
     for sub in (model, getattr(model, "encoder", None), getattr(model, "decoder", None)):
         if sub is not None:
@@ -90,8 +84,8 @@ def use_triton_attention(model: torch.nn.Module) -> None:
 
 
 def transformers_packed_attention(module, query, key, value, layout: PackedAttentionLayout, dropout, scaling):
-    """transformers' T5Attention calling in with a packed layout as its position bias
-    (trainer.kernels.attention dispatches here). The first block of a stack holds the bias table and hands it
+    """transformers' T5Attention calling in with an attention layout as its position bias
+    (`transformers_attention` dispatches here). The first block of a stack holds the bias table and hands it
     to the layout."""
     if scaling not in (None, 1.0):
         raise ValueError(f"packed T5 attention takes no score scaling, got {scaling}")

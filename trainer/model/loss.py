@@ -7,7 +7,7 @@ import torch
 
 from trainer.kernels.cross_entropy import linear_cross_entropy
 from trainer.model.model_shape import scales_decoder_outputs
-from trainer.model.packed_t5 import packed_loss_sum
+from trainer.model.packed_t5 import one_record_per_row, packed_loss_sum
 
 
 class Seq2SeqLMLoss(torch.nn.Module):
@@ -17,7 +17,8 @@ class Seq2SeqLMLoss(torch.nn.Module):
     shifted right; decoder outputs scaled by d_model**-0.5 where the model does so) and feeds the decoder's
     last hidden states to `linear_cross_entropy` with the LM head's weight. A packed batch (one with
     `encoder_segment_ids`: several records per row) goes through trainer.model.packed_t5 instead, with the
-    same result: the sum of its records' losses. Call it with the batch's tensors as keywords,
+    same result: the sum of its records' losses; with the Triton attention so does a padded batch, as rows of
+    one record each (its kernels take no dense bias). Call it with the batch's tensors as keywords,
     `loss_module(**batch)`. Under FSDP, wrap this module (not the inner model), so its hooks see the whole
     step.
     """
@@ -37,6 +38,10 @@ class Seq2SeqLMLoss(torch.nn.Module):
         decoder_positions=None,
     ) -> torch.Tensor:
         m = self.model
+        if encoder_segment_ids is None and m.encoder.config._attn_implementation == "triton":
+            encoder_segment_ids, decoder_segment_ids, decoder_positions = one_record_per_row(
+                attention_mask, labels
+            )
         if encoder_segment_ids is not None:  # packed: attention_mask and positions follow from the segments
             return packed_loss_sum(
                 m, input_ids, labels, encoder_segment_ids, decoder_segment_ids, decoder_positions

@@ -14,7 +14,7 @@ relative position of a pair is j - i, which inside one contiguous record is its 
 record alone. So the loss is the sum over records of each one's loss computed alone.
 
 Two ways to attend:
-- with trainer.kernels.attention's kernels in use (`attn_implementation: triton`): each block receives, as its
+- with the Triton attention in use (`attn_implementation: triton`): each block receives, as its
   `position_bias`, a `PackedAttentionLayout` (trainer.kernels.packed_attention): segment-masked Triton kernels
   with the relative bias computed inside them; no (T, S) tensor anywhere;
 - otherwise (CPU, eager or SDPA attention): T5's own attention with dense additive (R, 1, T, S) masks built
@@ -46,6 +46,33 @@ def decoder_input_ids(
     shifted = labels.roll(1, dims=1)
     ids = torch.where(positions == 0, start_id, shifted)
     return torch.where((segments == 0) | (ids == -100), pad_id, ids)
+
+
+def one_record_per_row(attention_mask: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A padded batch as packed rows of one record each: encoder segment ids (the right-padded prompts' mask),
+    decoder segment ids (1 up to each row's last label, 0 in the -100 tail) and decoder positions. Its
+    `packed_loss_sum` is the padded batch's loss: T5's decoder attends no padding before a row's last label
+    either."""
+    real = (labels != -100).int()
+    decoder_segment_ids = real.flip(1).cummax(1).values.flip(1)
+    positions = torch.arange(labels.size(1), device=labels.device).expand_as(labels)
+    return attention_mask.int(), decoder_segment_ids, positions
+
+
+def encoder_hidden_states(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The T5 encoder stack's last hidden states for right-padded prompts, through the Triton attention's
+    layouts (each row one record): what `encoder(input_ids, attention_mask).last_hidden_state` gives."""
+    from trainer.kernels.packed_attention import PackedAttentionLayout, RelativeBias
+
+    config = encoder.config
+    segments = attention_mask.int()
+    bias = RelativeBias(
+        bidirectional=True,
+        num_buckets=config.relative_attention_num_buckets,
+        max_distance=config.relative_attention_max_distance,
+    )
+    layout = PackedAttentionLayout.build(segments, segments, causal=False, position_bias=bias)
+    return _run_stack(encoder, input_ids, None, layout)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

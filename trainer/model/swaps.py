@@ -46,11 +46,11 @@ def use_projection_groups(model: torch.nn.Module) -> int:
 def use_triton_attention_where_it_runs(
     model: torch.nn.Module, device: torch.device, dtype: torch.dtype
 ) -> None:
-    """The Triton attention kernels (trainer.kernels.attention, through trainer.model.fused_t5) where they
-    run: CUDA, 16-bit dtype, transformers >= 5."""
+    """The Triton attention kernels (trainer.kernels.packed_attention, through trainer.model.fused_t5) where
+    they run: CUDA, 16-bit dtype, transformers >= 5."""
     try:
         # Triton ships with torch's Linux CUDA wheels, not everywhere: imported only here, where it is used.
-        from trainer.kernels.attention import supported
+        from trainer.kernels.packed_attention import supported
         from trainer.model.fused_t5 import use_triton_attention
     except ImportError as e:
         log.info("attention: triton kernels not used (%s); eager attention instead", e)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from trainer.kernels.projections import GroupedLinear
+from trainer.model.packed_t5 import encoder_hidden_states
 
 PACKED_QKV = "trainer_packed_qkv"  # a self-attention's q, k and v weights as one (3 x inner, d_model) tensor
 
@@ -167,6 +168,8 @@ class T5DecodingParts:
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The encoder's last hidden states (B, S, d_model) of right-padded prompts."""
+        if self.encoder.config._attn_implementation == "triton":  # trainer.model.fused_t5.NAME
+            return encoder_hidden_states(self.encoder, input_ids, attention_mask)
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
     def cross_keys_values(self, hidden: torch.Tensor):

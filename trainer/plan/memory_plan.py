@@ -164,7 +164,6 @@ def _attention_sublayer(
     attention="eager",
     bias_rows=None,
     fused=True,
-    has_bias=True,
     cross=False,
     lora=None,
 ):
@@ -185,10 +184,10 @@ def _attention_sublayer(
     and the `where`'s gradient for the position bias (both B x H x q x k) and the q/k/v gradients. Not
     checked on CPU (with dropout the CPU runs the math path): the GPU calibration decides.
 
-    Triton (trainer.kernels.attention) saves q, k, v, its output (B x T x H x D), the log-sum-exp (fp32, B x H
-    x T) and its copy of the position bias (H x q x k, rows padded to whole key blocks; self-attention only);
-    in backward the q/k/v grads, the fp32 row terms rowsum(dO * O) (B x H x q, one kernel) and the bias
-    gradient, summed in fp32 over groups of rows (trainer.kernels.attention.bias_grad_groups).
+    Triton (trainer.kernels.packed_attention, padded rows as one record each) saves q, k, v, its output (B x T
+    x H x D) and the log-sum-exp (fp32, B x H x T); the position bias comes from T5's small table inside the
+    kernels (nothing of q x k); in backward the q/k/v grads and the fp32 row terms rowsum(dO * O) (B x H x q,
+    one kernel).
     """
     d, inner, h, p = shape.d_model, shape.inner, shape.num_heads, shape.dropout_rate
     n, m = b * q_len, b * kv_len
@@ -199,7 +198,6 @@ def _attention_sublayer(
     else:
         projections = [(n, d, ("q", "k", "v")), (n, inner, ("o",))]
     adapters, adapters_widest = _lora_groups(projections, lora, e)
-    bias_grad = has_bias and lora is None
     ln = _sublayer_norm_saved(n, d, e, fused, weight_grad=lora is None)
     qkv = n * inner * e + 2 * m * inner * e
     # o's input (with Triton the kernels' (B, T, H, D) output, saved by them too: o reads it as a view, so it
@@ -207,17 +205,10 @@ def _attention_sublayer(
     # with the residual sum), the residual sum
     tail = (0 if attention == "triton" else n * inner * e + n * d * drop) + n * d * e
     if attention == "triton":
-        # Triton: `trainer plan` runs also where the kernels cannot (no Triton)
-        from trainer.kernels.attention import bias_grad_groups, key_stride
-
         lse = b * h * q_len * 4
-        # The kernels' copy of the bias, rows padded to whole key blocks; its gradient is summed in fp32.
-        bias = h * q_len * key_stride(kv_len) * e if has_bias else 0
-        saved = ln + qkv + n * inner * e + lse + bias + tail + adapters
-        groups = bias_grad_groups(b, h, kv_len)[0] if bias_grad else 0
-        scratch = groups * bias // e * 4 + (h * q_len * kv_len * 4 if bias_grad else 0)
+        saved = ln + qkv + n * inner * e + lse + tail + adapters
         # + the norm's output, made again for the projections' backward
-        return saved, saved + qkv + lse + scratch + n * d * e + adapters_widest
+        return saved, saved + qkv + lse + n * d * e + adapters_widest
     if attention == "sdpa":
         bias = (b if bias_rows is None else bias_rows) * h * q_len * kv_len * e
         lse = b * h * (-(-q_len // 32) * 32) * 4
@@ -298,7 +289,6 @@ def _block_saved(
             attention=attention,
             bias_rows=self_rows,
             fused=fused,
-            has_bias=not (packed and attention == "triton"),
             lora=lora,
         )
     ]
@@ -313,7 +303,6 @@ def _block_saved(
                 mask,
                 attention=attention,
                 fused=fused,
-                has_bias=False,
                 cross=True,
                 lora=lora,
             )
@@ -370,7 +359,7 @@ def plan_memory(
     dropout saves a mask in the compute dtype (`input * noise`) and RMSNorm is a composite, which is how the
     CPU tests check these formulas.
     attn_implementation: "eager" (checked term by term on CPU), "sdpa" (memory-efficient kernel) or "triton"
-    (trainer.kernels.attention); the last two are calibrated on the GPU (bench/train_throughput.py).
+    (trainer.kernels.packed_attention); the last two are calibrated on the GPU (bench/train_throughput.py).
     decoder_blocks_without_checkpointing, encoder_blocks_without_checkpointing: with checkpointing, the last
     k blocks of a stack keep everything they save from the forward to their backward (which comes first in
     the stack's backward), instead of recomputing it.
@@ -422,8 +411,8 @@ def plan_memory(
     enc_block, enc_bwd = _block_saved(shape, b, s, e, None, mask_bytes, attention, fused, packed, lora)
     dec_block, dec_bwd = _block_saved(shape, b, t, e, s, mask_bytes, attention, fused, packed, lora)
     # Relative position biases shared by a stack's blocks (1 x H x q x k), and their gradients: none with the
-    # packed kernels.
-    shared_bias = 0 if (packed and attention == "triton") else e
+    # Triton kernels (their bias comes from T5's table).
+    shared_bias = 0 if attention == "triton" else e
     # Padding masks, made once per stack and passed to every block (batches padded to the longest row almost
     # always have padding): eager adds float masks B x 1 x q x k; SDPA takes bool masks (causal: none); the
     # Triton kernels read the B x S padding mask (negligible) and apply causality themselves.
