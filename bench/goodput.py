@@ -88,6 +88,7 @@ def main() -> int:
             return done.returncode
         goodput = json.loads((tmp / "out" / "run_summary.json").read_text())["goodput"]
         log = done.stderr
+        rows = [json.loads(line) for line in (tmp / "out" / "train_log.jsonl").open(encoding="utf-8")]
 
     # Each save's pause and the part of it spent waiting for the previous write (saves closer together than
     # a write takes: a short run's cadence, not the preset's).
@@ -99,8 +100,10 @@ def main() -> int:
     ]
     copies = [paused - waited for paused, waited in saves]
     writes = [float(s) for s in re.findall(r"checkpoint-\d+ written in ([\d.]+) s", log)]
-    eval_lines = re.findall(r"step (\d+): .*\(evaluation ([\d.]+) s, generation ([\d.]+) s", log)
-    evals = [float(seconds) for _, seconds, _ in eval_lines]
+    for line in sorted(set(re.findall(r"decoding with Hugging Face's generate.*", log))):
+        print(f"evaluation: {line}")
+    eval_rows = [r for r in rows if "eval_runtime" in r]
+    evals = [r["eval_runtime"] for r in eval_rows]
     step_s = goodput["steps_s"] / steps
     # The first save also allocates the pinned host buffers the later ones reuse: once per run.
     save_s = sum(copies[1:] or copies) / max(len(copies[1:] or copies), 1)
@@ -124,9 +127,11 @@ def main() -> int:
             f"save {i}: training paused {paused:.2f} s: {waited:.2f} waiting for the write before, "
             f"{copy:.2f} copying"
         )
-    for step, seconds, generation in eval_lines:
+    for r in eval_rows:
         print(
-            f"evaluation at step {step}: {float(seconds):.1f} s, {float(generation):.1f} s of it generating"
+            f"evaluation at step {r['step']}: {r['eval_runtime']:.1f} s: generating "
+            f"{r.get('eval_generation_runtime', 0):.1f} s ({r.get('eval_gen_len', 0):.0f} new tokens a "
+            f"record), scoring {r.get('eval_scoring_runtime', 0):.1f} s"
         )
     print(
         f"each save after the first paused training {save_s:.2f} s to copy the state (the writes took "

@@ -183,34 +183,36 @@ def test_a_background_write_holds_the_state_of_its_step_and_is_the_same_checkpoi
         assert torch.equal(a, b)  # the step's weights, not the changed ones
 
 
-def test_while_a_write_is_in_flight_the_loop_waits_less_for_the_interpreter_lock(tmp_path, monkeypatch):
-    """The interpreter's switch interval is short while the writer thread writes (the loop, waking from each
-    wait on the GPU, would otherwise wait up to 5 ms for the lock: once per generated token in an
-    evaluation), and as it was once the write is done."""
-    import sys
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_weights_a_checkpoint_writes_are_the_files_hugging_face_writes(tmp_path, tied):
+    """save_pretrained (what checkpoints and final/ write, through safetensors itself) gives the files
+    `model.save_pretrained` gives: the same config.json, generation_config.json, tensor names (a tied weight
+    once) and values, from the state dict DCP saves (which names a tied weight under each of its names)."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from trainer.checkpoint import writer
+    from trainer.model.model_files import write_config
 
-    seen = []
-    real = writer.write_checkpoint
-
-    def write_checkpoint(contents, group=None):  # the real write, with the interval it ran under noted
-        seen.append(sys.getswitchinterval())
-        return real(contents, group)
-
-    monkeypatch.setattr(writer, "write_checkpoint", write_checkpoint)
-    before = sys.getswitchinterval()
-    assert before > writer.WRITING_SWITCH_INTERVAL_S
-    model, opt, sched = _setup()
-    background = writer.CheckpointWriter(background=True)
-    contents = ckpt.gather_checkpoint(
-        tmp_path, 1, model=model, optimizer=opt, scheduler=sched, trainer_state={}
+    config = T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, tie_word_embeddings=tied
     )
-    assert background.save(contents) is True
-    background.close()
-    assert seen == [writer.WRITING_SWITCH_INTERVAL_S]
-    assert sys.getswitchinterval() == before
-    assert ckpt.checkpoint_problem(tmp_path / "checkpoint-1") is None
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config).to(torch.bfloat16)
+    if not tied:  # FLAN-T5's head of its own (transformers 5 ties T5's head whatever the config says)
+        model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.shared.weight))
+    assert (model.lm_head.weight is model.shared.weight) == tied
+    theirs, ours = tmp_path / "theirs", tmp_path / "ours"
+    model.save_pretrained(theirs)
+    write_config(model, theirs)
+    ckpt.save_pretrained(model, ours, get_model_state_dict(model))
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((ours / name).read_text()) == json.loads((theirs / name).read_text())
+    with safe_open(theirs / "model.safetensors", "pt") as a, safe_open(ours / "model.safetensors", "pt") as b:
+        assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys())
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())  # noqa: SIM118
+    reloaded = T5ForConditionalGeneration.from_pretrained(ours)
+    assert (reloaded.lm_head.weight is reloaded.shared.weight) == tied
 
 
 def test_without_host_memory_for_the_copy_saves_stay_in_the_loop():

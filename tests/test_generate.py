@@ -100,7 +100,9 @@ def test_generate_from_a_file_renders_what_training_tokenized(model_dir, sample_
     assert [tok.encode(r["source"]).ids for r in rows] == trained
     assert [r["id"] for r in rows[:2]] == [f"{sample_jsonl}:1", f"{sample_jsonl}:2"]
     for r in rows:
-        assert set(r) == {"id", "source", "generated", "title", "ingredients", "directions", "reference"}
+        fields = {"id", "source", "generated", "new_tokens", "reference"}
+        assert set(r) == fields | {"title", "ingredients", "directions"}
+        assert 0 < r["new_tokens"] <= 4  # --max-new-tokens
         assert r["reference"].startswith("title: ")
 
 

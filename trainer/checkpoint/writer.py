@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
-import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -42,12 +41,6 @@ log = logging.getLogger(__name__)
 
 # Host memory a staged copy must leave free: the loader's threads, the Hub's uploads, the OS's page cache.
 HOST_MEMORY_RESERVE_BYTES = 4 << 30
-# The interpreter's switch interval while a write is in flight. The writer thread runs Python between its
-# file writes, and the loop, each time it wakes from waiting on the GPU, waits for the interpreter lock up to
-# this interval (5 ms by default): once per token in an evaluation's generation. On an H200 evaluations that
-# overlapped a write took 24-28 s, one that did not 13 s; a loop waiting 1 ms per step ran 2.8-3.3x slower
-# during a dcp write with 5 ms, 1.0-1.7x with 0.5 ms (`python3 bench/writer_gil.py`, a busy 2-core CPU).
-WRITING_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -256,15 +249,11 @@ class CheckpointWriter:
 
     def _write(self) -> None:
         contents = self._writing
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, WRITING_SWITCH_INTERVAL_S))
         try:
             path = write_checkpoint(contents, self.group)
             self._result = Written(contents.step, path, time.monotonic() - self._started)
         except BaseException as e:  # raised on the loop's thread, at its next look (`written`, `wait`)
             self._result = e
-        finally:
-            sys.setswitchinterval(interval)
 
     def wait(self) -> None:
         """Until the write in flight is done; raises its error. An interrupt while waiting (a second Ctrl-C)

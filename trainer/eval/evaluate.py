@@ -106,16 +106,24 @@ def generation_eval(
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Generate for `records` (from `template.renderer(tokenizer_file).read(...)`) and score the recipes:
     (metric name -> value, the generated rows). What `trainer evaluate` runs after the loss, and what the
-    training loop logs at each evaluation (`eval/<name>`, the rows as a table)."""
+    training loop logs at each evaluation (`eval/<name>`, the rows as a table). Beside the scores:
+    `gen_len` (Hugging Face's name: mean new tokens per record), `generation_runtime` and `scoring_runtime`
+    (seconds generating, seconds scoring)."""
+    started = time.perf_counter()
     rows = generate_rows(
         model, tokenizer_file, template, records, decoding, max_batch_tokens, what="evaluate"
     )
+    generated = time.perf_counter()
     metrics = generation_metrics(
         [r["generated"] for r in rows],
         [r.get("reference") for r in rows],
         [r["source"] for r in rows],
         template,
     )
+    if rows:
+        metrics["gen_len"] = sum(r["new_tokens"] for r in rows) / len(rows)
+    metrics["generation_runtime"] = generated - started
+    metrics["scoring_runtime"] = time.perf_counter() - generated
     return metrics, rows
 
 

@@ -312,9 +312,10 @@ def generate_rows(
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
     what: str = "generate",
 ) -> list[dict[str, Any]]:
-    """One output row per record (as `RecipeRenderer` gives them, with ids): id, source, generated, the
-    generated text read back into title / ingredients / directions by the target template (None where it does
-    not follow it), and reference where the record has one. `decoding`: `model.generate` options."""
+    """One output row per record (as `RecipeRenderer` gives them, with ids): id, source, generated, new_tokens
+    (how many it generated), the generated text read back into title / ingredients / directions by the target
+    template (None where it does not follow it), and reference where the record has one. `decoding`:
+    `model.generate` options."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.fspath(tokenizer_file))
@@ -332,10 +333,10 @@ def generate_rows(
         progress.close()
     texts = tok.decode_batch(ids, skip_special_tokens=True)
     rows = []
-    for r, text in zip(records, texts, strict=True):
+    for r, text, new in zip(records, texts, ids, strict=True):
         parsed = parse_recipe(text, template.target_template)
         fields = parsed.fields() if parsed else {"title": None, "ingredients": None, "directions": None}
-        row = {"id": r["id"], "source": r["source"], "generated": text, **fields}
+        row = {"id": r["id"], "source": r["source"], "generated": text, "new_tokens": len(new), **fields}
         if r["reference"] is not None:
             row["reference"] = r["reference"]
         rows.append(row)

@@ -494,11 +494,12 @@ def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
     )
     run.meter.paused("evaluation", result.metrics["eval_runtime"])
     log.info(
-        "step %d: %s (evaluation %.1f s, generation %.1f s of it; training paused)",
+        "step %d: %s (evaluation %.1f s: generating %.1f s, scoring %.1f s; training paused)",
         state.step,
         metrics_line(result.metrics),
         result.metrics["eval_runtime"],
-        result.metrics["eval_generation_runtime"],
+        result.metrics.get("eval_generation_runtime", 0.0),
+        result.metrics.get("eval_scoring_runtime", 0.0),
     )
     run.meter.evaluated(state.step, result.metrics)
     key = cfg.best_metric_key
