@@ -10,6 +10,9 @@ of ddp and FSDP2 on the same global batches, and the memory plan against every m
     python3 bench/multi_gpu.py --shape xxl --runs fsdp4 --preset configs/flan-t5-xxl-fsdp-4x-rtx5090.yaml \
         --resume-on 2 --resume-cap 48                                 # saved on 4 GPUs, resumed on 2
     python3 bench/multi_gpu.py --tiny --device cpu --out /tmp/mg     # tiny shape, gloo on the CPU: the script
+    python3 bench/multi_gpu.py --runs ddp2 fsdp2 --steps 8 --set profile_steps=2 profile_start_step=5
+        # rank 0's profile of two steps per run: the head of its kernels.txt printed (collectives' time, and
+        # how much of it no computation hid), the whole under --out's <run>/profile/
 
 Every run is `torchrun --standalone --nproc_per_node=N` over the trainer's own loop
 (`trainer.run.train.train`, as `torchrun -m trainer train` runs it) with configs/flan-t5-xl-rtx5090.yaml as
@@ -267,6 +270,9 @@ def launch(
     }
     if rc != 0:
         return result
+    profile = run_dir / "profile" / "kernels.txt"
+    if profile.is_file():  # --set profile_steps=N: rank 0's report's head (trainer.report.profiling)
+        print(f"{name}, rank 0's profile:", *profile.read_text().splitlines()[:18], sep="\n  ", flush=True)
     summary = json.loads((run_dir / "run_summary.json").read_text())
     ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(nproc)]
     rows = train_rows(run_dir)

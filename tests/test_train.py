@@ -215,8 +215,29 @@ def test_kernel_timeline_merges_overlapping_kernels_and_finds_the_idle_slices(tm
     timeline = kernel_timeline(path, slices=4)
     assert timeline["busy"] == pytest.approx(25 / 40)
     assert timeline["slices"] == pytest.approx([1.0, 0.5, 0.0, 1.0])
+    assert timeline["collective_s"] == 0
     (tmp_path / "empty.json").write_text(json.dumps({"traceEvents": events[-1:]}))
     assert kernel_timeline(tmp_path / "empty.json") is None
+
+
+def test_kernel_timeline_says_how_much_collective_time_no_computation_hid(tmp_path):
+    """FSDP2's all-gathers and ddp's all-reduce run as NCCL kernels on their own streams: the part of their
+    time with no compute kernel beside it is what the step waited for."""
+    from trainer.report.profiling import kernel_timeline
+
+    kernels = [  # (name, start, duration) in us
+        ("ncclDevKernel_AllGather_RING_LL", 0, 10),  # 0-10: compute covers 5-10
+        ("gemm", 5, 20),  # compute 5-25
+        ("ncclDevKernel_ReduceScatter_RING_LL", 20, 15),  # 20-35: compute covers 20-25 and 30-32
+        ("rms_norm", 30, 2),
+        ("ncclDevKernel_AllGather_RING_LL", 40, 5),  # 40-45: nothing beside it
+    ]
+    events = [{"cat": "kernel", "name": n, "ts": ts, "dur": dur} for n, ts, dur in kernels]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    timeline = kernel_timeline(path, slices=3)
+    assert timeline["collective_s"] == pytest.approx(30e-6)
+    assert timeline["exposed_collective_s"] == pytest.approx((5 + 8 + 5) * 1e-6)
 
 
 def test_profile_steps_write_a_report_of_the_profiled_window(tiny_model_dir, sample_csv, tmp_path):

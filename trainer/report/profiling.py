@@ -3,8 +3,10 @@
 `profile_steps: N` (with `profile_start_step: S`, default 5: after compilation and allocator warm-up)
 records optimizer steps S+1 .. S+N and writes to output_dir/profile/:
 - kernels.txt: CUDA kernels by self time, and the loop's phases (data, forward_backward, optimizer) as host
-  time; the head says how busy the GPU was (kernel time / wall time) and, along the profiled window in
-  equal slices, what share of each slice had a kernel running (where the host left the GPU waiting).
+  time; the head says how busy the GPU was (kernel time / wall time), along the profiled window in equal
+  slices what share of each slice had a kernel running (where the host left the GPU waiting), and under
+  torchrun how long the collectives ran and how much of that no computation hid (ddp's all-reduce, FSDP2's
+  all-gathers and reduce-scatters waited for).
 - trace.json: the Chrome/Perfetto trace (open in https://ui.perfetto.dev).
 """
 
@@ -123,6 +125,14 @@ class StepProfiler:
                 f"by {len(timeline['slices'])} equal slices: "
                 + " ".join(f"{100 * x:.0f}" for x in timeline["slices"])
             ]
+            if timeline["collective_s"] > 0:
+                summary["collective_s_per_step"] = timeline["collective_s"] / self.steps
+                summary["exposed_collective_s_per_step"] = timeline["exposed_collective_s"] / self.steps
+                lines[2:2] = [
+                    f"collectives (NCCL kernels) {1e3 * summary['collective_s_per_step']:.1f} ms per step, "
+                    f"{1e3 * summary['exposed_collective_s_per_step']:.1f} ms of it with no other kernel "
+                    "running (not hidden behind compute)"
+                ]
         (self.out / "kernels.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
         log.info("profile: %s; written to %s", lines[0], self.out)
@@ -131,11 +141,19 @@ class StepProfiler:
 
 def kernel_timeline(trace_path: Path, slices: int = 40) -> dict | None:
     """Share of time with a GPU kernel running (overlaps merged), over the span of the trace's kernels and per
-    equal slice of it; None without kernels."""
+    equal slice of it; and the collectives' (NCCL kernels') time, all of it and the part with no other kernel
+    running (communication not hidden behind compute), in the trace's seconds. None without kernels."""
     events = json.loads(Path(trace_path).read_text(encoding="utf-8")).get("traceEvents", [])
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") == "kernel")
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in kernels)
     if not spans:
         return None
+    by_kind: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for e in kernels:  # collectives (NCCL's kernels) and compute
+        by_kind["nccl" in e.get("name", "").lower()].append((e["ts"], e["ts"] + e.get("dur", 0)))
+    collectives, compute = _merged(by_kind[True]), _merged(by_kind[False])
+    collective_us = sum(e - s for s, e in collectives)
+    hidden_us = _overlap(collectives, compute)
     start, end = spans[0][0], max(e for _, e in spans)
     width = max(end - start, 1e-9) / slices
     busy = [0.0] * slices
@@ -151,4 +169,32 @@ def kernel_timeline(trace_path: Path, slices: int = 40) -> dict | None:
             busy[i] += min(cur_e, edge) - cur_s
             cur_s, i = min(cur_e, edge), i + 1
         cur_s, cur_e = s, e
-    return {"busy": sum(busy) / (end - start), "slices": [b / width for b in busy]}
+    return {
+        "busy": sum(busy) / (end - start),
+        "slices": [b / width for b in busy],
+        "collective_s": collective_us / 1e6,
+        "exposed_collective_s": (collective_us - hidden_us) / 1e6,
+    }
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as sorted, disjoint intervals."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The length of the intersection of two unions of sorted, disjoint intervals."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
