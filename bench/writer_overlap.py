@@ -77,8 +77,16 @@ def main() -> int:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    generation_s()  # compilation and captures
+    alone = generation_s()
+    print(
+        f"{'FLAN-T5-XL' if not args.tiny else 'tiny'} shape on {device}; 64 prompts x {new_tokens} new "
+        "tokens; a checkpoint written beside it",
+        flush=True,
+    )
+    print(f"generation alone: {alone:.2f} s", flush=True)
     if args.trainer_writer:
-        trainer_writer(model, device, generation_s, generation_s() and generation_s())
+        trainer_writer(model, device, generation_s, alone)
         return 0
     # Host tensors as a staged checkpoint: the weights, then copies of them up to --gib (Kahan, states), all
     # views of one shared buffer (as a staging arena: one mapping for the other process, not one per tensor).
@@ -95,16 +103,7 @@ def main() -> int:
             view.copy_(state[k])
             tensors[k if c == 0 else f"copy{c}.{k}"] = view
             offset += n
-    gib = arena.numel() / 2**30
-
-    generation_s()  # compilation and captures
-    alone = generation_s()
-    print(
-        f"{'FLAN-T5-XL' if not args.tiny else 'tiny'} shape on {device}; 64 prompts x {new_tokens} new "
-        f"tokens; a {gib:.1f} GiB checkpoint written beside it",
-        flush=True,
-    )
-    print(f"generation alone: {alone:.2f} s", flush=True)
+    print(f"the plain write: {arena.numel() / 2**30:.1f} GiB", flush=True)
     with tempfile.TemporaryDirectory(prefix="writer-overlap-") as work:
         for kind in ("thread", "process"):
             if kind == "thread":
@@ -140,7 +139,6 @@ def trainer_writer(model, device, generation_s, alone: float) -> None:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    print(f"generation alone: {alone:.2f} s", flush=True)
     with tempfile.TemporaryDirectory(prefix="writer-overlap-") as work:
         saver = writer.CheckpointWriter(background=True)
         for step, case in enumerate(("as the trainer writes", "without model.safetensors"), 1):

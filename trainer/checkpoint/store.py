@@ -262,7 +262,8 @@ def save_pretrained(model, path: str | Path, weights: dict[str, Any] | None = No
         tensors[name] = tensor.contiguous()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     model.config.architectures = [type(model).__name__]
-    model.config.dtype = next(iter(tensors.values())).dtype if tensors else model.config.dtype
+    if tensors:
+        model.config.dtype = next(iter(tensors.values())).dtype
     model.config.save_pretrained(path)
     if model.can_generate():
         model.generation_config.save_pretrained(path)

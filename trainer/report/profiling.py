@@ -157,18 +157,12 @@ def kernel_timeline(trace_path: Path, slices: int = 40) -> dict | None:
     start, end = spans[0][0], max(e for _, e in spans)
     width = max(end - start, 1e-9) / slices
     busy = [0.0] * slices
-    cur_s, cur_e = spans[0]
-    for s, e in [*spans[1:], (float("inf"), float("inf"))]:
-        if s <= cur_e:
-            cur_e = max(cur_e, e)
-            continue
-        # add the merged interval [cur_s, cur_e) to the slices it covers
-        i = int((cur_s - start) / width)
-        while cur_s < cur_e and i < slices:
+    for s, e in _merged(spans):  # each merged interval added to the slices it covers
+        i = int((s - start) / width)
+        while s < e and i < slices:
             edge = start + (i + 1) * width
-            busy[i] += min(cur_e, edge) - cur_s
-            cur_s, i = min(cur_e, edge), i + 1
-        cur_s, cur_e = s, e
+            busy[i] += min(e, edge) - s
+            s, i = min(e, edge), i + 1
     return {
         "busy": sum(busy) / (end - start),
         "slices": [b / width for b in busy],
