@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import numpy as np
 import pytest
@@ -164,6 +165,14 @@ def test_a_background_write_holds_the_state_of_its_step_and_is_the_same_checkpoi
     with torch.no_grad():  # the next step, while the write may be going on
         for p in model.parameters():
             p.add_(1.0)
+    for _ in range(
+        6000
+    ):  # in flight until the write ends by itself, without the loop looking (5 min at most)
+        if writer.in_flight is None:
+            break
+        assert writer.in_flight == 3
+        time.sleep(0.05)
+    assert writer.in_flight is None
     writer.wait()
     (done,) = writer.written()
     writer.close()

@@ -287,8 +287,9 @@ class CheckpointWriter:
 
     @property
     def in_flight(self) -> int | None:
-        """The step of the checkpoint being written, or None."""
-        return self._writing.step if self._writing is not None else None
+        """The step of the checkpoint being written in the background, or None (none, or done)."""
+        alive = self._thread is not None and self._thread.is_alive()
+        return self._writing.step if alive and self._writing is not None else None
 
     def close(self) -> None:
         """Wait for the write in flight, and free the staged buffers."""

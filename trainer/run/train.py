@@ -481,6 +481,8 @@ def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
     cfg = run.cfg
     if run.graph is not None:  # its memory pool holds a micro-step's activations: the evaluation's now
         run.graph.reset()
+    # A write beside an evaluation shares the host with it and slows it: said, to explain a slow one.
+    writing = run.writer.in_flight
     result = evaluate(
         run.model,
         run.data.eval_stream,
@@ -494,12 +496,13 @@ def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
     )
     run.meter.paused("evaluation", result.metrics["eval_runtime"])
     log.info(
-        "step %d: %s (evaluation %.1f s: generating %.1f s, scoring %.1f s; training paused)",
+        "step %d: %s (evaluation %.1f s: generating %.1f s, scoring %.1f s; training paused%s)",
         state.step,
         metrics_line(result.metrics),
         result.metrics["eval_runtime"],
         result.metrics.get("eval_generation_runtime", 0.0),
         result.metrics.get("eval_scoring_runtime", 0.0),
+        f"; checkpoint-{writing} was being written beside it" if writing is not None else "",
     )
     run.meter.evaluated(state.step, result.metrics)
     key = cfg.best_metric_key
