@@ -15,7 +15,7 @@ From those the table also gives the goodput at the preset's cadence: steps of th
 evaluation and one copy per 500 steps (the first save's allocation of the host buffers, captures and data
 once per run: they do not recur). At the preset's cadence no checkpoint write runs beside an evaluation (the
 save of the evaluation's step comes after it, and the previous write began ~700 s before), and one that does
-takes about twice as long (the trainer's log line says so). So the evaluation's time is the mean of those
+may take longer (the trainer's log line says so). So the evaluation's time is the mean of those
 with no write beside them after the first, or the first's where no other ran alone: it also carries the
 decoding engine's compilation, so the projection errs low. So does the step time, measured with writes
 running beside most steps of a short run.

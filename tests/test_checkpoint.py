@@ -192,6 +192,45 @@ def test_a_background_write_holds_the_state_of_its_step_and_is_the_same_checkpoi
         assert torch.equal(a, b)  # the step's weights, not the changed ones
 
 
+def test_host_buffers_reserved_after_the_first_step_are_what_the_first_save_copies_into(tmp_path):
+    """The loop reserves the background saves' host buffers after its first step, in a thread beside
+    training (pinning 17 GB takes seconds the first save would pause for): that save copies into them, and
+    writes the checkpoint a save in the loop writes."""
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint.writer import CheckpointWriter
+
+    model, opt, sched = _setup()
+    x = torch.randint(2, 64, (2, 5))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    in_loop = _save(tmp_path / "loop", 1, model, opt, sched, note="same")
+    writer = CheckpointWriter(background=True)
+    assert writer.wants_buffers
+    writer.reserve(ckpt.state_dicts(model, opt))
+    assert not writer.wants_buffers
+    contents = ckpt.gather_checkpoint(
+        tmp_path / "background",
+        1,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        trainer_state={"note": "same"},
+    )
+    assert writer.save(contents) is True
+    reserved = {b.data_ptr() for b in writer._stager._buffers}
+    staged = {t.data_ptr() for t in writer._writing.dcp_state["model"].values()}
+    assert staged <= reserved  # no buffer allocated anew in the save's pause
+    writer.close()
+    (done,) = writer.written()
+    ours, theirs = (
+        load_file(done.path / "model.safetensors"),
+        load_file(in_loop / "model.safetensors"),
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert ckpt.checkpoint_problem(done.path) is None
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_weights_a_checkpoint_writes_are_the_files_hugging_face_writes(tmp_path, tied):
     """save_pretrained (what checkpoints and final/ write, through safetensors itself) gives the files

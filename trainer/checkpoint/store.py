@@ -163,7 +163,7 @@ def gather_checkpoint(
         step=step,
         output_dir=output_dir,
         tmp=tmp,
-        dcp_state={"model": model_state, "optim": optim_state},
+        dcp_state={"model": model_state, "optim": optim_state},  # as `state_dicts`
         weights=weights,
         model=model,
         rng=rng if rng is not None else rng_state(),
@@ -214,6 +214,12 @@ def is_adapter_model(model) -> bool:
     return hasattr(model, "peft_config")
 
 
+def state_dicts(model, optimizer) -> dict[str, dict]:
+    """The state dicts a checkpoint's dcp/ holds (the tensors themselves): {"model": ..., "optim": ...}."""
+    model_state, optim_state, _ = _states(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
 def _states(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
     """The model and optimizer state dicts DCP saves and loads, and the options to set them with: every
     weight, or a PEFT model's trained ones (its adapters; DCP's own ignore_frozen_params keeps the tied
@@ -241,10 +247,8 @@ def save_pretrained(model, path: str | Path, weights: dict[str, Any] | None = No
     model.safetensors (one name per tied weight, as Hugging Face keeps them), config.json saying how its LM
     head is (trainer.model.model_files.write_config) and generation_config.json.
 
-    The weights go through safetensors itself, not Hugging Face's save_pretrained: run in the checkpoint
-    writer's thread, that made the GPU work beside it 2.2x slower (an evaluation's generation, one H200), and
-    the same checkpoint without it 1.3x; dcp/ and safetensors' own writer from host memory, 1.0x
-    (`python3 bench/writer_overlap.py [--trainer-writer]`)."""
+    The weights go through safetensors itself: the checkpoint writer's thread hands it the staged host copy
+    as it is, with no model method in between."""
     from safetensors.torch import save_file
 
     path = Path(path)

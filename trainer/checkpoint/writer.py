@@ -111,28 +111,23 @@ class HostStager:
     def __init__(self):
         self._buffers: list[torch.Tensor] = []
 
+    def reserve(self, state: dict) -> None:
+        """Allocate the buffers `stage` copies a state of this structure into, copying nothing."""
+        from torch.distributed.tensor import DTensor
+
+        try:
+            for i, tensor in enumerate(_skeleton(state)[1]):
+                self._buffer(i, tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+        except (TypeError, RuntimeError):
+            pass  # pinned memory refused: `stage` allocates what is missing, and says so if it fails again
+
     def stage(self, state: dict) -> dict:
         """`state` with each tensor copied into host memory (a tensor met twice: one copy) and everything
         else deep-copied. The buffers are written over at the next call: the write of this copy must be done
         by then (CheckpointWriter.save waits for it)."""
         from torch.distributed.tensor import DTensor
 
-        tensors: list[torch.Tensor] = []
-        index: dict[int, int] = {}
-
-        def strip(x):
-            if isinstance(x, torch.Tensor):
-                if id(x) not in index:
-                    index[id(x)] = len(tensors)
-                    tensors.append(x)
-                return _TensorSlot(index[id(x)])
-            if type(x) is dict:
-                return {k: strip(v) for k, v in x.items()}
-            if type(x) in (list, tuple):
-                return type(x)(strip(v) for v in x)
-            return copy.deepcopy(x)
-
-        skeleton = strip(state)
+        skeleton, tensors = _skeleton(state)
         copies, on_gpu = [], False
         for i, tensor in enumerate(tensors):
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -150,8 +145,8 @@ class HostStager:
         def fill(x):
             if isinstance(x, _TensorSlot):
                 return copies[x.index]
-            if type(x) is dict:
-                return {k: fill(v) for k, v in x.items()}
+            if isinstance(x, dict):
+                return type(x)((k, fill(v)) for k, v in x.items())
             if type(x) in (list, tuple):
                 return type(x)(fill(v) for v in x)
             return x
@@ -180,6 +175,27 @@ class _TensorSlot:
     index: int
 
 
+def _skeleton(state: dict) -> tuple[dict, list[torch.Tensor]]:
+    """`state` with each tensor replaced by its slot in the list of its tensors (in order of first
+    appearance, a tensor met twice once) and everything else deep-copied; and that list."""
+    tensors: list[torch.Tensor] = []
+    index: dict[int, int] = {}
+
+    def strip(x):
+        if isinstance(x, torch.Tensor):
+            if id(x) not in index:
+                index[id(x)] = len(tensors)
+                tensors.append(x)
+            return _TensorSlot(index[id(x)])
+        if isinstance(x, dict):  # a model's state dict is an OrderedDict
+            return type(x)((k, strip(v)) for k, v in x.items())
+        if type(x) in (list, tuple):
+            return type(x)(strip(v) for v in x)
+        return copy.deepcopy(x)
+
+    return strip(state), tensors
+
+
 class CheckpointWriter:
     """`save(contents)` after each gather_checkpoint; `written()` at each step boundary; `wait()` where the
     run must not go on before the write is done (the end, a signal, an error). One per run."""
@@ -194,11 +210,39 @@ class CheckpointWriter:
         self._result: Written | BaseException | None = None
         self._written: list[Written] = []
         self._decided = False
+        self._reserving: threading.Thread | None = None
+
+    @property
+    def wants_buffers(self) -> bool:
+        """Whether `reserve` has host buffers to allocate: background saves, nothing reserved or staged."""
+        return self.background and self._stager is None and not self._decided
+
+    def reserve(self, dcp_state: dict) -> None:
+        """Allocate the host buffers the first background save copies `dcp_state` (the model's and the
+        optimizer's state dicts, as they will be saved) into, in a thread beside training: 17 GB of pinned
+        memory takes seconds, which the first save would otherwise pause for. Nothing where host memory is
+        short (the first save decides, and says so)."""
+        if not self.wants_buffers:
+            return
+        if background_saves(tensor_bytes(dcp_state), available_host_bytes()) is not None:
+            return
+        self._stager = HostStager()
+        self._reserving = threading.Thread(
+            target=self._stager.reserve, args=(dcp_state,), name="checkpoint-buffers", daemon=True
+        )
+        self._reserving.start()
+
+    def _reserved(self) -> None:
+        """Until `reserve`'s allocation is done."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
 
     def save(self, contents: CheckpointContents) -> bool:
         """Write `contents`: in the background once staged (True), or here when host memory is short
         (False). Waits for the previous write first (its error, if it failed, is raised)."""
         self.wait()
+        self._reserved()
         staged = None
         if self.background:
             why = None
@@ -213,6 +257,9 @@ class CheckpointWriter:
             others = distributed.all_sum([float(why is not None)])[0] > (why is not None)
             if why is not None or others:
                 self.background, staged = False, None
+                if self._stager is not None:  # reserved before the decision: not needed
+                    self._stager.close()
+                    self._stager = None
                 log.warning(
                     "checkpoints: written in the loop, not in the background: %s",
                     why or "another rank cannot copy its state to host memory",
@@ -296,6 +343,7 @@ class CheckpointWriter:
         try:
             self.wait()
         finally:
+            self._reserved()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None

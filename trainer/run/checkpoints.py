@@ -114,6 +114,13 @@ def after_checkpoints(run: Run, state: RunState) -> None:
         run.reporter.checkpoint_saved(step=done.step, path=str(done.path), best=is_best)
 
 
+def prepare_background_saves(run: Run) -> None:
+    """Once the optimizer's states exist (after the run's first step): the host buffers background saves copy
+    into, allocated beside the next steps rather than in the first save's pause."""
+    if run.writer.wants_buffers:
+        run.writer.reserve(ckpt.state_dicts(run.model, run.optimizer))
+
+
 def wait_for_checkpoints(run: Run, state: RunState) -> None:
     """Until the checkpoint in flight is written, and what follows it done (the wait counts as a save's
     pause)."""

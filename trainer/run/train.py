@@ -58,7 +58,13 @@ from trainer.report.step_meter import (
     StepCounts,
     StepMeter,
 )
-from trainer.run.checkpoints import after_checkpoints, close_writer, save, save_after_error
+from trainer.run.checkpoints import (
+    after_checkpoints,
+    close_writer,
+    prepare_background_saves,
+    save,
+    save_after_error,
+)
 from trainer.run.finish import finish
 from trainer.run.run_state import RunState
 from trainer.run.schedule import check_scheduler, set_horizon
@@ -352,6 +358,7 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
         state.loader = current.loader_after
         state.step += 1
         after_checkpoints(run, state)  # a background write that finished: its follow-up, or its error
+        prepare_background_saves(run)  # after the first step: the saves' host buffers, in a thread
         run.profiler.after_step(state.step)
         state.rng = ckpt.rng_state()
         empty_cache.after_step(state.step)
@@ -481,7 +488,7 @@ def evaluate_and_track(run: Run, state: RunState) -> EvalResult:
     cfg = run.cfg
     if run.graph is not None:  # its memory pool holds a micro-step's activations: the evaluation's now
         run.graph.reset()
-    # A write beside an evaluation shares the host with it and slows it: said, to explain a slow one.
+    # A write beside an evaluation shares the host with it: said, to explain a slower one.
     writing = run.writer.in_flight
     result = evaluate(
         run.model,
