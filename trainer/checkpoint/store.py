@@ -144,7 +144,8 @@ def gather_checkpoint(
         tmp.mkdir()
     tmp = distributed.broadcast_object(tmp)  # rank 0's directory, made before any rank writes into it
     needed = checkpoint_bytes(output_dir) or disk.state_bytes(model, optimizer)
-    model_state, optim_state, _ = _states(model, optimizer)
+    dcp_state = state_dicts(model, optimizer)
+    model_state = dcp_state["model"]
     weights = None
     with disk.removed_on_failure(tmp, needed_bytes=needed, remove=rank == 0):
         if is_adapter_model(model):  # LoRA (one process or DDP: every rank holds the same adapters)
@@ -163,7 +164,7 @@ def gather_checkpoint(
         step=step,
         output_dir=output_dir,
         tmp=tmp,
-        dcp_state={"model": model_state, "optim": optim_state},  # as `state_dicts`
+        dcp_state=dcp_state,
         weights=weights,
         model=model,
         rng=rng if rng is not None else rng_state(),
