@@ -101,8 +101,9 @@ def available_host_bytes() -> int | None:
 
 class HostStager:
     """Copies of a state's tensors in host memory, in buffers kept from one save to the next (pinned where
-    the tensors are on a GPU: the copies run at the bus's speed, and 17 GB of pinned memory is not allocated
-    again at every save). FSDP's DTensors are copied as their local shards and come back as DTensors.
+    the tensors are on a GPU: the copies run at the bus's speed, and XL's ~11 GB of pinned memory is not
+    allocated again at every save). FSDP's DTensors are copied as their local shards and come back as
+    DTensors.
 
     Not PyTorch's own stager (torch.distributed.checkpoint.staging.DefaultStager): torch 2.11's fails at
     every save after the first (a KeyError on `dict`, seen on a GPU machine), and the copy is simple enough
@@ -219,7 +220,7 @@ class CheckpointWriter:
 
     def reserve(self, dcp_state: dict) -> None:
         """Allocate the host buffers the first background save copies `dcp_state` (the model's and the
-        optimizer's state dicts, as they will be saved) into, in a thread beside training: 17 GB of pinned
+        optimizer's state dicts, as they will be saved) into, in a thread beside training: ~11 GB of pinned
         memory takes seconds, which the first save would otherwise pause for. Nothing where host memory is
         short (the first save decides, and says so)."""
         if not self.wants_buffers:
