@@ -12,8 +12,8 @@ log's `goodput ...` line) gives the steps' time and each pause: checkpoints (sta
 when it is in the loop; final/), evaluations, CUDA graph captures, data. Each save's pause is split into
 the wait for the previous write (a short run's saves come closer together than a write takes) and the copy.
 From those the table also gives the goodput at the preset's cadence: steps of the measured mean time, one
-evaluation and one copy per 500 steps (the first save's allocation of the host buffers, captures and data
-once per run: they do not recur). At the preset's cadence no checkpoint write runs beside an evaluation (the
+evaluation and one copy per 500 steps (the first save, which may wait for the host buffers' allocation,
+captures and data once per run: they do not recur). At the preset's cadence no checkpoint write runs beside an evaluation (the
 save of the evaluation's step comes after it, and the previous write began ~700 s before), and one that does
 may take longer (the trainer's log line says so). So the evaluation's time is the mean of those
 with no write beside them after the first, or the first's where no other ran alone: it also carries the
@@ -113,7 +113,8 @@ def main() -> int:
     }
     alone = [r["eval_runtime"] for r in eval_rows if r["step"] not in beside_write]
     step_s = goodput["steps_s"] / steps
-    # The first save also allocates the pinned host buffers the later ones reuse: once per run.
+    # The first save may wait for the pinned host buffers the later ones reuse (allocated beside the first
+    # steps): once per run.
     save_s = sum(copies[1:] or copies) / max(len(copies[1:] or copies), 1)
     alone = alone[1:] or alone  # see the module doc
     eval_s = sum(alone) / max(len(alone), 1)
