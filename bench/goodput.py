@@ -13,11 +13,11 @@ when it is in the loop; final/), evaluations, CUDA graph captures, data. Each sa
 the wait for the previous write (a short run's saves come closer together than a write takes) and the copy.
 From those the table also gives the goodput at the preset's cadence: steps of the measured mean time, one
 evaluation and one copy per 500 steps (the first save, which may wait for the host buffers' allocation,
-captures and data once per run: they do not recur). At the preset's cadence no checkpoint write runs beside an evaluation (the
-save of the evaluation's step comes after it, and the previous write began ~700 s before), and one that does
-may take longer (the trainer's log line says so). So the evaluation's time is the mean of those
-with no write beside them after the first, or the first's where no other ran alone: it also carries the
-decoding engine's compilation, so the projection errs low. So does the step time, measured with writes
+captures and data once per run: they do not recur). At the preset's cadence no checkpoint write runs beside
+an evaluation (the save of the evaluation's step comes after it, and the previous write began ~700 s before),
+and one that does may take longer (the trainer's log line says so). So the evaluation's time is the mean of
+those with no write beside them after the first, or the first's where no other ran alone: it also carries
+the decoding engine's compilation, so the projection errs low. So does the step time, measured with writes
 running beside most steps of a short run.
 """
 
