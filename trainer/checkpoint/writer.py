@@ -339,6 +339,14 @@ class CheckpointWriter:
         alive = self._thread is not None and self._thread.is_alive()
         return self._writing.step if alive and self._writing is not None else None
 
+    def abandon(self) -> None:
+        """Leave the write in flight unfinished (an interrupt: the process ends now): its temporary directory
+        is removed; the thread, a daemon, ends with the process."""
+        writing = self._thread is not None and self._thread.is_alive() and self._writing is not None
+        if writing and distributed.rank() == 0:
+            shutil.rmtree(self._writing.tmp, ignore_errors=True)
+        self._thread = self._writing = None
+
     def close(self) -> None:
         """Wait for the write in flight, and free the staged buffers."""
         try:

@@ -131,9 +131,13 @@ def wait_for_checkpoints(run: Run, state: RunState) -> None:
     after_checkpoints(run, state)
 
 
-def close_writer(writer: CheckpointWriter) -> None:
+def close_writer(writer: CheckpointWriter, interrupted: bool = False) -> None:
     """On the way out: the write in flight finishes; one that fails now is logged (the run already ends on
-    its own error, or was interrupted)."""
+    its own error, or was interrupted). After a second Ctrl-C (`interrupted`) the write is abandoned instead,
+    wherever the interrupt landed: the run stops at once."""
+    if interrupted:
+        writer.abandon()
+        return
     try:
         writer.close()
     except BaseException as e:

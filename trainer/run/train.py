@@ -196,7 +196,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
         )
         # Closed before the Hub's uploader and the lock: a write in flight ends first.
         writer = CheckpointWriter(group=distributed.background_group())
-        exits.callback(close_writer, writer)
+        exits.push(lambda kind, *_: close_writer(writer, interrupted=kind is KeyboardInterrupt))
         run = Run(
             cfg=cfg,
             plan=plan,
