@@ -139,6 +139,27 @@ def test_what_a_killed_save_left_is_removed_and_nothing_else(tmp_path):
     assert ckpt.remove_stale_temporaries(tmp_path) == []
 
 
+def _stepped(tmp_path, step):
+    """A model after one optimizer step, and its checkpoint-<step> written in the loop under tmp_path/loop."""
+    model, opt, sched = _setup()
+    x = torch.randint(2, 64, (2, 5))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    return model, opt, sched, _save(tmp_path / "loop", step, model, opt, sched, note="same")
+
+
+def _gathered(tmp_path, step, model, opt, sched):
+    """checkpoint-<step>'s contents for tmp_path/background, holding the same trainer state as _stepped's."""
+    return ckpt.gather_checkpoint(
+        tmp_path / "background",
+        step,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        trainer_state={"note": "same"},
+    )
+
+
 def test_a_background_write_holds_the_state_of_its_step_and_is_the_same_checkpoint(tmp_path):
     """The writer copies the state off the model before it returns: the next step may change the weights at
     once, and the checkpoint written meanwhile still holds the step's; file for file it is the checkpoint a
@@ -147,21 +168,9 @@ def test_a_background_write_holds_the_state_of_its_step_and_is_the_same_checkpoi
 
     from trainer.checkpoint.writer import CheckpointWriter
 
-    model, opt, sched = _setup()
-    x = torch.randint(2, 64, (2, 5))
-    model(input_ids=x, labels=x).loss.backward()
-    opt.step()
-    in_loop = _save(tmp_path / "loop", 3, model, opt, sched, note="same")
+    model, opt, sched, in_loop = _stepped(tmp_path, 3)
     writer = CheckpointWriter(background=True)
-    contents = ckpt.gather_checkpoint(
-        tmp_path / "background",
-        3,
-        model=model,
-        optimizer=opt,
-        scheduler=sched,
-        trainer_state={"note": "same"},
-    )
-    assert writer.save(contents) is True
+    assert writer.save(_gathered(tmp_path, 3, model, opt, sched)) is True
     with torch.no_grad():  # the next step, while the write may be going on
         for p in model.parameters():
             p.add_(1.0)
@@ -200,24 +209,12 @@ def test_host_buffers_reserved_after_the_first_step_are_what_the_first_save_copi
 
     from trainer.checkpoint.writer import CheckpointWriter
 
-    model, opt, sched = _setup()
-    x = torch.randint(2, 64, (2, 5))
-    model(input_ids=x, labels=x).loss.backward()
-    opt.step()
-    in_loop = _save(tmp_path / "loop", 1, model, opt, sched, note="same")
+    model, opt, sched, in_loop = _stepped(tmp_path, 1)
     writer = CheckpointWriter(background=True)
     assert writer.wants_buffers
     writer.reserve(ckpt.state_dicts(model, opt))
     assert not writer.wants_buffers
-    contents = ckpt.gather_checkpoint(
-        tmp_path / "background",
-        1,
-        model=model,
-        optimizer=opt,
-        scheduler=sched,
-        trainer_state={"note": "same"},
-    )
-    assert writer.save(contents) is True
+    assert writer.save(_gathered(tmp_path, 1, model, opt, sched)) is True
     reserved = {b.data_ptr() for b in writer._stager._buffers}
     staged = {t.data_ptr() for t in writer._writing.dcp_state["model"].values()}
     assert staged <= reserved  # no buffer allocated anew in the save's pause
