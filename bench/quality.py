@@ -19,8 +19,9 @@ that one pretrained model on other recipes and is evaluated on held-out ones:
    rest), so that the decoder already writes long text when fine-tuning starts, as FLAN-T5's does (span
    corruption alone leaves 300 fine-tuning steps mostly learning to write, which rewards the highest learning
    rate and spreads the seeds), written as pre-rendered
-   source/target pairs and trained by this trainer (`trainer train`, under torchrun on every GPU): AdamW with
-   Kahan-compensated bf16 weights, packed rows, warm-up and cosine decay, dropout off.
+   source/target pairs and trained by this trainer (`trainer train`, under torchrun on every GPU, 4
+   micro-batches a step on 1, 2 or 4 GPUs alike): AdamW with Kahan-compensated bf16 weights, packed rows,
+   warm-up and cosine decay, dropout off. Made once per --work: a later call reuses it.
 3. Fine-tuning: each variant x each seed (data order and dropout) is one run of --steps optimizer steps from
    the pretrained weights (dropout 0.1, as FLAN-T5's config), evaluated every --eval-every steps, then scored
    by `trainer evaluate` (ROUGE-L, ingredient coverage, ...) on a fixed sample of the held-out records. The
@@ -72,6 +73,7 @@ SENTINELS = 100  # the tokenizer's <extra_id_N>
 NOISE_DENSITY, MEAN_SPAN = 0.15, 3.0  # T5's span corruption
 CORRUPTIONS = 1  # span-corruption pairs per recipe
 PREFIX_LM = 1  # prefix-LM pairs per recipe, each cut elsewhere
+PRETRAIN_MICRO_BATCHES = 4  # per pretraining step, across the GPUs and accumulation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +100,7 @@ class Sizes:
 GPU = Sizes(
     "small", 300_000, 30_000, 2_400, 30_000, 200_000_000, 65_536, 16, 512, 512, 300, 100, 128, 320, "bfloat16"
 )
-TINY = Sizes("tiny", 2_000, 800, 60, 2_000, 24_000, 4_096, 8, 64, 96, 6, 3, 4, 32, "float32")
+TINY = Sizes("tiny", 2_000, 800, 60, 2_000, 24_000, 1_024, 8, 64, 96, 6, 3, 4, 32, "float32")
 SMALL_SHAPE = dict(d_model=512, d_kv=64, d_ff=1024, num_layers=8, num_decoder_layers=8, num_heads=6)
 
 
@@ -243,11 +245,17 @@ def prefix_lm(words: list[str], rng: np.random.Generator) -> tuple[str, str]:
 
 
 def prepare(work: Path, sizes: Sizes) -> dict:
-    """Recipes, tokenizer and the pretraining pairs under `work`; the paths and counts."""
+    """Recipes, tokenizer and the pretraining pairs under `work`; the paths and counts. Made once per --work:
+    a later call with the same --work reuses them (work/prepared.json says they are complete)."""
     from trainer.config import TASKS
     from trainer.data.sample import write_sample
     from trainer.model.tiny_model import recipe_texts, save_tokenizer, train_tokenizer
 
+    done = work / "prepared.json"
+    if done.exists():
+        prep = json.loads(done.read_text(encoding="utf-8"))
+        print(f"data: reused from {work}", flush=True)
+        return {k: Path(v) if k not in ("vocab", "records") else v for k, v in prep.items()}
     t0 = time.perf_counter()
     paths = {name: work / f"{name}.jsonl" for name in ("pretrain_recipes", "finetune", "heldout")}
     write_sample(paths["pretrain_recipes"], sizes.pretrain_records, seed=101, fmt="jsonl")
@@ -282,7 +290,7 @@ def prepare(work: Path, sizes: Sizes) -> dict:
         f"{counts['heldout']:,} held out; tokenizer of {vocab:,} pieces; {time.perf_counter() - t0:.0f} s",
         flush=True,
     )
-    return dict(
+    prep = dict(
         pretrain=pairs,
         finetune=paths["finetune"],
         heldout=paths["heldout"],
@@ -290,6 +298,8 @@ def prepare(work: Path, sizes: Sizes) -> dict:
         vocab=vocab,
         records=counts,
     )
+    done.write_text(json.dumps(prep, default=str), encoding="utf-8")
+    return prep
 
 
 def _recipe_key(line: str) -> tuple:
@@ -366,11 +376,21 @@ def trainer_command(processes: int) -> list[str]:
 
 def pretrain(prep: dict, sizes: Sizes, work: Path, gpus: int) -> tuple[Path, dict]:
     """The pretrained model (work/pretraining/final): span corruption and prefix LM on every GPU; dropout then
-    set to 0.1. Also what the pretraining did (steps, tokens, losses, seconds)."""
+    set to 0.1. Also what the pretraining did (steps, tokens, losses, seconds). Made once per --work: a
+    later call reuses it, and one stopped midway (a time limit) resumes from its last checkpoint."""
     import yaml
 
+    done = work / "pretraining" / "pretraining.json"
+    if done.exists():
+        info = json.loads(done.read_text(encoding="utf-8"))
+        print(f"pretrained model reused from {done.parent}: {info['steps']} steps", flush=True)
+        return done.parent / "final", info
+    # The same global batch on 1, 2 or 4 GPUs (accumulating micro-batches on fewer), so that the pretrained
+    # model, and the fine-tuning runs' losses, do not depend on the machine.
+    accumulation = max(1, math.ceil(PRETRAIN_MICRO_BATCHES / max(gpus, 1)))
+    micro_batches = accumulation * max(gpus, 1)
+    steps = max(1, round(sizes.pretrain_tokens / (sizes.pretrain_micro_tokens * micro_batches)))
     init = initial_model(prep, sizes, work / "init")
-    steps = max(1, round(sizes.pretrain_tokens / (sizes.pretrain_micro_tokens * max(gpus, 1))))
     values = common_values(sizes) | dict(
         model_name_or_path=str(init),
         train_files=[str(prep["pretrain"])],
@@ -380,6 +400,7 @@ def pretrain(prep: dict, sizes: Sizes, work: Path, gpus: int) -> tuple[Path, dic
         num_eval_generations=0,
         packing=True,
         max_tokens=sizes.pretrain_micro_tokens,
+        gradient_accumulation_steps=accumulation,
         max_target_length=256,
         optimizer="adamw",
         bf16_update="kahan",
@@ -388,6 +409,8 @@ def pretrain(prep: dict, sizes: Sizes, work: Path, gpus: int) -> tuple[Path, dic
         warmup_steps=max(1, steps // 20),
         max_steps=steps,
         logging_steps=max(1, steps // 20),
+        resume="auto",
+        save_steps=max(1, steps // 10),
     )
     config = work / "pretrain.yaml"
     config.write_text(yaml.safe_dump(values), encoding="utf-8")
@@ -414,6 +437,7 @@ def pretrain(prep: dict, sizes: Sizes, work: Path, gpus: int) -> tuple[Path, dic
         f"in {info['seconds']:.0f} s: loss {info['first_loss']:.3f} -> {info['last_loss']:.3f}",
         flush=True,
     )
+    done.write_text(json.dumps(info), encoding="utf-8")
     return out, info
 
 
@@ -924,7 +948,11 @@ def main() -> int:
         "--budget-s", type=float, help="start no run after this many seconds (default: 530; --tiny: none)"
     )
     parser.add_argument("--no-exactness", action="store_true", help="skip bench/packing_exact.py")
-    parser.add_argument("--work", help="keep data, models and logs here (default: --out/work)")
+    parser.add_argument(
+        "--work",
+        help="keep data, models and logs here (default: --out/work); a later call with the same --work "
+        "reuses its data and pretrained model, and resumes a pretraining that was stopped",
+    )
     parser.add_argument("--hf-run", help=argparse.SUPPRESS)  # internal: one Hugging Face run's spec
     args = parser.parse_args()
     if args.hf_run:
