@@ -9,7 +9,9 @@ Plain: dcp.save of host tensors the size of XL's checkpoint, then the weights th
 repeated until the generation ends, from a thread of the same process and from another process.
 `--trainer-writer`: trainer.checkpoint.writer's save of the model with Adafactor + Kahan states, as the
 training loop saves (gather, stage into pinned buffers, write in its thread), the whole checkpoint and then
-dcp/ alone (no model.safetensors). Printed: the generation's seconds in each case and the ratio to alone.
+dcp/ alone (no model.safetensors). Printed: the generation's seconds in each case and the ratio to alone; with
+--trainer-writer also the host memory the staged copy page-locks, beside what PyTorch's pinned allocator holds
+for the same buffers.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def trainer_writer(model, device, generation_s, alone: float) -> None:
     states, as the training loop saves: the whole checkpoint, then dcp/ alone."""
     import dataclasses
 
-    from trainer.checkpoint import writer
+    from trainer.checkpoint import store, writer
     from trainer.checkpoint.store import gather_checkpoint
     from trainer.config import TrainConfig
     from trainer.optim import build_optimizer
@@ -159,7 +161,27 @@ def trainer_writer(model, device, generation_s, alone: float) -> None:
                 f"{time.perf_counter() - started:.1f} s",
                 flush=True,
             )
+        if device.type == "cuda":
+            print(host_memory_line(saver._stager, store.state_dicts(model, optimizer)), flush=True)
         saver.close()
+
+
+def host_memory_line(stager, dcp_state: dict) -> str:
+    """The page-locked host memory the stager holds for the checkpoint's tensors, and what PyTorch's pinned
+    allocator holds for buffers of the same shapes (measured: they are allocated, then freed)."""
+    from trainer.checkpoint.writer import _skeleton, tensor_bytes
+
+    locked = sum(b.untyped_storage().nbytes() for b in stager._buffers if b.is_pinned())
+    stats = torch.cuda.host_memory_stats
+    before = stats().get("allocated_bytes.current", 0)
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in _skeleton(dcp_state)[1]]
+    by_allocator = stats().get("allocated_bytes.current", 0) - before
+    del pinned
+    gib, needed = 2**30, tensor_bytes(dcp_state)
+    return (
+        f"host memory of the staged copy: {locked / gib:.2f} GiB page-locked for {needed / gib:.2f} GiB of "
+        f"tensors; PyTorch's pinned allocator holds {by_allocator / gib:.2f} GiB for the same buffers"
+    )
 
 
 def _untied(weights: dict) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -271,21 +272,24 @@ def test_without_host_memory_for_the_copy_saves_stay_in_the_loop():
     assert background_saves(10 * gib, None) is None  # unknown: the copy is tried
     shared = torch.zeros(256)
     assert (
-        tensor_bytes({"a": shared, "b": shared, "c": [torch.zeros(8, dtype=torch.float16)], "n": 3}) == 1040
+        tensor_bytes({"a": shared, "b": shared.detach(), "c": [torch.zeros(8, dtype=torch.float16)], "n": 3})
+        == 1040
     )
 
 
 def test_staging_copies_the_tensors_to_host_memory_again_at_every_save_into_the_same_buffers():
-    """What a background save copies: every tensor into host memory once (a tensor met twice stays one
-    tensor), the other values as they were (a NumPy scalar among them: torch 2.11's own stager failed on
-    such states at the second save). The next save copies its step's values into the same buffers."""
+    """What a background save copies: every tensor into host memory once (a tied weight, one view under two
+    names, stays one tensor), the other values as they were (a NumPy scalar among them: torch 2.11's own
+    stager failed on such states at the second save). The next save copies its step's values into the same
+    buffers."""
     import numpy as np
 
     from trainer.checkpoint.writer import HostStager
 
     shared = torch.arange(6.0)
     state = {
-        "model": {"shared.weight": shared, "lm_head.weight": shared},
+        # a model's state dict holds a tied weight as one view per name
+        "model": {"shared.weight": shared, "lm_head.weight": shared.detach(), "head": shared[:3]},
         "optim": {
             "state": {"w": {"step": 3, "exp_avg": torch.ones(4)}},
             "param_groups": [{"lr": np.float64(2.5e-4), "eps": (1e-30, 1e-3), "params": ["w"]}],
@@ -296,6 +300,7 @@ def test_staging_copies_the_tensors_to_host_memory_again_at_every_save_into_the_
     shared.add_(1.0)  # the next step changes the weights: the staged copy keeps this step's
     assert torch.equal(staged["model"]["shared.weight"], torch.arange(6.0))
     assert staged["model"]["shared.weight"] is staged["model"]["lm_head.weight"]
+    assert torch.equal(staged["model"]["head"], torch.arange(3.0))  # another view: its own copy
     group = staged["optim"]["param_groups"][0]
     assert group["lr"] == 2.5e-4 and group["eps"] == (1e-30, 1e-3) and group["params"] == ["w"]
     assert staged["optim"]["state"]["w"]["step"] == 3
@@ -305,3 +310,42 @@ def test_staging_copies_the_tensors_to_host_memory_again_at_every_save_into_the_
     assert torch.equal(again["model"]["shared.weight"], torch.arange(6.0) + 1.0)
     assert again["model"]["shared.weight"].data_ptr() == staged["model"]["shared.weight"].data_ptr()
     assert again["model"]["shared.weight"].data_ptr() != shared.data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked buffers need a GPU")
+def test_a_gpu_state_is_staged_into_page_locked_buffers_of_exactly_its_size():
+    """XL's staged copy is ~10 GB of page-locked host memory: each buffer is its tensor's size (PyTorch's
+    pinned allocator would round each up to a power of two, ~14 GB), page-locked (the copies run at the bus's
+    speed), kept from one save to the next, and given back when the stager closes (then made again)."""
+    from trainer.checkpoint.writer import HostStager
+
+    def state():
+        return {
+            "model": OrderedDict(w=torch.randn(3, 1000, device="cuda", dtype=torch.bfloat16)),
+            "optim": {"v": torch.randn(5 << 20, device="cuda"), "empty": torch.zeros(0, device="cuda")},
+        }
+
+    gpu = state()
+    held_before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    stager = HostStager()
+    stager.reserve(gpu)
+    staged = stager.stage(gpu)
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == held_before
+    for copy, original in (
+        (staged["model"]["w"], gpu["model"]["w"]),
+        (staged["optim"]["v"], gpu["optim"]["v"]),
+    ):
+        assert copy.device.type == "cpu" and copy.is_pinned() and torch.equal(copy, original.cpu())
+        assert copy.untyped_storage().nbytes() == original.numel() * original.element_size()
+    assert staged["optim"]["empty"].numel() == 0
+    gpu["model"]["w"].add_(1.0)
+    again = stager.stage(gpu)
+    assert again["model"]["w"].data_ptr() == staged["model"]["w"].data_ptr()
+    assert torch.equal(again["model"]["w"], gpu["model"]["w"].cpu())
+    stager.close()
+    assert not staged["model"]["w"].is_pinned()  # unregistered: the memory is ordinary again
+    another = HostStager()
+    copy = another.stage(gpu)["optim"]["v"]
+    assert copy.is_pinned()  # pages given back can be locked again
+    del another  # a stager dropped without close() unregisters its buffers too
+    assert not copy.is_pinned() and torch.equal(copy, gpu["optim"]["v"].cpu())

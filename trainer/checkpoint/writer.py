@@ -2,7 +2,7 @@
 
 A checkpoint of FLAN-T5-XL is ~17 GB (the weights twice, the Kahan buffer, the optimizer's states); written in
 the loop it stopped training for ~30 s. Here `save` takes the contents of a step boundary
-(trainer.checkpoint.store.gather_checkpoint), copies their tensors into host memory (`HostStager`: pinned
+(trainer.checkpoint.store.gather_checkpoint), copies their tensors into host memory (`HostStager`: page-locked
 buffers kept from one save to the next, non-blocking copies and one wait for the GPU) and returns; a daemon
 thread writes the copy (trainer.checkpoint.store.write_checkpoint: the temporary directory, the completion
 marker last, the rename) while the next steps train. Under torchrun every rank stages and writes its own part,
@@ -24,11 +24,14 @@ it).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import mmap
 import shutil
 import threading
 import time
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -53,27 +56,9 @@ class Written:
 
 
 def tensor_bytes(state) -> int:
-    """The bytes of the tensors in a (nested) state dict, each storage once (tied weights share one)."""
-    seen: set[int] = set()
-    total = 0
-
-    def visit(value) -> None:
-        nonlocal total
-        if isinstance(value, torch.Tensor):
-            local = value.to_local() if hasattr(value, "to_local") else value
-            key = local.untyped_storage().data_ptr() if local.device.type != "meta" else id(local)
-            if key not in seen:
-                seen.add(key)
-                total += local.numel() * local.element_size()
-        elif isinstance(value, dict):
-            for v in value.values():
-                visit(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
-
-    visit(state)
-    return total
+    """The bytes of the tensors in a (nested) state dict as a staged copy holds them: each tensor once (tied
+    weights, the same view under several names, are one)."""
+    return sum(_local(t).numel() * _local(t).element_size() for t in _skeleton(state)[1])
 
 
 def background_saves(needed_bytes: int, available_bytes: int | None) -> str | None:
@@ -100,27 +85,26 @@ def available_host_bytes() -> int | None:
 
 
 class HostStager:
-    """Copies of a state's tensors in host memory, in buffers kept from one save to the next (pinned where
-    the tensors are on a GPU: the copies run at the bus's speed, and XL's ~11 GB of pinned memory is not
-    allocated again at every save). FSDP's DTensors are copied as their local shards and come back as
+    """Copies of a state's tensors in host memory, in buffers kept from one save to the next (page-locked
+    where the tensors are on a GPU: the copies run at the bus's speed, and XL's ~10 GB of page-locked memory
+    is not allocated again at every save). FSDP's DTensors are copied as their local shards and come back as
     DTensors.
 
     Not PyTorch's own stager (torch.distributed.checkpoint.staging.DefaultStager): torch 2.11's fails at
     every save after the first (a KeyError on `dict`, seen on a GPU machine), and the copy is simple enough
-    to own."""
+    to own. Nor PyTorch's pinned allocator (`pin_memory=True`): it rounds every block up to a power of two,
+    which would page-lock ~14 GB for XL's 10."""
 
     def __init__(self):
         self._buffers: list[torch.Tensor] = []
+        self._locked: dict[int, int] = {}  # buffer index -> the address registered with CUDA
+        weakref.finalize(self, _unlock, self._locked)
 
     def reserve(self, state: dict) -> None:
         """Allocate the buffers `stage` copies a state of this structure into, copying nothing."""
-        from torch.distributed.tensor import DTensor
-
-        try:
-            for i, tensor in enumerate(_skeleton(state)[1]):
-                self._buffer(i, tensor.to_local() if isinstance(tensor, DTensor) else tensor)
-        except (TypeError, RuntimeError):
-            pass  # pinned memory refused: `stage` allocates what is missing, and says so if it fails again
+        # Page-locking refused: `stage` allocates what is missing, and says so if it fails again.
+        with contextlib.suppress(TypeError, RuntimeError):
+            self._fit(_skeleton(state)[1])
 
     def stage(self, state: dict) -> dict:
         """`state` with each tensor copied into host memory (a tensor met twice: one copy) and everything
@@ -129,11 +113,11 @@ class HostStager:
         from torch.distributed.tensor import DTensor
 
         skeleton, tensors = _skeleton(state)
+        self._fit(tensors)
         copies, on_gpu = [], False
         for i, tensor in enumerate(tensors):
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local, buffer = _local(tensor), self._buffers[i]
             on_gpu = on_gpu or local.is_cuda
-            buffer = self._buffer(i, local)
             buffer.copy_(local, non_blocking=local.is_cuda)
             if isinstance(tensor, DTensor):
                 # Its spec around the host copy, as PyTorch's stager does (DTensor.from_local would move the
@@ -154,21 +138,85 @@ class HostStager:
 
         return fill(skeleton)
 
-    def _buffer(self, i: int, like: torch.Tensor) -> torch.Tensor:
-        """The i-th kept buffer, made anew when it does not fit `like` (the first save, a new shape)."""
-        if i < len(self._buffers):
-            kept = self._buffers[i]
-            if kept.shape == like.shape and kept.dtype == like.dtype:
-                return kept
-        buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
-        if i < len(self._buffers):
-            self._buffers[i] = buffer
-        else:
-            self._buffers.append(buffer)
-        return buffer
+    def _fit(self, tensors: list[torch.Tensor]) -> None:
+        """Buffers for `tensors`, made anew where none fits (the first save, a new shape). Page-locking runs
+        on a thread of its own: a refused cudaHostRegister stays the calling thread's last CUDA error, which
+        that thread's next kernel launch would raise."""
+        locals_ = [_local(t) for t in tensors]
+        missing = [
+            i
+            for i, like in enumerate(locals_)
+            if i >= len(self._buffers)
+            or self._buffers[i].shape != like.shape
+            or self._buffers[i].dtype != like.dtype
+        ]
+        if not missing:
+            return
+        failed: list[BaseException] = []
+
+        def make() -> None:
+            try:
+                for i in missing:
+                    if i in self._locked:
+                        _unlock({i: self._locked.pop(i)})
+                    buffer = _host_buffer(locals_[i])
+                    if locals_[i].is_cuda and buffer.numel():
+                        self._locked[i] = buffer.data_ptr()
+                    if i < len(self._buffers):
+                        self._buffers[i] = buffer
+                    else:
+                        self._buffers.append(buffer)
+            except BaseException as e:
+                failed.append(e)
+
+        maker = threading.Thread(target=make, name="checkpoint-buffers", daemon=True)
+        maker.start()
+        maker.join()
+        if failed:
+            raise failed[0]
 
     def close(self) -> None:
+        _unlock(self._locked)
         self._buffers = []
+
+
+def _view(tensor: torch.Tensor) -> object:
+    """What makes two tensors the same data: a model's state dict holds a tied weight as a tensor per name,
+    each a view of one storage."""
+    local = _local(tensor)
+    if local.device.type == "meta" or local.numel() == 0:
+        return id(tensor)
+    storage = local.untyped_storage().data_ptr()
+    return (local.device, storage, local.storage_offset(), local.shape, local.stride(), local.dtype)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor shaped as `like`; where `like` is on a GPU, page-locked memory of exactly its
+    size: an anonymous mapping of its own (no other buffer shares its pages) registered with CUDA."""
+    nbytes = like.numel() * like.element_size()
+    if not like.is_cuda or nbytes == 0:
+        return torch.empty(like.shape, dtype=like.dtype)
+    buffer = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=like.dtype).view(like.shape)
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+    if error != cudart.cudaError.success:
+        raise RuntimeError(
+            f"page-locking {nbytes:,} bytes of host memory: {cudart.cudaGetErrorString(error)}"
+        )
+    return buffer
+
+
+def _unlock(locked: dict[int, int]) -> None:
+    """Unregister the page-locked buffers in `locked` from CUDA (before their memory is unmapped)."""
+    for address in locked.values():
+        torch.cuda.cudart().cudaHostUnregister(address)
+    locked.clear()
 
 
 @dataclass(frozen=True)
@@ -178,16 +226,17 @@ class _TensorSlot:
 
 def _skeleton(state: dict) -> tuple[dict, list[torch.Tensor]]:
     """`state` with each tensor replaced by its slot in the list of its tensors (in order of first
-    appearance, a tensor met twice once) and everything else deep-copied; and that list."""
+    appearance, the same data met twice once: `_view`) and everything else deep-copied; and that list."""
     tensors: list[torch.Tensor] = []
-    index: dict[int, int] = {}
+    index: dict[object, int] = {}
 
     def strip(x):
         if isinstance(x, torch.Tensor):
-            if id(x) not in index:
-                index[id(x)] = len(tensors)
+            key = _view(x)
+            if key not in index:
+                index[key] = len(tensors)
                 tensors.append(x)
-            return _TensorSlot(index[id(x)])
+            return _TensorSlot(index[key])
         if isinstance(x, dict):  # a model's state dict is an OrderedDict
             return type(x)((k, strip(v)) for k, v in x.items())
         if type(x) in (list, tuple):
@@ -220,9 +269,9 @@ class CheckpointWriter:
 
     def reserve(self, dcp_state: dict) -> None:
         """Allocate the host buffers the first background save copies `dcp_state` (the model's and the
-        optimizer's state dicts, as they will be saved) into, in a thread beside training: ~11 GB of pinned
-        memory takes seconds, which the first save would otherwise pause for. Nothing where host memory is
-        short (the first save decides, and says so)."""
+        optimizer's state dicts, as they will be saved) into, in a thread beside training: page-locking ~10 GB
+        takes seconds, which the first save would otherwise pause for. Nothing where host memory is short (the
+        first save decides, and says so)."""
         if not self.wants_buffers:
             return
         if background_saves(tensor_bytes(dcp_state), available_host_bytes()) is not None:
@@ -278,7 +327,7 @@ class CheckpointWriter:
     def _stage(self, contents: CheckpointContents) -> CheckpointContents | None:
         """`contents` with every tensor copied into host memory (the weights for model.safetensors are the
         same copy as dcp/'s model state, or already in host memory: FSDP's gathered); None, said once, where
-        the copy fails (pinned memory refused): saves stay in the loop."""
+        the copy fails (page-locking refused): saves stay in the loop."""
         try:
             if self._stager is None:
                 self._stager = HostStager()
