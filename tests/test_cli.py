@@ -225,6 +225,15 @@ def test_hugging_face_style_flags_are_config_overrides(capsys):
         "--set",
         "seed=3",
     ]
+    several = ["train", "--config", "c.yaml", "--report_to", "wandb", "tensorboard", "--max_steps", "-1"]
+    assert config_flags_as_overrides(several) == [
+        "train", "--config", "c.yaml", "--set", 'report_to=["wandb", "tensorboard"]', "--set", "max_steps=-1",
+    ]  # fmt: skip
+    expanded = ["train", "--train_files", "a.csv", "*.jsonl", "--eval_fraction", "0.1", "0.2", "--dry-run"]
+    assert config_flags_as_overrides(expanded) == [
+        "train", "--set", 'train_files=["a.csv", "*.jsonl"]', "--set", "eval_fraction=[0.1, 0.2]",
+        "--dry-run",
+    ]  # fmt: skip
     generate = ["generate", "--model", "m", "--num_beams", "4"]
     assert config_flags_as_overrides(generate) == generate
     preset = "configs/flan-t5-xl-rtx5090.yaml"
@@ -232,6 +241,9 @@ def test_hugging_face_style_flags_are_config_overrides(capsys):
         cli_main(["plan", "--config", preset, "--max_tokens", "4096", "--bf16", "--gpu-memory", "32GiB"]) == 0
     )
     assert "token budget 4096" in capsys.readouterr().out
+    hf = ["--report_to", "wandb", "tensorboard", "--save_strategy", "steps", "--eval_strategy", "epoch"]
+    assert cli_main(["plan", "--config", preset, *hf, "--gpu-memory", "32GiB"]) == 0
+    capsys.readouterr()
     assert cli_main(["plan", "--config", preset, "--lerning_rate", "1e-4"]) == 2
     err = capsys.readouterr().err
     assert "--set lerning_rate=1e-4: unknown config key 'lerning_rate' (did you mean 'learning_rate'?)" in err

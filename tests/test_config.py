@@ -222,10 +222,13 @@ def test_hugging_face_names_without_a_counterpart_are_one_line_naming_the_key(tm
     assert str(refused.value).startswith(
         "--set fp16=true: fp16 True is not supported: T5's activations overflow fp16's range (65504)"
     )
-    with pytest.raises(
-        ConfigError, match="^--set eval_strategy=steps: 'eval_strategy' is Hugging Face's name"
-    ):
-        TrainConfig.load(None, ["eval_strategy=steps"])
+    with pytest.raises(ConfigError) as no_checkpoints:
+        TrainConfig.load(None, ["save_strategy=no"])
+    assert str(no_checkpoints.value).startswith(
+        "--set save_strategy=no: save_strategy False has no counterpart here: a run always saves"
+    )  # YAML reads a bare no as false; the line names what was typed
+    with pytest.raises(ConfigError, match=r"eval_fraction: 0 and no eval_files\); this trainer's key is"):
+        TrainConfig.load(None, ["evaluation_strategy=no"])
     config = tmp_path / "hf.yaml"
     config.write_text("max_steps: 10\noptim: lion_32bit\n")
     with pytest.raises(ConfigError) as no_such_optimizer:
@@ -270,21 +273,44 @@ def test_hugging_face_names_without_a_counterpart_are_one_line_naming_the_key(tm
         ("base_model=google/flan-t5-base", "model_name_or_path", "google/flan-t5-base"),
         ("lr_scheduler=cosine", "lr_scheduler_type", "cosine"),
         ("r=8", "lora_r", 8),  # PEFT's
+        ("save_strategy=steps", "save_steps", 500),  # asks for what is so anyway
+        ("eval_strategy=epoch", "eval_steps", "epoch"),
+        ("evaluation_strategy=epoch", "eval_steps", "epoch"),  # transformers 4's name
+        ("logging_strategy=epoch", "logging_steps", "epoch"),
     ],
 )
 def test_what_hugging_face_and_axolotl_users_write_is_taken(override, key, value):
     assert getattr(TrainConfig.load(None, [override]), key) == value
 
 
+def test_a_hugging_face_config_with_its_strategies_and_steps_loads(tmp_path):
+    """The lines a Seq2SeqTrainingArguments YAML holds: `*_strategy: steps` beside the `*_steps` they read."""
+    config = tmp_path / "hf.yaml"
+    config.write_text(
+        "eval_strategy: steps\neval_steps: 200\nsave_strategy: steps\nsave_steps: 400\nlogging_strategy: "
+        "steps\nlogging_steps: 50\n"
+    )
+    cfg = TrainConfig.load(config)
+    assert (cfg.eval_steps, cfg.save_steps, cfg.logging_steps) == (200, 400, 50)
+    config.write_text("save_strategy: epoch\nsave_steps: 400\n")  # HF would ignore save_steps: say so
+    with pytest.raises(
+        ConfigError, match=f"^{config}:1 and {config}:2: 'save_strategy' is Hugging Face's name"
+    ):
+        TrainConfig.load(config)
+
+
 def test_ratios_of_the_run_and_lightning_durations_resolve():
     cfg = TrainConfig.load(
         None, ["save_steps=0.1", "eval_steps=0.25", "logging_steps=7", "max_time=00:12:00:00"]
     )
-    assert cfg.every("save_steps", 1000) == 100 and cfg.every("save_steps", 15) == 2  # rounded up
-    assert cfg.every("eval_steps", 10) == 3 and cfg.every("logging_steps", 10) == 7
+    assert cfg.every("save_steps", 1000, 500.0) == 100 and cfg.every("save_steps", 15, 5.0) == 2  # rounded up
+    assert cfg.every("eval_steps", 10, 5.0) == 3 and cfg.every("logging_steps", 10, 5.0) == 7
+    by_epoch = TrainConfig.load(None, ["save_steps=epoch", "eval_steps=epoch"])
+    assert by_epoch.every("save_steps", 3000, 1000.4) == 1000 and by_epoch.every("eval_steps", 3, 0.3) == 1
     assert cfg.max_time_s == 12 * 3600 and TrainConfig.load(None, ["max_time=01:30:00"]).max_time_s == 5400
     with pytest.raises(
-        ConfigError, match="save_steps must be a whole number of steps >= 1, or below 1 a ratio"
+        ConfigError,
+        match="save_steps must be a whole number of steps >= 1, below 1 a ratio of the run's steps, or epoch",
     ):
         TrainConfig.load(None, ["save_steps=2.5"])
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
+import json
 import logging
 import os
 import re
@@ -12,6 +14,8 @@ import shutil
 import sys
 import textwrap
 import typing
+
+import yaml
 
 DESCRIPTION = """\
 Fine-tune FLAN-T5 on recipe files (RecipeNLG CSV, Food.com CSV, JSONL, Parquet, Arrow) or Hugging Face
@@ -75,10 +79,10 @@ CONFIG_COMMANDS = {
 
 
 def config_flags_as_overrides(argv: list[str]) -> list[str]:
-    """HfArgumentParser's `--learning_rate 1e-4`, `--learning_rate=1e-4` and `--bf16` (a flag alone: true)
-    after `trainer train` or `trainer plan`, as `--set learning_rate=1e-4`: any `--name` that is not one of
-    the subcommand's own options names a config key (an unknown one is then a config error with its
-    suggestion)."""
+    """HfArgumentParser's `--learning_rate 1e-4`, `--learning_rate=1e-4`, `--bf16` (a flag alone: true) and
+    `--report_to wandb tensorboard` (several words: a list) after `trainer train` or `trainer plan`, as `--set
+    learning_rate=1e-4`: any `--name` that is not one of the subcommand's own options names a config key (an
+    unknown one is then a config error with its suggestion)."""
     at = next((i for i, w in enumerate(argv) if not w.startswith("-")), None)
     own = CONFIG_COMMANDS.get(argv[at]) if at is not None else None
     if own is None:
@@ -97,14 +101,29 @@ def config_flags_as_overrides(argv: list[str]) -> list[str]:
             continue
         key = name[2:].replace("-", "_")
         if not eq:
-            following = argv[i + 1] if i + 1 < len(argv) else None
-            if following is None or following.startswith("--"):
-                value = "true"  # a flag alone, as HfArgumentParser reads a bool
-            else:
-                value = following
+            # The words up to the next option: none is a flag alone (true, as HfArgumentParser reads a bool);
+            # several are a list (`--report_to wandb tensorboard`, `--train_files data/*.csv` as the shell
+            # expands it).
+            following = list(itertools.takewhile(lambda w: not w.startswith("--"), argv[i + 1 :]))
+            for _ in following:
                 next(words, None)
+            if not following:
+                value = "true"
+            elif len(following) == 1:
+                value = following[0]
+            else:
+                value = json.dumps([_scalar(w) for w in following])
         out += ["--set", f"{key}={value}"]
     return out
+
+
+def _scalar(word: str):
+    """A word as the YAML scalar it reads as (a number, true, ...), or the word itself."""
+    try:
+        value = yaml.safe_load(word)
+    except yaml.YAMLError:  # `*.csv` reads as an alias
+        return word
+    return value if isinstance(value, (int, float, bool, str)) else word
 
 
 def _type_name(hint) -> str:
@@ -219,8 +238,9 @@ def config_keys_markdown() -> str:
         "key for: taken as its key where the meaning is the same, else refused with a line saying what to "
         "do. Their values are taken in Hugging Face's forms too: `report_to: [wandb]` or `all`, "
         "`save_total_limit: null` (keep all), `save_steps`, `eval_steps` and `logging_steps` below 1 (a "
-        "ratio of the run's steps), `max_time: 00:12:00:00` (Lightning's), `optimizer: adamw_torch_fused` "
-        "(`optim`'s names); and `trainer train --KEY VALUE` as HfArgumentParser reads it.",
+        "ratio of the run's steps) or `epoch` (`save_strategy: epoch`), `max_time: 00:12:00:00` "
+        "(Lightning's), `optimizer: adamw_torch_fused` (`optim`'s names); and `trainer train --KEY VALUE` as "
+        "HfArgumentParser reads it, several words a list (`--report_to wandb tensorboard`).",
         "",
         "| name | here |",
         "|---|---|",

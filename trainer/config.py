@@ -269,17 +269,20 @@ class TrainConfig:
 
     # --- logging, evaluation, checkpoints ---
     output_dir: str = _key("outputs/run", "Checkpoints, final/, the train log and the run summary go here.")
-    logging_steps: int | float = _key(
+    logging_steps: int | float | Literal["epoch"] = _key(
         10,
-        "Log loss, learning rate, tokens/s and memory every N optimizer steps (below 1: a ratio of the run).",
+        "Log loss, learning rate, tokens/s and memory every N optimizer steps (below 1: a ratio of the run; "
+        "epoch: once an epoch).",
     )
-    eval_steps: int | float = _key(
-        500, "Evaluate every N optimizer steps (below 1: a ratio of the run's steps), and at the last one."
-    )
-    save_steps: int | float = _key(
+    eval_steps: int | float | Literal["epoch"] = _key(
         500,
-        "Save a checkpoint every N optimizer steps (below 1: a ratio of the run's steps), and at the last "
-        "one.",
+        "Evaluate every N optimizer steps (below 1: a ratio of the run's steps; epoch: at each epoch's end), "
+        "and at the last one.",
+    )
+    save_steps: int | float | Literal["epoch"] = _key(
+        500,
+        "Save a checkpoint every N optimizer steps (below 1: a ratio of the run's steps; epoch: at each "
+        "epoch's end), and at the last one.",
     )
     save_total_limit: int = _key(
         3, "Keep the newest N checkpoints (the best one is kept too); 0 or null: all."
@@ -392,10 +395,10 @@ class TrainConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in ("logging_steps", "eval_steps", "save_steps"):
             value = getattr(self, name)
-            if not (0 < value < 1 or (value >= 1 and value == int(value))):
+            if value != "epoch" and not (0 < value < 1 or (value >= 1 and value == int(value))):
                 raise ConfigError(
-                    f"{name} must be a whole number of steps >= 1, or below 1 a ratio of the run's steps, "
-                    f"got {value}",
+                    f"{name} must be a whole number of steps >= 1, below 1 a ratio of the run's steps, or "
+                    f"epoch, got {value}",
                     key=name,
                 )
         at_least = {
@@ -498,10 +501,12 @@ class TrainConfig:
     def hub_upload_timeout_s(self) -> float:
         return parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
 
-    def every(self, name: str, total_steps: int) -> int:
+    def every(self, name: str, total_steps: int, steps_per_epoch: float) -> int:
         """`logging_steps`, `eval_steps` or `save_steps` in optimizer steps: below 1, that ratio of
-        `total_steps` rounded up, as transformers reads it."""
+        `total_steps` rounded up, as transformers reads it; epoch: an epoch's steps, rounded."""
         value = getattr(self, name)
+        if value == "epoch":
+            return max(1, round(steps_per_epoch))
         return max(1, math.ceil(value * total_steps)) if value < 1 else int(value)
 
     @property
@@ -759,6 +764,22 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _hf_strategy(off: str) -> typing.Callable[[Any], Any]:
+    """Hugging Face's `*_strategy` values as the matching `*_steps` key's: "steps" asks for nothing (that key
+    says how many), "epoch" is its epoch; `off` says what stands for "no" here."""
+
+    def convert(value: Any) -> Any:
+        if value == "steps":
+            return DROPPED
+        if value == "epoch":
+            return "epoch"
+        if value is False or value in ("no", "best"):  # YAML reads a bare `no` as false
+            raise ValueError(f"has no counterpart here: {off}")
+        raise ValueError("is not one of steps, epoch, no")
+
+    return convert
+
+
 def _hf_resume(value: Any) -> Any:
     if value is True:
         return "auto"
@@ -821,8 +842,31 @@ HF_NAMES: dict[str, HfName] = {
     "lr_scheduler": HfName("lr_scheduler_type", "transformers' schedule names", _same, "axolotl's name"),
     "r": HfName("lora_r", "LoRA's rank", _same, "PEFT's LoraConfig name"),
     "target_modules": HfName("lora_target_modules", "the projections LoRA adapts", _same, "PEFT's name"),
-    "eval_strategy": HfName("eval_steps", "evaluations every N optimizer steps and at the last one"),
-    "save_strategy": HfName("save_steps", "checkpoints every N optimizer steps and at the last one"),
+    **{
+        name: HfName(
+            "eval_steps",
+            "evaluations every N optimizer steps or every epoch, and at the last one",
+            _hf_strategy("evaluations are off when nothing is held out (eval_fraction: 0 and no eval_files)"),
+            "steps as nothing to set, eval_steps says how many; epoch as eval_steps: epoch; no is refused",
+        )
+        for name in ("eval_strategy", "evaluation_strategy")  # transformers 5's name and the older one
+    },
+    "save_strategy": HfName(
+        "save_steps",
+        "checkpoints every N optimizer steps or every epoch, and at the last one",
+        _hf_strategy(
+            "a run always saves (resuming and the best model come from checkpoints): every save_steps and at "
+            "the last step, the best one kept beside the newest save_total_limit"
+        ),
+        "steps as nothing to set, save_steps says how many; epoch as save_steps: epoch; no and best are "
+        "refused",
+    ),
+    "logging_strategy": HfName(
+        "logging_steps",
+        "train-log rows every N optimizer steps or every epoch",
+        _hf_strategy("the loop logs every logging_steps"),
+        "steps as nothing to set, logging_steps says how many; epoch as logging_steps: epoch; no is refused",
+    ),
     "per_device_eval_batch_size": HfName(
         "eval_max_batches", "evaluation batches are sized by the memory plan; this bounds how many"
     ),
@@ -865,17 +909,17 @@ def _take_hf_names(values: dict[str, Any], sources: dict[str, str], source: str)
             raise ConfigError(
                 f"{where}: {name!r} is Hugging Face's name; this trainer's key is {hf.key!r} ({hf.hint})"
             )
-        if hf.key in values:
-            raise ConfigError(
-                f"{where} and {sources.get(hf.key, source)}: {name!r} is Hugging Face's name for {hf.key!r} "
-                f"({hf.hint}): set one of them"
-            )
         try:
             taken[name] = (hf.key, hf.convert(value))
         except ValueError as e:
             raise ConfigError(
                 f"{where}: {name} {value!r} {e}; this trainer's key is {hf.key!r} ({hf.hint})"
             ) from None
+        if hf.key in values and taken[name][1] is not DROPPED:  # `save_strategy: steps` beside save_steps
+            raise ConfigError(
+                f"{where} and {sources.get(hf.key, source)}: {name!r} is Hugging Face's name for {hf.key!r} "
+                f"({hf.hint}): set one of them"
+            )
     out = {k: v for k, v in values.items() if k not in taken}
     for name, (key, value) in taken.items():
         if value is DROPPED:

@@ -266,7 +266,11 @@ def start_train_log(cfg: TrainConfig, output_dir: Path, resume_from: Path | None
 
 
 def warn_if_the_disk_is_small(
-    cfg: TrainConfig, output_dir: Path, model_files: ModelFiles | None, total_steps: int
+    cfg: TrainConfig,
+    output_dir: Path,
+    model_files: ModelFiles | None,
+    total_steps: int,
+    steps_per_epoch: float,
 ) -> None:
     """Warn at start when output_dir's disk cannot hold the checkpoints the run keeps: the newest
     checkpoint's size, else an estimate from the parameter count."""
@@ -284,7 +288,7 @@ def warn_if_the_disk_is_small(
         weight_bytes = 2 if dtype == "bfloat16" else 4
         per_param = checkpoint_bytes_per_param(cfg.optimizer, weight_bytes, cfg.bf16_update)
         one = disk.estimate_checkpoint_bytes(n_params, weight_bytes, per_param)
-    planned_saves = math.ceil(total_steps / cfg.every("save_steps", total_steps))
+    planned_saves = math.ceil(total_steps / cfg.every("save_steps", total_steps, steps_per_epoch))
     warning = ckpt.free_space_warning(output_dir, one, cfg.save_total_limit, planned_saves)
     if warning:
         log.warning("%s", warning)

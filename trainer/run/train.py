@@ -182,7 +182,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             state.schedule_horizon = resumed_schedule_horizon(cfg, data.total_steps, state)
         if rank == 0:
             start_train_log(cfg, output_dir, resume_from, state)
-            warn_if_the_disk_is_small(cfg, output_dir, model_files, data.total_steps)
+            warn_if_the_disk_is_small(cfg, output_dir, model_files, data.total_steps, data.steps_per_epoch)
         log_time_budget(cfg, state)
 
         reporter = exits.enter_context(start_reporting(cfg, data, state, output_dir, is_main=rank == 0))
@@ -278,6 +278,10 @@ def loop(run: Run, state: RunState) -> EvalResult | None:
 def train_steps(run: Run, state: RunState) -> EvalResult | None:
     cfg, data = run.cfg, run.data
     empty_cache = memory.EmptyCacheSchedule(cfg.empty_cache_steps)
+    log_every, eval_every, save_every = (
+        cfg.every(key, data.total_steps, data.steps_per_epoch)
+        for key in ("logging_steps", "eval_steps", "save_steps")
+    )
     batches = loader_batches(data.train_stream, state.loader)
     upcoming: StepBatches | None = None  # the next step's, read while the GPU finishes this one
     last_eval, evaluated_at = None, None
@@ -371,7 +375,7 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
         if state.consecutive_nan >= cfg.max_consecutive_nan_steps:
             stop_for_nan(run, state)
         run.progress.advance()
-        if run.meter.should_log(state.step, cfg.every("logging_steps", data.total_steps)):
+        if run.meter.should_log(state.step, log_every):
             logged = run.meter.log_window(
                 state.step, loss=loss, lr=lr, grad_norm=grad_norm, memory=memory.gpu_memory(run.device)
             )
@@ -381,15 +385,13 @@ def train_steps(run: Run, state: RunState) -> EvalResult | None:
         # evaluations come first, as in Seq2SeqTrainer: the checkpoint of their step holds their result (the
         # best so far, the early-stopping count); an evaluation that fails saves the step on its way out.
         last_step = state.step == data.total_steps
-        at_eval = data.eval_stream is not None and (
-            state.step % cfg.every("eval_steps", data.total_steps) == 0 or last_step
-        )
+        at_eval = data.eval_stream is not None and (state.step % eval_every == 0 or last_step)
         if last_step and at_eval and cfg.save_final and state.saved_step != state.step:
             save(run, state)
         if at_eval:
             last_eval, evaluated_at = evaluate_and_track(run, state), state.step
             empty_cache.after_evaluation()
-        if state.step % cfg.every("save_steps", data.total_steps) == 0 and state.saved_step != state.step:
+        if state.step % save_every == 0 and state.saved_step != state.step:
             save(run, state)
         if state.early_stopping_due(cfg.early_stopping_patience):  # the same on every rank
             break
