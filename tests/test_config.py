@@ -283,6 +283,18 @@ def test_what_hugging_face_and_axolotl_users_write_is_taken(override, key, value
     assert getattr(TrainConfig.load(None, [override]), key) == value
 
 
+def test_the_lines_every_seq2seq_training_arguments_file_holds_ask_for_what_is_so(tmp_path):
+    config = tmp_path / "hf.yaml"
+    config.write_text(
+        "do_train: true\ndo_eval: true\ndo_predict: false\nsave_safetensors: true\n"
+        "overwrite_output_dir: false\nadafactor: false\ndisable_tqdm: false\n"
+    )
+    assert TrainConfig.load(config) == TrainConfig.load(None)
+    config.write_text("overwrite_output_dir: true\ndisable_tqdm: true\nadafactor: true\n")
+    cfg = TrainConfig.load(config)
+    assert (cfg.resume, cfg.progress_bar, cfg.optimizer) == ("never", False, "adafactor")
+
+
 def test_a_hugging_face_config_with_its_strategies_and_steps_loads(tmp_path):
     """The lines a Seq2SeqTrainingArguments YAML holds: `*_strategy: steps` beside the `*_steps` they read."""
     config = tmp_path / "hf.yaml"
@@ -329,6 +341,12 @@ def test_ratios_of_the_run_and_lightning_durations_resolve():
         ("load_in_4bit=true", "'load_in_4bit' is not a key here: not supported: no quantized base (QLoRA)"),
         ("sequence_len=512", "an encoder-decoder has two lengths: max_source_length and max_target_length"),
         ("report_to=[wandb, comet_ml]", "report_to 'comet_ml' is not supported: wandb (WANDB_MODE=offline"),
+        ("overwrite_output_dir=maybe", "this trainer's key is 'resume'"),
+        ("per_device_eval_batch_size=8", "evaluation batches are sized by the memory plan"),
+        ("save_safetensors=false", "a checkpoint's weights are always model.safetensors"),  # was: save_steps?
+        ("eval_accumulation_steps=4", "an evaluation keeps only sums on the GPU"),  # was: gradient_accum...?
+        ("do_train=false", "`trainer train` always trains"),
+        ("label_smoothing_factor=0.1", "not supported: the loss is plain cross-entropy"),
     ],
 )
 def test_names_known_elsewhere_get_their_own_answer_not_the_nearest_spelling(override, answer):

@@ -635,8 +635,11 @@ class TrainConfig:
         for key, value in values.items():
             where = sources.get(key, source)
             if key not in names:
-                if key in ANSWERS:
-                    raise ConfigError(f"{where}: {key!r} is not a key here: {ANSWERS[key]}")
+                if key in ALREADY_SO and value is ALREADY_SO[key][0]:
+                    continue
+                answer = ANSWERS.get(key) or ALREADY_SO.get(key, (None, None))[1]
+                if answer:
+                    raise ConfigError(f"{where}: {key!r} is not a key here: {answer}")
                 close = difflib.get_close_matches(str(key), names, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
@@ -739,10 +742,15 @@ def _hf_generation_max_length(value: Any) -> Any:
 DROPPED = object()  # a converter's answer for a name whose value asks for what is so anyway: nothing to set
 
 
-def _hf_bf16(value: Any) -> Any:
-    if not isinstance(value, bool):
-        raise ValueError("is not true or false")
-    return "bfloat16" if value else "float32"
+def _hf_flag(when_true: Any, when_false: Any = DROPPED) -> typing.Callable[[Any], Any]:
+    """A Hugging Face boolean as this trainer's value for true and for false (DROPPED: nothing to set)."""
+
+    def convert(value: Any) -> Any:
+        if not isinstance(value, bool):
+            raise ValueError("is not true or false")
+        return when_true if value else when_false
+
+    return convert
 
 
 def _hf_fp16(value: Any) -> Any:
@@ -752,12 +760,6 @@ def _hf_fp16(value: Any) -> Any:
         "is not supported: T5's activations overflow fp16's range (65504), which is why its checkpoints are "
         "bf16; bf16 has fp32's range"
     )
-
-
-def _hf_predict_with_generate(value: Any) -> Any:
-    if not isinstance(value, bool):
-        raise ValueError("is not true or false")
-    return DROPPED if value else 0  # evaluations generate by default; false: the loss alone
 
 
 def _same(value: Any) -> Any:
@@ -823,7 +825,7 @@ HF_NAMES: dict[str, HfName] = {
     "bf16": HfName(
         "dtype",
         "bfloat16: bf16 weights with Kahan-compensated updates, no fp32 copy; or float32",
-        _hf_bf16,
+        _hf_flag("bfloat16", "float32"),
         "true as bfloat16 (the default), false as float32",
     ),
     "fp16": HfName(
@@ -832,7 +834,7 @@ HF_NAMES: dict[str, HfName] = {
     "predict_with_generate": HfName(
         "eval_generation_records",
         "held-out records each evaluation generates for and scores; 0: the loss alone",
-        _hf_predict_with_generate,
+        _hf_flag(DROPPED, 0),  # evaluations generate by default; false: the loss alone
         "true as the default (evaluations generate), false as 0",
     ),
     # axolotl's and PEFT's names for the same things
@@ -867,10 +869,22 @@ HF_NAMES: dict[str, HfName] = {
         _hf_strategy("the loop logs every logging_steps"),
         "steps as nothing to set, logging_steps says how many; epoch as logging_steps: epoch; no is refused",
     ),
-    "per_device_eval_batch_size": HfName(
-        "eval_max_batches", "evaluation batches are sized by the memory plan; this bounds how many"
-    ),
     "dataloader_num_workers": HfName("loader_threads", "the Rust loader's worker threads"),
+    "overwrite_output_dir": HfName(
+        "resume",
+        "auto, never, or a checkpoint's path",
+        _hf_flag("never"),
+        "true as resume: never (start over in output_dir), false as nothing to set",
+    ),
+    "disable_tqdm": HfName(
+        "progress_bar", "a progress bar on a terminal", _hf_flag(False, True), "true as progress_bar: false"
+    ),
+    "adafactor": HfName(
+        "optimizer",
+        " or ".join(OPTIMIZERS),
+        _hf_flag("adafactor"),
+        "true as optimizer: adafactor (transformers' old flag), false as nothing to set",
+    ),
 }
 
 
@@ -953,6 +967,38 @@ ANSWERS: dict[str, str] = {
     "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant here; the plan decides which "
     "blocks skip it",
     "lora_target_linear": "lora_target_modules names the projections (docs/lora.md)",
+    "per_device_eval_batch_size": "evaluation batches are sized by the memory plan, as training's max_tokens "
+    "(eval_max_batches bounds how many an evaluation takes)",
+    "eval_accumulation_steps": "nothing to set: an evaluation keeps only sums on the GPU (eval_max_batches "
+    "bounds how many batches it takes)",
+    "remove_unused_columns": "nothing to set: the loader reads only the fields the task needs",
+    "label_smoothing_factor": "not supported: the loss is plain cross-entropy (the fused kernel's)",
+    "group_by_length": "nothing to set: max_tokens batches records of similar lengths together (0.97 of the "
+    "tokens real), and packing: true packs them into full rows (the presets)",
+    "sortish_sampler": "nothing to set: max_tokens batches records of similar lengths together, and packing: "
+    "true packs them into full rows (the presets)",
+    "auto_find_batch_size": "nothing to set: the memory plan sizes the batch, and a step out of GPU memory "
+    "is retried with its batch halved",
+    "include_tokens_per_second": "nothing to set: the log and run_summary.json always have tokens/s",
+    "ddp_find_unused_parameters": "nothing to set: ddp here sums the trained weights' gradients once per "
+    "optimizer step, with no unused ones to find",
+    "tf32": "not supported: the matmuls run in dtype, bfloat16 (the default) or full float32",
+    "fp16_full_eval": "evaluations run in dtype (bfloat16 by default); fp16 overflows T5's activations",
+    "bf16_full_eval": "evaluations run in dtype (bfloat16 by default)",
+    "data_seed": "seed orders the data too (one seed: data order, dropout, evaluation samples)",
+    "log_level": "the command's -v/--verbose says more",
+}
+
+# Hugging Face's names whose value asks for what this trainer does anyway: taken (nothing to set) with that
+# value, refused with the answer for another.
+ALREADY_SO: dict[str, tuple[Any, str]] = {
+    "do_train": (True, "`trainer train` always trains; `trainer evaluate` scores a trained model"),
+    "do_eval": (
+        True,
+        "evaluations run when something is held out; off with eval_fraction: 0 and no eval_files",
+    ),
+    "do_predict": (False, "`trainer generate` and `trainer evaluate` predict with a trained model"),
+    "save_safetensors": (True, "a checkpoint's weights are always model.safetensors"),
 }
 
 
