@@ -167,20 +167,17 @@ def _config_keys():
 
 def _hf_names() -> list[tuple[str, str]]:
     """(a name from Hugging Face, axolotl or PEFT, what this trainer does with it) for each name of
-    config.HF_NAMES, config.ALREADY_SO and config.ANSWERS."""
-    from trainer.config import ALREADY_SO, ANSWERS, HF_NAMES
+    config.HF_NAMES and config.ANSWERS."""
+    from trainer.config import ANSWERS, HF_NAMES
 
-    return (
-        [
-            (name, f"taken as {hf.key} ({hf.taken})" if hf.convert else f"refused: set {hf.key} ({hf.hint})")
-            for name, hf in HF_NAMES.items()
-        ]
-        + [
-            (name, f"taken as nothing to set when {str(ok).lower()}; else refused: {why}")
-            for name, (ok, why) in ALREADY_SO.items()
-        ]
-        + [(name, f"refused: {answer}") for name, answer in ANSWERS.items()]
-    )
+    def taken(hf) -> str:
+        if hf.key is None:
+            return hf.taken
+        return f"taken as {hf.key} ({hf.taken})" if hf.convert else f"refused: set {hf.key} ({hf.hint})"
+
+    return [(name, taken(hf)) for name, hf in HF_NAMES.items()] + [
+        (name, f"refused: {answer}") for name, answer in ANSWERS.items()
+    ]
 
 
 def _wrap(text: str, width: int, first: str, then: str) -> list[str]:

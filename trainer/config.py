@@ -635,11 +635,8 @@ class TrainConfig:
         for key, value in values.items():
             where = sources.get(key, source)
             if key not in names:
-                if key in ALREADY_SO and value is ALREADY_SO[key][0]:
-                    continue
-                answer = ANSWERS.get(key) or ALREADY_SO.get(key, (None, None))[1]
-                if answer:
-                    raise ConfigError(f"{where}: {key!r} is not a key here: {answer}")
+                if key in ANSWERS:
+                    raise ConfigError(f"{where}: {key!r} is not a key here: {ANSWERS[key]}")
                 close = difflib.get_close_matches(str(key), names, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
@@ -699,9 +696,10 @@ def sections() -> list[tuple[str, list[dataclasses.Field]]]:
 class HfName:
     """A name of Hugging Face's `Seq2SeqTrainingArguments` that this trainer spells otherwise. With `convert`,
     it is taken as `key`, its value converted (`taken` says how; ValueError, with the reason, for a value that
-    has no counterpart here); without, it is refused. `hint` says what `key` takes."""
+    has no counterpart here); without, it is refused. `hint` says what `key` takes. No `key`: a name whose
+    value can only ask for what is so anyway (DROPPED) or be refused."""
 
-    key: str
+    key: str | None
     hint: str
     convert: typing.Callable[[Any], Any] | None = None
     taken: str = ""
@@ -749,6 +747,18 @@ def _hf_flag(when_true: Any, when_false: Any = DROPPED) -> typing.Callable[[Any]
         if not isinstance(value, bool):
             raise ValueError("is not true or false")
         return when_true if value else when_false
+
+    return convert
+
+
+def _hf_only(same: bool, otherwise: str) -> typing.Callable[[Any], Any]:
+    """A Hugging Face boolean that asks for what is so here when it is `same` (nothing to set); refused with
+    `otherwise` when it is not."""
+
+    def convert(value: Any) -> Any:
+        if value is same:
+            return DROPPED
+        raise ValueError(f"is not taken here: {otherwise}")
 
     return convert
 
@@ -879,6 +889,24 @@ HF_NAMES: dict[str, HfName] = {
     "disable_tqdm": HfName(
         "progress_bar", "a progress bar on a terminal", _hf_flag(False, True), "true as progress_bar: false"
     ),
+    **{
+        name: HfName(
+            None,
+            "",
+            _hf_only(same, why),
+            f"taken when {str(same).lower()} (nothing to set); else refused: {why}",
+        )
+        for name, same, why in (
+            ("do_train", True, "`trainer train` always trains; `trainer evaluate` scores a trained model"),
+            (
+                "do_eval",
+                True,
+                "evaluations run when something is held out; off with eval_fraction: 0 and no eval_files",
+            ),
+            ("do_predict", False, "`trainer generate` and `trainer evaluate` predict with a trained model"),
+            ("save_safetensors", True, "a checkpoint's weights are always model.safetensors"),
+        )
+    },
     "adafactor": HfName(
         "optimizer",
         " or ".join(OPTIMIZERS),
@@ -926,9 +954,8 @@ def _take_hf_names(values: dict[str, Any], sources: dict[str, str], source: str)
         try:
             taken[name] = (hf.key, hf.convert(value))
         except ValueError as e:
-            raise ConfigError(
-                f"{where}: {name} {value!r} {e}; this trainer's key is {hf.key!r} ({hf.hint})"
-            ) from None
+            ours = f"; this trainer's key is {hf.key!r} ({hf.hint})" if hf.key else ""
+            raise ConfigError(f"{where}: {name} {value!r} {e}{ours}") from None
         if hf.key in values and taken[name][1] is not DROPPED:  # `save_strategy: steps` beside save_steps
             raise ConfigError(
                 f"{where} and {sources.get(hf.key, source)}: {name!r} is Hugging Face's name for {hf.key!r} "
@@ -987,18 +1014,6 @@ ANSWERS: dict[str, str] = {
     "bf16_full_eval": "evaluations run in dtype (bfloat16 by default)",
     "data_seed": "seed orders the data too (one seed: data order, dropout, evaluation samples)",
     "log_level": "the command's -v/--verbose says more",
-}
-
-# Hugging Face's names whose value asks for what this trainer does anyway: taken (nothing to set) with that
-# value, refused with the answer for another.
-ALREADY_SO: dict[str, tuple[Any, str]] = {
-    "do_train": (True, "`trainer train` always trains; `trainer evaluate` scores a trained model"),
-    "do_eval": (
-        True,
-        "evaluations run when something is held out; off with eval_fraction: 0 and no eval_files",
-    ),
-    "do_predict": (False, "`trainer generate` and `trainer evaluate` predict with a trained model"),
-    "save_safetensors": (True, "a checkpoint's weights are always model.safetensors"),
 }
 
 
