@@ -246,7 +246,8 @@ def prefix_lm(words: list[str], rng: np.random.Generator) -> tuple[str, str]:
 
 def prepare(work: Path, sizes: Sizes) -> dict:
     """Recipes, tokenizer and the pretraining pairs under `work`; the paths and counts. Made once per --work:
-    a later call with the same --work reuses them (work/prepared.json says they are complete)."""
+    a later call with the same --work reuses them (work/prepared.json says they are complete, and for which
+    sizes: a --work of other sizes is refused)."""
     from trainer.config import TASKS
     from trainer.data.sample import write_sample
     from trainer.model.tiny_model import recipe_texts, save_tokenizer, train_tokenizer
@@ -254,6 +255,13 @@ def prepare(work: Path, sizes: Sizes) -> dict:
     done = work / "prepared.json"
     if done.exists():
         prep = json.loads(done.read_text(encoding="utf-8"))
+        made_for = prep.pop("sizes", None)
+        if made_for != dataclasses.asdict(sizes):
+            shape = made_for["shape"] if made_for else "unknown"
+            raise SystemExit(
+                f"{work} holds data and a pretrained model of other sizes ({shape}; this call: {sizes.shape},"
+                f" {'--tiny' if sizes is TINY else 'the GPU sizes'}): give another --work, or delete it"
+            )
         print(f"data: reused from {work}", flush=True)
         return {k: Path(v) if k not in ("vocab", "records") else v for k, v in prep.items()}
     t0 = time.perf_counter()
@@ -298,7 +306,7 @@ def prepare(work: Path, sizes: Sizes) -> dict:
         vocab=vocab,
         records=counts,
     )
-    done.write_text(json.dumps(prep, default=str), encoding="utf-8")
+    done.write_text(json.dumps(prep | {"sizes": dataclasses.asdict(sizes)}, default=str), encoding="utf-8")
     return prep
 
 
