@@ -49,6 +49,10 @@ from trainer.kernels.dropout import attention_keep, dropout_resolution, dropout_
 BLOCK = 64
 FWD_CONFIG = dict(num_warps=4, num_stages=3)
 BWD_CONFIG = dict(num_warps=4, num_stages=2)
+# Experiment: the key/value backward's own warps and stages.
+KV_CONFIG = dict(
+    num_warps=int(os.environ.get("T5_KV_WARPS", "4")), num_stages=int(os.environ.get("T5_KV_STAGES", "2"))
+)
 
 
 # Triton compiles a variant per value class (== 1, divisible by 16) of each int argument; lengths and rows
@@ -691,7 +695,7 @@ class _PackedAttention(torch.autograd.Function):
             GRADIENT_ROWS=rows,
             BIAS_GRAD=bias_grad,
             DQ_ATOMIC=single_pass,
-            **flags,
+            **(flags | KV_CONFIG),
         )
         if single_pass:
             dq.copy_(dq32)
