@@ -283,9 +283,6 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--sweep", action="store_true", help="time the packed kernels' num_warps/num_stages")
-    parser.add_argument(
-        "--single-pass", action="store_true", help="also time dQ by atomics in the key/value kernel"
-    )
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU in Triton's interpreter")
     parser.add_argument("--shared-memory", action="store_true", help="only the sm_120 shared-memory check")
     args = parser.parse_args()
@@ -335,10 +332,6 @@ def main() -> int:
                 q, k, v = (x.detach()[:2].requires_grad_() for x in tensors[kind])
                 layout = PackedAttentionLayout.build(qseg[:2], kseg[:2], causal=causal, position_bias=bias)
                 failures += check(kind, layout, q, k, v, table, bias)
-                if args.single_pass:
-                    packed.SINGLE_PASS_BACKWARD = True
-                    failures += check(kind + ", 1-pass", layout, q, k, v, table, bias)
-                    packed.SINGLE_PASS_BACKWARD = False
 
         batches = bucketed(records, rows * lt)
         padded = sum(len(b) * (s + t) for b, s, t in batches)
@@ -361,11 +354,6 @@ def main() -> int:
 
             fwd = timer(forward)
             total = timer(lambda forward=forward, g=grad_out: forward().backward(g), grad_to_none=inputs)
-            if args.single_pass:
-                packed.SINGLE_PASS_BACKWARD = True
-                one = timer(lambda forward=forward, g=grad_out: forward().backward(g), grad_to_none=inputs)
-                packed.SINGLE_PASS_BACKWARD = False
-                print(f"  {kind:<17} fwd+bwd {total:.3f} ms, single pass {one:.3f} ms ({one / total:.3f}x)")
             unpacked_kind = "cross" if kind == "cross" else kind.split(",")[0]
             u_fwd, u_total = unpacked_times(
                 unpacked_kind, batches, heads, head_dim, table, bias, args.dropout, timer, device, dtype, gen

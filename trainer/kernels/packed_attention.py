@@ -36,7 +36,6 @@ No 1/sqrt(d) (T5 folds it into its weights). On CPU (tests) the kernels run unde
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -49,17 +48,11 @@ from trainer.kernels.dropout import attention_keep, dropout_resolution, dropout_
 BLOCK = 64
 FWD_CONFIG = dict(num_warps=4, num_stages=3)
 BWD_CONFIG = dict(num_warps=4, num_stages=2)
-# Experiment: the key/value backward's own warps and stages.
-KV_CONFIG = dict(
-    num_warps=int(os.environ.get("T5_KV_WARPS", "4")), num_stages=int(os.environ.get("T5_KV_STAGES", "2"))
-)
 
 
 # Triton compiles a variant per value class (== 1, divisible by 16) of each int argument; lengths and rows
 # change every batch, and each new variant costs a compile (~1 s).
 VARYING = ["T", "S"]
-# Experiment: dQ added by the key/value backward's programs (fp32 atomics) instead of its own kernel.
-SINGLE_PASS_BACKWARD = os.environ.get("T5_ATTENTION_SINGLE_PASS") == "1"
 # Key/value-backward programs to aim for (16 per H100 SM); sets how many row groups each sum a bias gradient.
 BWD_PROGRAMS = 2112
 DELTA_BLOCK_M = 64  # query rows per program of the backward's rowsum(dO * O)
@@ -378,7 +371,6 @@ def bwd_kv_kernel(
     DK,
     DV,
     DBias,
-    DQ32,
     sqb,
     sqh,
     sqm,
@@ -407,7 +399,6 @@ def bwd_kv_kernel(
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
 ):
     """dK, dV of one key block of one head, for the rows of one group; with BIAS_GRAD (a position bias that
     is trained: not LoRA's frozen base), the bias gradient of those tiles by distance, written to this
@@ -467,14 +458,6 @@ def bwd_kv_kernel(
             dv += tl.dot(tl.trans(p_kept.to(do.dtype)), do)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            if DQ_ATOMIC:  # single pass: this tile's share of dQ, added in fp32 (order varies)
-                dq_part = tl.dot(ds.to(q.dtype), tl.trans(k).to(q.dtype))
-                tl.atomic_add(
-                    DQ32 + (bh.to(tl.int64) * T + rows[:, None]) * D + offs_d[None, :],
-                    dq_part,
-                    mask=rows[:, None] < T,
-                    sem="relaxed",
-                )
             if BIAS_GRAD:
                 t = (pid_n * BLOCK_N - start_m) // BLOCK_M  # exact: both are whole tiles
                 if (t >= FAR_TILES) | (t <= -FAR_TILES):
@@ -666,8 +649,6 @@ class _PackedAttention(torch.autograd.Function):
             **BWD_CONFIG,
         )
         dist = distance_bias if has_bias else q
-        single_pass = SINGLE_PASS_BACKWARD
-        dq32 = torch.zeros((R, H, T, D), dtype=torch.float32, device=q.device) if single_pass else q
         bwd_kv_kernel[(key_blocks, H, groups)](
             q,
             k,
@@ -683,7 +664,6 @@ class _PackedAttention(torch.autograd.Function):
             dk,
             dv,
             dbias,
-            dq32,
             *strides,
             R,
             H,
@@ -694,32 +674,28 @@ class _PackedAttention(torch.autograd.Function):
             FAR_TILES=far_tiles(max_distance) if has_bias else 1,
             GRADIENT_ROWS=rows,
             BIAS_GRAD=bias_grad,
-            DQ_ATOMIC=single_pass,
-            **(flags | KV_CONFIG),
+            **flags,
         )
-        if single_pass:
-            dq.copy_(dq32)
-        else:
-            bwd_q_kernel[(triton.cdiv(T, BLOCK), R * H)](
-                q,
-                k,
-                v,
-                layout.query_segments,
-                layout.key_segments,
-                layout.key_ranges,
-                dist,
-                do,
-                lse,
-                delta,
-                seed,
-                dq,
-                *strides,
-                H,
-                T,
-                S,
-                dropout_p,
-                **flags,
-            )
+        bwd_q_kernel[(triton.cdiv(T, BLOCK), R * H)](
+            q,
+            k,
+            v,
+            layout.query_segments,
+            layout.key_segments,
+            layout.key_ranges,
+            dist,
+            do,
+            lse,
+            delta,
+            seed,
+            dq,
+            *strides,
+            H,
+            T,
+            S,
+            dropout_p,
+            **flags,
+        )
         grad_table = None
         if bias_grad:
             # Fixed-order sums (no index_add_: its CUDA atomics would add in a varying order)
