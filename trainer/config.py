@@ -1014,6 +1014,8 @@ ANSWERS: dict[str, str] = {
     "bf16_full_eval": "evaluations run in dtype (bfloat16 by default)",
     "data_seed": "seed orders the data too (one seed: data order, dropout, evaluation samples)",
     "log_level": "the command's -v/--verbose says more",
+    "fp8": "not supported: FP8 matmuls were measured slower than bf16 at FLAN-T5's widths on an H100 and "
+    "worse per token (docs/quality.md)",
 }
 
 
