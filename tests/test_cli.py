@@ -249,6 +249,26 @@ def test_hugging_face_style_flags_are_config_overrides(capsys):
     assert "--set lerning_rate=1e-4: unknown config key 'lerning_rate' (did you mean 'learning_rate'?)" in err
 
 
+def test_the_config_is_given_as_axolotl_and_hugging_face_scripts_take_it_or_not_at_all(capsys):
+    """`trainer plan CONFIG` (axolotl's `axolotl train config.yml`), with `--key value` on either side of it
+    (a flag alone before it is true, not the file); only keys (Hugging Face's scripts without a file: the
+    defaults for the rest); nothing, or two configs: one line saying what to give."""
+    from trainer.cli import config_flags_as_overrides
+
+    preset = "configs/flan-t5-xl-rtx5090.yaml"
+    assert config_flags_as_overrides(["train", "--bf16", preset]) == ["train", "--set", "bf16=true", preset]
+    assert cli_main(["plan", "--max_tokens", "4096", preset, "--gpu-memory", "32GiB"]) == 0
+    assert "token budget 4096" in capsys.readouterr().out
+    assert cli_main(["plan", "--max_tokens", "2048", "--model_name_or_path", "google/flan-t5-base"]) == 0
+    out = capsys.readouterr().out
+    assert "token budget 2048" in out and "flan-t5-base" in out
+    assert cli_main(["plan"]) == 2
+    assert "config error: no config: `trainer plan CONFIG.yaml`" in capsys.readouterr().err
+    assert cli_main(["train", preset, "--config", "configs/quickstart.yaml", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"two configs given, {preset} and --config configs/quickstart.yaml: give one" in err
+
+
 def test_the_commands_own_options_are_known_to_the_flag_reader():
     from trainer.cli import CONFIG_COMMANDS
 

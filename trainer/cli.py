@@ -51,6 +51,33 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    """The config file, as `CONFIG` (axolotl's `axolotl train config.yml`, Hugging Face's scripts' one
+    file) or `--config CONFIG`; neither: the defaults and the keys given (`--train_files ...`)."""
+    help_ = "YAML config (`trainer presets` lists the shipped ones; `trainer init` writes one)"
+    parser.add_argument("config_file", nargs="?", metavar="CONFIG", help=f"{help_}; or --config CONFIG")
+    parser.add_argument("--config", help=help_)
+
+
+def config_path(args: argparse.Namespace) -> str | None:
+    """The config file of `trainer train`/`plan`, given as CONFIG or --config; None: only keys were given
+    (the defaults for the rest). ConfigError when it is given twice, or nothing at all is."""
+    from trainer.config import ConfigError
+
+    given = list(dict.fromkeys(p for p in (args.config_file, args.config) if p))
+    if len(given) > 1:
+        raise ConfigError(f"two configs given, {given[0]} and --config {given[1]}: give one")
+    if not given and not args.set:
+        raise ConfigError(
+            f"no config: `trainer {args.command} CONFIG.yaml` (`trainer presets` lists the shipped ones, "
+            "`trainer init --preset NAME` writes one), or the keys themselves (--train_files data.csv "
+            "--output_dir outputs/run ...; the rest at the defaults `trainer config` lists)"
+        )
+    if not given:
+        logging.getLogger("trainer").info("no config file: the keys given, the defaults for the rest")
+    return given[0] if given else None
+
+
 def one_override_per_set(argv: list[str]) -> list[str]:
     """`--set a=1 b=2` as `--set a=1 --set b=2`: every KEY=VALUE word after a --set counts, and the first
     other word (say, a file for `data inspect`) stays a positional argument."""
@@ -104,7 +131,7 @@ def config_flags_as_overrides(argv: list[str]) -> list[str]:
             # The words up to the next option: none is a flag alone (true, as HfArgumentParser reads a bool);
             # several are a list (`--report_to wandb tensorboard`, `--train_files data/*.csv` as the shell
             # expands it).
-            following = list(itertools.takewhile(lambda w: not w.startswith("--"), argv[i + 1 :]))
+            following = list(itertools.takewhile(_key_value_word, argv[i + 1 :]))
             for _ in following:
                 next(words, None)
             if not following:
@@ -115,6 +142,12 @@ def config_flags_as_overrides(argv: list[str]) -> list[str]:
                 value = json.dumps([_scalar(w) for w in following])
         out += ["--set", f"{key}={value}"]
     return out
+
+
+def _key_value_word(word: str) -> bool:
+    """Whether a word after `--key` is its value: not the next option, nor the config file (`--bf16
+    config.yaml`: no data file is YAML)."""
+    return not word.startswith("--") and not word.lower().endswith((".yaml", ".yml"))
 
 
 def _scalar(word: str):
@@ -244,7 +277,9 @@ def config_keys_markdown() -> str:
         "`save_total_limit: null` (keep all), `save_steps`, `eval_steps` and `logging_steps` below 1 (a "
         "ratio of the run's steps) or `epoch` (`save_strategy: epoch`), `max_time: 00:12:00:00` "
         "(Lightning's), `optimizer: adamw_torch_fused` (`optim`'s names); and `trainer train --KEY VALUE` as "
-        "HfArgumentParser reads it, several words a list (`--report_to wandb tensorboard`).",
+        "HfArgumentParser reads it, several words a list (`--report_to wandb tensorboard`), the config file "
+        "first as axolotl takes it (`trainer train config.yaml`) or none (the keys given, the defaults for "
+        "the rest).",
         "",
         "| name | here |",
         "|---|---|",
@@ -268,16 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a model from a YAML config",
-        description="Train a model from a YAML config of the keys below; --set KEY=VALUE overrides any of "
-        "them, and so does --KEY VALUE (as Hugging Face's HfArgumentParser reads it; --KEY alone: true).",
+        description="Train a model from a YAML config of the keys below (CONFIG or --config CONFIG); --set "
+        "KEY=VALUE overrides any of them, and so does --KEY VALUE (as Hugging Face's HfArgumentParser reads "
+        "it; --KEY alone: true). Without a config: the keys given, the defaults for the rest.",
         epilog=config_keys_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument(
-        "--config",
-        required=True,
-        help="YAML config (`trainer presets` lists the shipped ones; `trainer init` writes one)",
-    )
+    _add_config(train)
     _add_overrides(train)
     train.add_argument(
         "--dry-run",
@@ -302,11 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the run on the RTX 5090, 4090, 4080, 3090, L40S, RTX 6000 Ada, A100, H100 and H200, without loading "
         "the model. --set KEY=VALUE or --KEY VALUE override the config.",
     )
-    plan.add_argument(
-        "--config",
-        required=True,
-        help="YAML config (`trainer presets` lists the shipped ones; `trainer init` writes one)",
-    )
+    _add_config(plan)
     _add_overrides(plan)
     plan.add_argument("--gpu-memory", default="32GiB", help="card size, e.g. 32GiB or 24GB")
     plan.add_argument(
@@ -470,13 +498,13 @@ def run_command(args: argparse.Namespace) -> int:
         from trainer.config import TrainConfig
         from trainer.run.train import train
 
-        cfg = TrainConfig.load(args.config, args.set)
+        cfg = TrainConfig.load(config_path(args), args.set)
         return train(cfg, dry_run=args.dry_run)
     if args.command == "plan":
         from trainer.config import TrainConfig
         from trainer.plan.plan_report import print_plan
 
-        cfg = TrainConfig.load(args.config, args.set)
+        cfg = TrainConfig.load(config_path(args), args.set)
         return print_plan(cfg, args.gpu_memory, args.hours, args.processes)
     if args.command == "presets":
         from trainer.plan.presets import presets_table
