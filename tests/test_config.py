@@ -331,10 +331,6 @@ def test_ratios_of_the_run_and_lightning_durations_resolve():
     ("override", "answer"),
     [
         (
-            "hub_token=hf_x",
-            "'hub_token' is not a key here: a token is never written in a config: put it in HF_TOKEN",
-        ),
-        (
             "deepspeed=ds.json",
             "'deepspeed' is not a key here: not supported: several GPUs shard the model with FSDP2",
         ),
@@ -355,6 +351,45 @@ def test_names_known_elsewhere_get_their_own_answer_not_the_nearest_spelling(ove
         TrainConfig.load(None, [override])
     message = str(refused.value)
     assert message.startswith(f"--set {override}: ") and answer in message and "did you mean" not in message
+
+
+@pytest.mark.parametrize("name", ["hub_token", "token", "push_to_hub_token", "wandb_api_key"])
+def test_a_secret_given_as_a_key_is_refused_without_repeating_it(name):
+    secret = "hf_" + "aBcD1234" * 5
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig.load(None, [f"{name}={secret}"])
+    message = str(refused.value)
+    assert message.startswith(f"--set {name}=***: {name!r} is not a key here: a ")
+    assert "is never written in a config: put it in" in message and secret not in message
+
+
+def test_hugging_face_scripts_data_arguments_are_taken_as_this_trainers_keys():
+    """run_summarization's train_file/validation_file/dataset_name and text_column/summary_column (the two
+    together: one columns mapping), num_beams; and the ones without a key here, each with its answer."""
+    cfg = TrainConfig.load(
+        None,
+        [
+            "train_file=data/recipes.csv",
+            "validation_file=data/held_out.csv",
+            "text_column=article",
+            "summary_column=summary",
+            "num_beams=4",
+            "pad_to_max_length=false",
+            "ignore_pad_token_for_loss=true",
+        ],
+    )
+    assert cfg.train_files == ["data/recipes.csv"] and cfg.eval_files == ["data/held_out.csv"]
+    assert cfg.columns == {"source": "article", "target": "summary"} and cfg.generation_num_beams == 4
+    both = TrainConfig.load(None, ["train_file=a.csv", "dataset_name=me/recipes"])
+    assert both.train_files == ["a.csv", "hf://datasets/me/recipes"]
+    for override, answer in [
+        ("dataset_config_name=default", "[{path: hf://datasets/OWNER/NAME, name: SUBSET}]"),
+        ("max_train_samples=100", "training reads all of train_files; max_steps or max_time bounds the run"),
+        ("pad_to_max_length=true", "a batch is padded to its longest record"),
+        ("source_prefix=summarize: ", "source_template writes the source text"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(answer)):
+            TrainConfig.load(None, [override])
 
 
 def test_an_interlock_names_the_preset_line_that_set_the_other_half():

@@ -123,6 +123,36 @@ def test_a_bad_row_is_counted_or_named(tmp_path, tiny_model_dir, recipenlg):
     assert str(e.value) == f"{path}:row 4: missing_field (`ingredients` is null)"
 
 
+def test_pairs_in_a_csv_are_read_as_the_same_pairs_in_jsonl(tmp_path, tiny_model_dir):
+    """A summarization-style CSV (Hugging Face's text_column/summary_column as `columns`), and one whose
+    header says input/output: the same batches as the pairs in JSONL; a record with an empty target is
+    counted."""
+    pairs = [
+        {"article": f"Write a recipe with: {i} eggs, flour", "summary": f"Mix {i} eggs. Bake."}
+        for i in range(40)
+    ]
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text(
+        "".join(json.dumps({"source": p["article"], "target": p["summary"]}) + "\n" for p in pairs)
+    )
+    want = rows(RecipeStream(jsonl, tiny_model_dir, batch_size=8, cache_dir=tmp_path / "c"))
+    mapped = tmp_path / "articles.csv"
+    with mapped.open("w", newline="") as f:
+        writer = csv.DictWriter(f, ["article", "summary"])
+        writer.writeheader()
+        writer.writerows(pairs)
+    columns = {"source": "article", "target": "summary"}
+    stream = RecipeStream(mapped, tiny_model_dir, batch_size=8, columns=columns, cache_dir=tmp_path / "c")
+    assert rows(stream) == want
+    by_header = tmp_path / "io.csv"
+    with by_header.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["input", "output"])
+        writer.writerows([(p["article"], p["summary"]) for p in pairs] + [("no target", "")])
+    stream = RecipeStream(by_header, tiny_model_dir, batch_size=8, cache_dir=tmp_path / "c")
+    assert rows(stream) == want and stream.stats()["skipped"] == {"empty_target": 1}
+
+
 def test_columns_map_fields_and_a_missing_one_is_one_line(tmp_path, tiny_model_dir, recipenlg):
     records = csv_records(recipenlg)[:50]
     want = rows(RecipeStream(recipenlg, tiny_model_dir, batch_size=8, cache_dir=tmp_path / "c"))[:50]

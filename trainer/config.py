@@ -610,15 +610,18 @@ class TrainConfig:
                 raise ConfigError(f"{path}: expected a mapping of config keys, got {type(loaded).__name__}")
             sources.update({key: f"{path}:{lines[key]}" if key in lines else str(path) for key in loaded})
             values.update(_take_hf_names(loaded, sources, str(path)))
+        given: dict[str, Any] = {}
         for item in overrides or []:
             key, sep, raw = item.partition("=")
             key = key.strip()
             if not sep or not key:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
-            value = read_yaml(raw, f"override {item!r}")[0] if raw.strip() else None
-            # An override replaces the file's value, whichever name either of them uses.
-            sources[key] = f"--set {item}"
-            values.update(_take_hf_names({key: value}, sources, sources[key]))
+            given[key] = read_yaml(raw, f"override {item!r}")[0] if raw.strip() else None
+            # A secret given where it does not belong is not repeated in the message that refuses it.
+            sources[key] = f"--set {key}={MASK}" if key in SECRET_NAMES else f"--set {item}"
+        # An override replaces the file's value, whichever name either of them uses; the overrides are taken
+        # together (text_column and summary_column make one columns mapping).
+        values.update(_take_hf_names(given, sources, "--set"))
         return cls.from_dict(values, source=str(path) if path else "overrides", sources=sources)
 
     @classmethod
@@ -776,6 +779,31 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _as_list(prefix: str = "") -> typing.Callable[[Any], Any]:
+    """A Hugging Face script's one path (`train_file`, `dataset_name`) as this trainer's list of sources,
+    each given `prefix` (hf://datasets/ for a Hub dataset's name)."""
+
+    def convert(value: Any) -> Any:
+        items = value if isinstance(value, list) else [value]
+        if not items or not all(isinstance(i, str) and i.strip() for i in items):
+            raise ValueError("is not a path or a list of them")
+        return [i if i.startswith("hf://") or not prefix else prefix + i for i in items]
+
+    return convert
+
+
+def _as_column(field: str) -> typing.Callable[[Any], Any]:
+    """run_summarization's `text_column`/`summary_column` as `columns`' source/target (a pair used
+    verbatim)."""
+
+    def convert(value: Any) -> Any:
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError("is not a column name")
+        return {field: value}
+
+    return convert
+
+
 def _hf_strategy(off: str) -> typing.Callable[[Any], Any]:
     """Hugging Face's `*_strategy` values as the matching `*_steps` key's: "steps" asks for nothing (that key
     says how many), "epoch" is its epoch; `off` says what stands for "no" here."""
@@ -880,6 +908,23 @@ HF_NAMES: dict[str, HfName] = {
         "steps as nothing to set, logging_steps says how many; epoch as logging_steps: epoch; no is refused",
     ),
     "dataloader_num_workers": HfName("loader_threads", "the Rust loader's worker threads"),
+    # Hugging Face's run_summarization/run_translation scripts' data and model arguments
+    "train_file": HfName("train_files", "files or globs, a list", _as_list(), "a path as a list of one"),
+    "validation_file": HfName("eval_files", "held-out files, a list", _as_list(), "a path as a list of one"),
+    "dataset_name": HfName(
+        "train_files",
+        "files, globs or Hub datasets, a list",
+        _as_list("hf://datasets/"),
+        "as hf://datasets/NAME",
+    ),
+    "text_column": HfName(
+        "columns", "the column each field is in", _as_column("source"), "as columns: {source: NAME}, verbatim"
+    ),
+    "summary_column": HfName(
+        "columns", "the column each field is in", _as_column("target"), "as columns: {target: NAME}, verbatim"
+    ),
+    "num_beams": HfName("generation_num_beams", "beams of each evaluation's generation", _same, "the same"),
+    "preprocessing_num_workers": HfName("loader_threads", "the Rust loader's worker threads"),
     "overwrite_output_dir": HfName(
         "resume",
         "auto, never, or a checkpoint's path",
@@ -905,6 +950,13 @@ HF_NAMES: dict[str, HfName] = {
             ),
             ("do_predict", False, "`trainer generate` and `trainer evaluate` predict with a trained model"),
             ("save_safetensors", True, "a checkpoint's weights are always model.safetensors"),
+            (
+                "pad_to_max_length",
+                False,
+                "a batch is padded to its longest record (to a multiple of pad_to_multiple_of), or packed "
+                "(packing: true)",
+            ),
+            ("ignore_pad_token_for_loss", True, "padding never counts in the loss"),
         )
     },
     "adafactor": HfName(
@@ -966,11 +1018,20 @@ def _take_hf_names(values: dict[str, Any], sources: dict[str, str], source: str)
         if value is DROPPED:
             sources.pop(name, None)
             continue
+        if isinstance(value, dict) and isinstance(out.get(key), dict):  # text_column and summary_column
+            value = out[key] | value
+        elif isinstance(value, list) and isinstance(out.get(key), list):  # train_file and dataset_name
+            value = out[key] + value
         out[key] = value
         if name in sources:
             sources[key] = sources.pop(name)
     return out
 
+
+# Names under which users bring a secret (refused below: secrets live in the environment), and what the
+# refusal shows instead of the value.
+SECRET_NAMES = frozenset(("hub_token", "push_to_hub_token", "wandb_api_key", "token"))
+MASK = "***"
 
 # Names users bring from Hugging Face, axolotl and PEFT that have no key here, each with its own answer
 # (rather than the nearest key by spelling, which points the wrong way: hub_token is not max_tokens).
@@ -1014,6 +1075,42 @@ ANSWERS: dict[str, str] = {
     "bf16_full_eval": "evaluations run in dtype (bfloat16 by default)",
     "data_seed": "seed orders the data too (one seed: data order, dropout, evaluation samples)",
     "log_level": "the command's -v/--verbose says more",
+    "dataset_config_name": "the subset goes with the dataset in train_files: [{path: "
+    "hf://datasets/OWNER/NAME, name: SUBSET}] (docs/loader.md)",
+    "test_file": "a run has no test split: `trainer evaluate --model DIR --data FILE` scores a trained "
+    "model on it",
+    "source_prefix": "source_template writes the source text, e.g. 'summarize: {ingredients}' (pre-rendered "
+    "pairs are used verbatim)",
+    "val_max_target_length": "evaluations keep max_target_length; generation_max_new_tokens bounds what "
+    "they generate",
+    "max_train_samples": "not supported: training reads all of train_files; max_steps or max_time bounds "
+    "the run",
+    "max_eval_samples": "eval_max_batches bounds an evaluation's loss (in batches), eval_generation_records "
+    "the records it generates for",
+    "max_predict_samples": "`trainer evaluate --max-records N` scores N records",
+    "overwrite_cache": "nothing to set: records are tokenized as they are read, with no tokenized cache",
+    "logging_first_step": "not supported: the log has every logging_steps-th step and the last "
+    "(logging_steps: 1 logs each)",
+    "dataloader_pin_memory": "nothing to set: batches go to the GPU from pinned memory",
+    "eval_delay": "not supported: evaluations run every eval_steps",
+    "eval_on_start": "not supported: `trainer evaluate --model MODEL --data FILE` scores the model before "
+    "training",
+    "save_only_model": "not supported: a checkpoint holds the optimizer's state to resume from; final/ "
+    "holds the model alone",
+    "neftune_noise_alpha": "not supported: no noise is added to the embeddings",
+    **dict.fromkeys(
+        ("use_cpu", "no_cuda"),
+        "the GPU is used when there is one; CUDA_VISIBLE_DEVICES= (empty) in the environment trains on the "
+        "CPU",
+    ),
+    "full_determinism": "nothing to set: seed fixes the data order, dropout and the evaluation samples",
+    "ddp_backend": "nothing to set: torchrun's processes use NCCL on GPUs, gloo on the CPU",
+    "cache_dir": "HF_HOME (or HF_HUB_CACHE) in the environment says where Hub files are cached",
+    "model_revision": "not supported: model_name_or_path takes a Hub id (its main revision) or a local "
+    "directory (`hf download ID --revision REV --local-dir DIR`)",
+    "use_fast_tokenizer": "nothing to set: the loader reads the model's tokenizer.json (the fast tokenizer)",
+    "token": "a token is never written in a config: put it in HF_TOKEN in the environment",
+    "trust_remote_code": "not supported: T5 models run through transformers' own code",
     "fp8": "not supported: FP8 matmuls were measured slower than bf16 at FLAN-T5's widths on an H100 and "
     "worse per token (docs/quality.md)",
 }

@@ -4,6 +4,8 @@
 //!   columns hold JSON arrays as strings.
 //! - Food.com `RAW_recipes.csv`: `name`, `ingredients`, `steps`; list columns are Python list literals
 //!   (single-quoted, items with an apostrophe double-quoted), parsed by [`parse_py_list`].
+//! - A CSV of pre-rendered pairs: a `target` (or `output`) column, or `columns` mapping source/target; with
+//!   `source` (or `input`), used verbatim.
 //! - JSONL: `title`, `ingredients`, `directions`, `NER` as strings or lists, or pre-rendered pairs
 //!   `source`/`target` (also `input`/`output`) used verbatim: a record with a `target` is a pair.
 //! - Parquet and Arrow IPC ([`crate::columnar`]): the JSONL fields as columns of strings or lists of strings.
@@ -215,11 +217,21 @@ impl Skip {
 /// Column positions of a CSV file, found by header name.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Columns {
-    pub title: usize,
-    pub ingredients: usize,
-    pub directions: usize,
-    pub ner: Option<usize>,
+    pub fields: CsvFields,
     pub n_fields: usize,
+}
+
+/// Which columns hold a CSV record's fields: a recipe's, or a pre-rendered pair's.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CsvFields {
+    Recipe {
+        title: usize,
+        ingredients: usize,
+        directions: usize,
+        ner: Option<usize>,
+    },
+    /// Pre-rendered `source`/`target`, used verbatim.
+    Pair { source: usize, target: usize },
 }
 
 impl Columns {
@@ -240,12 +252,27 @@ impl Columns {
             Format::FoodCom => ("name", "ingredients", "steps", "NER"),
             other => return Err(format!("{} has no CSV header", other.name())),
         };
-        if names.maps_pair() {
-            return Err(
-                "columns: source/target (pre-rendered pairs) are read from JSONL, Parquet and Arrow files, \
-                 not CSV"
-                    .into(),
-            );
+        let first = |field: &str, defaults: &[&str]| {
+            names
+                .candidates(field, defaults)
+                .iter()
+                .find_map(|name| find(name))
+        };
+        // Pairs when there is a target column: RecipeNLG's `source` column says where a recipe was gathered.
+        if is_pair_header(header, names) {
+            let pair_need = |field: &str, defaults: &[&str]| {
+                first(field, defaults).ok_or_else(|| {
+                    let name = names.mapped(field).unwrap_or(defaults[0]);
+                    missing_column(names, field, name, header)
+                })
+            };
+            return Ok(Columns {
+                fields: CsvFields::Pair {
+                    source: pair_need("source", SOURCE)?,
+                    target: pair_need("target", TARGET)?,
+                },
+                n_fields: header.len(),
+            });
         }
         let need = |field: &str, default: &str| {
             let name = names.mapped(field).unwrap_or(default);
@@ -263,13 +290,24 @@ impl Columns {
             None => find(n),
         };
         Ok(Columns {
-            title,
-            ingredients,
-            directions,
-            ner,
+            fields: CsvFields::Recipe {
+                title,
+                ingredients,
+                directions,
+                ner,
+            },
             n_fields: header.len(),
         })
     }
+}
+
+/// Whether a CSV header holds pre-rendered pairs: `columns` maps source/target, or the header has a target
+/// column (`target`, `output`).
+fn is_pair_header(header: &[String], names: &ColumnNames) -> bool {
+    names.maps_pair()
+        || TARGET
+            .iter()
+            .any(|t| header.iter().any(|h| h.trim().eq_ignore_ascii_case(t)))
 }
 
 /// The message for a column a file lacks: `missing column `ingr` (ingredients, from `columns`); the file has:
@@ -288,10 +326,11 @@ pub fn missing_column(names: &ColumnNames, field: &str, column: &str, has: &[Str
 }
 
 /// Sniffs a CSV header: RecipeNLG if it has `directions`, Food.com if it has `steps`. With `columns` mapping
-/// the directions to another column, RecipeNLG (whose list columns may also be Python literals).
+/// the directions to another column, RecipeNLG (whose list columns may also be Python literals); so for
+/// pre-rendered pairs (a target column, or `columns` mapping source/target), whose text is read verbatim.
 pub fn sniff_csv(header: &[String], names: &ColumnNames) -> Option<Format> {
     let has = |n: &str| header.iter().any(|h| h.trim().eq_ignore_ascii_case(n));
-    if names.mapped("directions").is_some() || has("directions") {
+    if names.mapped("directions").is_some() || has("directions") || is_pair_header(header, names) {
         Some(Format::RecipeNlg)
     } else if has("steps") {
         Some(Format::FoodCom)
@@ -327,10 +366,31 @@ pub fn parse_csv(rec: &ByteRecord, format: Format, cols: &Columns) -> Result<Par
             .map(Field::List)
             .map_err(|e| Skip::new("malformed_csv", format!("column {what} is not a list: {e}")))
     };
-    let title = get(cols.title, "title")?.to_string();
-    let ingredients = list(cols.ingredients, "ingredients")?;
-    let directions = list(cols.directions, "directions")?;
-    let ner = match cols.ner {
+    let (title, ingredients, directions, ner) = match cols.fields {
+        CsvFields::Pair { source, target } => {
+            let (source, target) = (get(source, "source")?, get(target, "target")?);
+            return if source.trim().is_empty() {
+                Err(Skip::new("empty_source", "empty `source`"))
+            } else if target.trim().is_empty() {
+                Err(Skip::new("empty_target", "empty `target`"))
+            } else {
+                Ok(Parsed::Pair {
+                    source: source.to_string(),
+                    target: target.to_string(),
+                })
+            };
+        }
+        CsvFields::Recipe {
+            title,
+            ingredients,
+            directions,
+            ner,
+        } => (title, ingredients, directions, ner),
+    };
+    let title = get(title, "title")?.to_string();
+    let ingredients = list(ingredients, "ingredients")?;
+    let directions = list(directions, "directions")?;
+    let ner = match ner {
         Some(i) => list(i, "NER")?,
         None => ingredients.clone(),
     };
@@ -685,6 +745,54 @@ mod tests {
             .unwrap_err()
             .contains("unknown field \"titel\""));
         assert!(map(&[("title", " ")]).is_err());
+    }
+
+    #[test]
+    fn a_csv_of_pairs_is_read_verbatim_and_recipenlg_source_column_is_not_a_pair() {
+        let header = |names: &[&str]| -> Vec<String> { names.iter().map(|n| n.to_string()).collect() };
+        let defaults = ColumnNames::default();
+        let by_header = header(&["id", "Input", "output"]);
+        assert_eq!(sniff_csv(&by_header, &defaults), Some(Format::RecipeNlg));
+        let cols = Columns::from_header(Format::RecipeNlg, &by_header, &defaults).unwrap();
+        let rec = ByteRecord::from(vec!["7", "summarize: [a, b]", "a \"b\""]);
+        assert_eq!(
+            parse_csv(&rec, Format::RecipeNlg, &cols).unwrap(),
+            Parsed::Pair {
+                source: "summarize: [a, b]".into(),
+                target: "a \"b\"".into()
+            }
+        );
+        let empty = ByteRecord::from(vec!["8", "x", " "]);
+        assert_eq!(
+            parse_csv(&empty, Format::RecipeNlg, &cols).unwrap_err().reason,
+            "empty_target"
+        );
+        let m = [("source", "article"), ("target", "summary")]
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        let mapped = ColumnNames::new(&m).unwrap();
+        let articles = header(&["article", "summary"]);
+        assert_eq!(sniff_csv(&articles, &mapped), Some(Format::RecipeNlg));
+        let cols = Columns::from_header(Format::RecipeNlg, &articles, &mapped).unwrap();
+        assert_eq!(
+            cols.fields,
+            CsvFields::Pair {
+                source: 0,
+                target: 1
+            }
+        );
+        let e = Columns::from_header(Format::RecipeNlg, &header(&["article", "text"]), &mapped)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            "missing column `summary` (target, from `columns`); the file has: `article`, `text`"
+        );
+        // RecipeNLG's own `source` column (where a recipe was gathered) makes no pair.
+        let recipenlg = header(&["title", "ingredients", "directions", "link", "source", "NER"]);
+        let cols = Columns::from_header(Format::RecipeNlg, &recipenlg, &defaults).unwrap();
+        assert!(matches!(cols.fields, CsvFields::Recipe { .. }));
+        assert_eq!(sniff_csv(&header(&["article", "summary"]), &defaults), None);
     }
 
     #[test]

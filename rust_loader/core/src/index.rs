@@ -448,8 +448,8 @@ fn format_of(
                 LoaderError::data(
                     path.display(),
                     1,
-                    "CSV header has neither `directions` (RecipeNLG) nor `steps` (Food.com); name the \
-                     columns with `columns`",
+                    "CSV header has neither `directions` (RecipeNLG) nor `steps` (Food.com) nor `target` \
+                     (pairs with `source`); name the columns with `columns`",
                 )
             })?;
             Ok((f, Some(h)))

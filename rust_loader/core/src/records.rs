@@ -355,7 +355,8 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
                     LoaderError::data(
                         &shown,
                         1,
-                        "CSV header has neither `directions` (RecipeNLG) nor `steps` (Food.com)",
+                        "CSV header has neither `directions` (RecipeNLG) nor `steps` (Food.com) nor `target` (pairs with `source`); \
+                         name the columns with `columns`",
                     )
                 })?,
             };
