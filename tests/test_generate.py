@@ -107,8 +107,8 @@ def test_generate_from_a_file_renders_what_training_tokenized(model_dir, sample_
 
 
 def test_generate_one_prompt_to_stdout(model_dir: Path, tmp_path: Path, cli) -> None:
-    code, stdout, err = cli(
-        "generate", "--model", str(model_dir), "--ingredients", "2 eggs; 1 cup flour ;",
+    code, stdout, err = cli(  # the model under Hugging Face's name for it
+        "generate", "--model_name_or_path", str(model_dir), "--ingredients", "2 eggs; 1 cup flour ;",
         "--max_new_tokens", "5", "--do_sample", "--top_p", "0.9",
     )  # fmt: skip
     assert code == 0, err

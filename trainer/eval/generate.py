@@ -383,7 +383,14 @@ def _bool(text: str) -> bool:
 def add_model_arguments(p: argparse.ArgumentParser, data_format: bool = True) -> None:
     """Options `trainer generate`, `evaluate` and `serve` share: the model, decoding and batching (and the
     input files' format, but for serve)."""
-    p.add_argument("--model", required=True, help="model directory (final/ or a checkpoint of a run)")
+    p.add_argument(
+        "--model",
+        "--model_name_or_path",  # Hugging Face's and this trainer's config's name for it
+        "--model-name-or-path",
+        dest="model",
+        required=True,
+        help="model directory (final/ or a checkpoint of a run)",
+    )
     p.add_argument(
         "--task", choices=TASKS, help=f"for a model without {TEMPLATE_FILE} (default: {DEFAULT_TASK})"
     )
