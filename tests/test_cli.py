@@ -86,9 +86,7 @@ def test_console_outside_a_terminal_is_dated_log_lines_a_person_can_read(
     logged = [line for line in lines if stamp.match(line)]
     assert len(logged) >= 8, console
     # Every line is a log line, except the generated recipe printed under its own log line.
-    recipe_at = next(
-        i for i, line in enumerate(lines) if "a recipe generated for held-out ingredients" in line
-    )
+    recipe_at = next(i for i, line in enumerate(lines) if "generated for a held-out record" in line)
     assert [line for line in lines if not stamp.match(line)] == lines[recipe_at + 1 : recipe_at + 3], console
     # One progress line per logged step: step/total, loss, lr, tokens/s, ETA; no memory on a CPU.
     progress = [line for line in lines if re.search(r" step \d+/4: loss ", line)]

@@ -112,7 +112,7 @@ def finish(run: Run, state: RunState, last_eval: EvalResult | None) -> int:
     log.info("%s", goodput_line(goodput))
     for sample in (last_eval.samples if last_eval is not None else [])[:1]:
         log.info(
-            "a recipe generated for held-out ingredients:\n  input: %s\n  generated: %s",
+            "generated for a held-out record:\n  input: %s\n  generated: %s",
             sample["prompt"],
             sample["generated"],
         )
