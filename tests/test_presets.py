@@ -91,6 +91,16 @@ def test_init_maps_the_containers_paths_under_the_working_directory_and_says_wha
     assert "data/*.csv matches no file" in said and "give --data" in said
 
 
+def test_the_quickstart_preset_written_by_init_passes_the_dry_run_it_suggests(tmp_path, monkeypatch, capsys):
+    """`trainer init --preset quickstart` says `trainer train --config quickstart.yaml --dry-run` next: that
+    passes without the demo data the run will make, and writes nothing."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["init", "--preset", "quickstart"]) == 0
+    assert "trainer train --config quickstart.yaml --dry-run" in capsys.readouterr().out
+    assert cli_main(["train", "--config", "quickstart.yaml", "--dry-run"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quickstart.yaml"]
+
+
 def test_init_refuses_to_replace_a_file_or_to_guess_a_preset(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     mine = tmp_path / "flan-t5-xl-rtx4090.yaml"

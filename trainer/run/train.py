@@ -137,13 +137,16 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
         check_paths(cfg)
         check_hub_config(cfg)
         if cfg.make_demo_data:
-            ensure_demo_data(
+            made = ensure_demo_data(
                 [source_path(f) for f in cfg.train_files],
                 cfg.model_name_or_path,
                 n=cfg.demo_records,
                 fmt=cfg.data_format,
                 dry_run=dry_run,
             )
+            if dry_run and made:  # nothing to check in them before the run writes them
+                log.info("dry run: the config is fine; the run makes the model and data, then checks them")
+                return 0
         model_files = check_model_dir(cfg.model_name_or_path, weights=not cfg.random_init)
         output_dir = Path(cfg.output_dir)
         if dry_run:
