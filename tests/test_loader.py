@@ -256,6 +256,11 @@ def test_bad_settings(tmp_path, tiny_model_dir, sample_csv):
         RecipeStream(sample_csv, tiny_model_dir, batch_size=4, rank=2, world_size=2)
     with pytest.raises(RecipeDataError, match=r"full_dataset.csv:1: missing column `name`"):
         RecipeStream(sample_csv, tiny_model_dir, batch_size=4, data_format="foodcom-csv")
+    # A spreadsheet's export separated by semicolons: one line saying so, with the way to rewrite it.
+    semicolons = tmp_path / "export.csv"
+    semicolons.write_text('title;ingredients;directions\nPie;"[""1 egg""]";"[""Mix.""]"\n')
+    with pytest.raises(RecipeDataError, match=r"export.csv:1: .* looks separated by `;`, and only commas"):
+        RecipeStream(semicolons, tiny_model_dir, batch_size=4, cache_dir=tmp_path / "cache")
 
 
 def test_read_only_data_dir_uses_cache_dir(tmp_path, tiny_model_dir):

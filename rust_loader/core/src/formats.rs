@@ -339,6 +339,25 @@ pub fn sniff_csv(header: &[String], names: &ColumnNames) -> Option<Format> {
     }
 }
 
+/// What to say of a CSV header [`sniff_csv`] finds no format in; a header of one column holding `;` or a tab
+/// is a file separated by another character than the comma, which the reader does not split on.
+pub fn unknown_csv_header(header: &[String]) -> String {
+    let known = "CSV header has neither `directions` (RecipeNLG) nor `steps` (Food.com) nor `target` (pairs \
+                 with `source`)";
+    match header {
+        [only] if only.contains(';') || only.contains('\t') => {
+            let sep = if only.contains(';') { "`;`" } else { "tabs" };
+            format!(
+                "{known}: its one column `{}` looks separated by {sep}, and only commas separate CSV \
+                 columns here; write it again with commas (pandas: pd.read_csv(path, sep=None, \
+                 engine=\"python\").to_csv(new_path, index=False))",
+                only.chars().take(60).collect::<String>()
+            )
+        }
+        _ => format!("{known}; name the columns with `columns`"),
+    }
+}
+
 fn utf8<'a>(bytes: &'a [u8], what: &str) -> Result<&'a str, Skip> {
     std::str::from_utf8(bytes)
         .map_err(|e| Skip::new("invalid_utf8", format!("invalid UTF-8 in {what}: {e}")))
@@ -793,6 +812,13 @@ mod tests {
         let cols = Columns::from_header(Format::RecipeNlg, &recipenlg, &defaults).unwrap();
         assert!(matches!(cols.fields, CsvFields::Recipe { .. }));
         assert_eq!(sniff_csv(&header(&["article", "summary"]), &defaults), None);
+        assert!(unknown_csv_header(&header(&["article", "summary"]))
+            .ends_with("nor `target` (pairs with `source`); name the columns with `columns`"));
+        let semicolons = unknown_csv_header(&header(&["title;ingredients;directions"]));
+        assert!(
+            semicolons.contains("looks separated by `;`, and only commas separate CSV columns"),
+            "{semicolons}"
+        );
     }
 
     #[test]

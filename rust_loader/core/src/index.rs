@@ -445,12 +445,7 @@ fn format_of(
         (None, Some(Format::RecipeNlg)) => {
             let h = read_header(data_path, path)?;
             let f = formats::sniff_csv(&h, &s.names).ok_or_else(|| {
-                LoaderError::data(
-                    path.display(),
-                    1,
-                    "CSV header has neither `directions` (RecipeNLG) nor `steps` (Food.com) nor `target` \
-                     (pairs with `source`); name the columns with `columns`",
-                )
+                LoaderError::data(path.display(), 1, formats::unknown_csv_header(&h))
             })?;
             Ok((f, Some(h)))
         }

@@ -352,12 +352,7 @@ fn read_file(p: &Prompter, path: &Path, opts: &ReadOptions, set: &mut RecordSet)
             let format = match opts.format {
                 Some(f) => f,
                 None => formats::sniff_csv(&header, &opts.names).ok_or_else(|| {
-                    LoaderError::data(
-                        &shown,
-                        1,
-                        "CSV header has neither `directions` (RecipeNLG) nor `steps` (Food.com) nor `target` (pairs with `source`); \
-                         name the columns with `columns`",
-                    )
+                    LoaderError::data(&shown, 1, formats::unknown_csv_header(&header))
                 })?,
             };
             let cols = Columns::from_header(format, &header, &opts.names)
