@@ -295,6 +295,34 @@ def test_the_lines_every_seq2seq_training_arguments_file_holds_ask_for_what_is_s
     assert (cfg.resume, cfg.progress_bar, cfg.optimizer) == ("never", False, "adafactor")
 
 
+def test_the_lines_every_axolotl_config_holds_load(tmp_path):
+    """axolotl's boilerplate for a full fine-tune (its examples' `bf16: auto`, an empty `fp16:`, `tf32:
+    false`, no quantization, no training on inputs) asks for what is so here; its names are taken."""
+    config = tmp_path / "axolotl.yml"
+    config.write_text(
+        "base_model: google/flan-t5-base\nload_in_8bit: false\nload_in_4bit: false\nsample_packing: true\n"
+        "micro_batch_size: 4\nnum_epochs: 2\noptimizer: adamw_torch_fused\nlr_scheduler: cosine\n"
+        "train_on_inputs: false\nbf16: auto\nfp16:\ntf32: false\nwandb_name: flan-base-recipes\n"
+        "auto_resume_from_checkpoints: true\n"
+    )
+    cfg = TrainConfig.load(config)
+    assert (cfg.model_name_or_path, cfg.packing, cfg.per_device_train_batch_size) == (
+        "google/flan-t5-base",
+        True,
+        4,
+    )
+    assert (cfg.num_train_epochs, cfg.optimizer, cfg.lr_scheduler_type) == (2, "adamw", "cosine")
+    assert (cfg.dtype, cfg.run_name, cfg.resume) == ("bfloat16", "flan-base-recipes", "auto")
+    for line, answer in [
+        ("load_in_4bit: true", "no quantized base (QLoRA)"),
+        ("tf32: true", "never TF32"),
+        ("flash_attention: true", "attention runs in this trainer's fused Triton kernels"),
+    ]:
+        config.write_text(line + "\n")
+        with pytest.raises(ConfigError, match=re.escape(answer)):
+            TrainConfig.load(config)
+
+
 def test_a_hugging_face_config_with_its_strategies_and_steps_loads(tmp_path):
     """The lines a Seq2SeqTrainingArguments YAML holds: `*_strategy: steps` beside the `*_steps` they read."""
     config = tmp_path / "hf.yaml"
@@ -334,7 +362,7 @@ def test_ratios_of_the_run_and_lightning_durations_resolve():
             "deepspeed=ds.json",
             "'deepspeed' is not a key here: not supported: several GPUs shard the model with FSDP2",
         ),
-        ("load_in_4bit=true", "'load_in_4bit' is not a key here: not supported: no quantized base (QLoRA)"),
+        ("load_in_4bit=true", "load_in_4bit True is not taken here: no quantized base (QLoRA)"),
         ("sequence_len=512", "an encoder-decoder has two lengths: max_source_length and max_target_length"),
         ("report_to=[wandb, comet_ml]", "report_to 'comet_ml' is not supported: wandb (WANDB_MODE=offline"),
         ("overwrite_output_dir=maybe", "this trainer's key is 'resume'"),
@@ -344,6 +372,7 @@ def test_ratios_of_the_run_and_lightning_durations_resolve():
         ("do_train=false", "`trainer train` always trains"),
         ("label_smoothing_factor=0.1", "not supported: the loss is plain cross-entropy"),
         ("fp8=true", "FP8 matmuls were measured slower than bf16"),  # axolotl's key
+        ("evals_per_epoch=4", "eval_steps and save_steps: every N steps"),
     ],
 )
 def test_names_known_elsewhere_get_their_own_answer_not_the_nearest_spelling(override, answer):

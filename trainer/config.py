@@ -766,8 +766,16 @@ def _hf_only(same: bool, otherwise: str) -> typing.Callable[[Any], Any]:
     return convert
 
 
+def _hf_bf16(value: Any) -> Any:
+    """bf16 true (or axolotl's auto: bf16 where the GPU has it, which every GPU this trains on does) as
+    bfloat16, false as float32."""
+    if value == "auto":
+        return "bfloat16"
+    return _hf_flag("bfloat16", "float32")(value)
+
+
 def _hf_fp16(value: Any) -> Any:
-    if value is False or value is None:
+    if value is False or value is None or value == "auto":  # axolotl's auto: fp16 only without bf16
         return DROPPED
     raise ValueError(
         "is not supported: T5's activations overflow fp16's range (65504), which is why its checkpoints are "
@@ -863,11 +871,11 @@ HF_NAMES: dict[str, HfName] = {
     "bf16": HfName(
         "dtype",
         "bfloat16: bf16 weights with Kahan-compensated updates, no fp32 copy; or float32",
-        _hf_flag("bfloat16", "float32"),
-        "true as bfloat16 (the default), false as float32",
+        _hf_bf16,
+        "true or auto as bfloat16 (the default), false as float32",
     ),
     "fp16": HfName(
-        "dtype", "bfloat16 or float32", _hf_fp16, "false is taken (nothing to set); true is refused"
+        "dtype", "bfloat16 or float32", _hf_fp16, "false or auto is taken (nothing to set); true is refused"
     ),
     "predict_with_generate": HfName(
         "eval_generation_records",
@@ -880,6 +888,14 @@ HF_NAMES: dict[str, HfName] = {
     "micro_batch_size": HfName("per_device_train_batch_size", "rows per micro-batch", _same, "axolotl's"),
     "num_epochs": HfName("num_train_epochs", "epochs of the run", _same, "axolotl's name"),
     "lr_scheduler": HfName("lr_scheduler_type", "transformers' schedule names", _same, "axolotl's name"),
+    "sample_packing": HfName("packing", "several records per row", _same, "axolotl's name"),
+    "wandb_name": HfName("run_name", "the run's name in W&B and Discord", _same, "axolotl's name"),
+    "auto_resume_from_checkpoints": HfName(
+        "resume",
+        "auto, never, or a checkpoint's path",
+        _hf_flag("auto", "never"),
+        "true as auto, false as never",
+    ),
     "r": HfName("lora_r", "LoRA's rank", _same, "PEFT's LoraConfig name"),
     "target_modules": HfName("lora_target_modules", "the projections LoRA adapts", _same, "PEFT's name"),
     **{
@@ -957,6 +973,19 @@ HF_NAMES: dict[str, HfName] = {
                 "(packing: true)",
             ),
             ("ignore_pad_token_for_loss", True, "padding never counts in the loss"),
+            ("tf32", False, "the matmuls run in dtype, bfloat16 (the default) or full float32, never TF32"),
+            (
+                "load_in_4bit",
+                False,
+                "no quantized base (QLoRA); LoRA over the bf16 base (adapter: lora) fits FLAN-T5-XL on 16 GB "
+                "and FLAN-T5-XXL on 32 GB (docs/lora.md)",
+            ),
+            (
+                "load_in_8bit",
+                False,
+                "no quantized base; LoRA over the bf16 base (adapter: lora, docs/lora.md)",
+            ),
+            ("train_on_inputs", False, "an encoder-decoder's loss is on the target; the source is its input"),
         )
     },
     "adafactor": HfName(
@@ -1043,9 +1072,6 @@ ANSWERS: dict[str, str] = {
     "deepspeed": "not supported: several GPUs shard the model with FSDP2 here (distributed_strategy: fsdp "
     "under torchrun, docs/distributed.md)",
     "fsdp": "Hugging Face's fsdp options: here distributed_strategy: fsdp under torchrun (FSDP2)",
-    "load_in_4bit": "not supported: no quantized base (QLoRA); LoRA over the bf16 base (adapter: lora) fits "
-    "FLAN-T5-XL on 16 GB and FLAN-T5-XXL on 32 GB (docs/lora.md)",
-    "load_in_8bit": "not supported: no quantized base; LoRA over the bf16 base (adapter: lora, docs/lora.md)",
     "sequence_len": "an encoder-decoder has two lengths: max_source_length and max_target_length",
     "max_seq_length": "an encoder-decoder has two lengths: max_source_length and max_target_length",
     "datasets": "the data is train_files: paths, globs, save_to_disk directories or hf://datasets/OWNER/NAME "
@@ -1070,7 +1096,6 @@ ANSWERS: dict[str, str] = {
     "include_tokens_per_second": "nothing to set: the log and run_summary.json always have tokens/s",
     "ddp_find_unused_parameters": "nothing to set: ddp here sums the trained weights' gradients once per "
     "optimizer step, with no unused ones to find",
-    "tf32": "not supported: the matmuls run in dtype, bfloat16 (the default) or full float32",
     "fp16_full_eval": "evaluations run in dtype (bfloat16 by default); fp16 overflows T5's activations",
     "bf16_full_eval": "evaluations run in dtype (bfloat16 by default)",
     "data_seed": "seed orders the data too (one seed: data order, dropout, evaluation samples)",
@@ -1111,6 +1136,28 @@ ANSWERS: dict[str, str] = {
     "use_fast_tokenizer": "nothing to set: the loader reads the model's tokenizer.json (the fast tokenizer)",
     "token": "a token is never written in a config: put it in HF_TOKEN in the environment",
     "trust_remote_code": "not supported: T5 models run through transformers' own code",
+    # axolotl's
+    **dict.fromkeys(
+        ("flash_attention", "xformers_attention", "sdp_attention"),
+        "nothing to set: attention runs in this trainer's fused Triton kernels on CUDA (attn_implementation)",
+    ),
+    "pad_to_sequence_len": "nothing to set: a batch is padded to its longest record, or packed (packing: "
+    "true)",
+    **dict.fromkeys(
+        ("evals_per_epoch", "saves_per_epoch"),
+        "eval_steps and save_steps: every N steps, below 1 a ratio of the run's steps, or epoch",
+    ),
+    **dict.fromkeys(
+        ("wandb_watch", "wandb_log_model"),
+        "not supported: W&B gets the metrics, the config and generations; final/ holds the model",
+    ),
+    "special_tokens": "nothing to set: the model's tokenizer is used as it is",
+    "dataset_prepared_path": "nothing to set: records are tokenized as they are read, with no prepared copy",
+    **dict.fromkeys(
+        ("model_type", "tokenizer_type", "base_model_config"),
+        "nothing to set: the model's config.json says what it is (T5)",
+    ),
+    "debug": "the command's -v/--verbose says more",
     "fp8": "not supported: FP8 matmuls were measured slower than bf16 at FLAN-T5's widths on an H100 and "
     "worse per token (docs/quality.md)",
 }
