@@ -182,6 +182,20 @@ def test_invalid_yaml_is_one_line_with_the_line_number(tmp_path):
     assert str(invalid.value).startswith(f"{bad}:3: not valid YAML (") and "\n" not in str(invalid.value)
 
 
+def test_hugging_face_args_json_indented_with_tabs_loads(tmp_path):
+    """JSON is YAML but for tabs as indentation: an args.json written with tabs loads, its keys' lines kept
+    for messages; a YAML fault elsewhere is still reported where it is."""
+    args = tmp_path / "args.json"
+    args.write_text('{\n\t"max_steps": 10,\n\t"do_train": true,\n\t"lerning_rate": 1e-4\n}\n')
+    with pytest.raises(ConfigError, match=r"args\.json:4: unknown config key 'lerning_rate'"):
+        TrainConfig.load(args)
+    args.write_text('{\n\t"max_steps": 10,\n\t"do_train": true\n}\n')
+    assert TrainConfig.load(args).max_steps == 10
+    args.write_text('{\n\t"max_steps": [10,\n}\n')
+    with pytest.raises(ConfigError, match=r"args\.json:\d+: not valid YAML"):
+        TrainConfig.load(args)
+
+
 def test_every_key_has_its_help_in_the_dataclass_and_a_section():
     import dataclasses
 

@@ -1225,14 +1225,30 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _parse_yaml(text: str) -> tuple[yaml.Node | None, Any]:
+    """The document's node (for the keys' lines) and its data."""
+    loader = _ConfigLoader(text)
+    try:
+        node = loader.get_single_node()
+        return node, loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+
+
 def read_yaml(text: str, name: str) -> tuple[Any, dict[str, int]]:
     """The YAML document in `text` and the line of each top-level key. Invalid YAML or a duplicate key is a
     ConfigError in one line naming `name` (a file, or `override 'k=v'`) and the line."""
     override = name.startswith("override ")
-    loader = _ConfigLoader(text)
     try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
+        try:
+            node, data = _parse_yaml(text)
+        except yaml.YAMLError:
+            # JSON (Hugging Face's args.json) indented with tabs, which YAML refuses as indentation: the same
+            # document, on the same lines, with spaces (whose fault, if any, is the document's own).
+            spaced = re.sub(r"^\t+", lambda m: "  " * len(m.group()), text, flags=re.M)
+            if spaced == text:
+                raise
+            node, data = _parse_yaml(spaced)
     except _DuplicateKey as e:
         where = "" if override else f":{e.line}"
         lines = "" if override else f" (lines {e.first_line} and {e.line})"
@@ -1247,8 +1263,6 @@ def read_yaml(text: str, name: str) -> tuple[Any, dict[str, int]]:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{name}{where}: not valid YAML ({problem})") from None
-    finally:
-        loader.dispose()
     lines = {}
     if isinstance(node, yaml.MappingNode):
         lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
