@@ -768,7 +768,8 @@ mod tests {
 
     #[test]
     fn a_csv_of_pairs_is_read_verbatim_and_recipenlg_source_column_is_not_a_pair() {
-        let header = |names: &[&str]| -> Vec<String> { names.iter().map(|n| n.to_string()).collect() };
+        let header =
+            |names: &[&str]| -> Vec<String> { names.iter().map(|n| n.to_string()).collect() };
         let defaults = ColumnNames::default();
         let by_header = header(&["id", "Input", "output"]);
         assert_eq!(sniff_csv(&by_header, &defaults), Some(Format::RecipeNlg));
@@ -783,7 +784,9 @@ mod tests {
         );
         let empty = ByteRecord::from(vec!["8", "x", " "]);
         assert_eq!(
-            parse_csv(&empty, Format::RecipeNlg, &cols).unwrap_err().reason,
+            parse_csv(&empty, Format::RecipeNlg, &cols)
+                .unwrap_err()
+                .reason,
             "empty_target"
         );
         let m = [("source", "article"), ("target", "summary")]
@@ -808,7 +811,14 @@ mod tests {
             "missing column `summary` (target, from `columns`); the file has: `article`, `text`"
         );
         // RecipeNLG's own `source` column (where a recipe was gathered) makes no pair.
-        let recipenlg = header(&["title", "ingredients", "directions", "link", "source", "NER"]);
+        let recipenlg = header(&[
+            "title",
+            "ingredients",
+            "directions",
+            "link",
+            "source",
+            "NER",
+        ]);
         let cols = Columns::from_header(Format::RecipeNlg, &recipenlg, &defaults).unwrap();
         assert!(matches!(cols.fields, CsvFields::Recipe { .. }));
         assert_eq!(sniff_csv(&header(&["article", "summary"]), &defaults), None);
