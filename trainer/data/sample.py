@@ -47,21 +47,27 @@ def is_quickstart_path(path: str | Path) -> bool:
     return p == base or base in p.parents
 
 
+def missing_demo_paths(train_files: list[str], model_dir: str) -> list[Path]:
+    """The data files (plain paths, not globs or Hub datasets) and the model directory that do not exist:
+    what make_demo_data would write, where they are inside data/quickstart/."""
+    missing = [
+        Path(f)
+        for f in train_files
+        if not any(ch in f for ch in "*?[") and not is_hub_dataset(f) and not Path(f).exists()
+    ]
+    if not (Path(model_dir) / "config.json").exists():
+        missing.append(Path(model_dir))
+    return missing
+
+
 def ensure_demo_data(
     train_files: list[str], model_dir: str, *, n: int, fmt: str | None, dry_run: bool = False
 ) -> list[Path]:
     """make_demo_data: write the quickstart's missing sample recipes and tiny model, only inside
     data/quickstart/ (other missing paths are left to fail as missing, with a warning saying why nothing was
     written there). A dry run writes nothing and logs what a run would write. Returns those paths."""
-    wanted = [
-        Path(f)
-        for f in train_files
-        if not any(ch in f for ch in "*?[") and not is_hub_dataset(f) and not Path(f).exists()
-    ]
-    if not (Path(model_dir) / "config.json").exists():
-        wanted.append(Path(model_dir))
     written = []
-    for path in wanted:
+    for path in missing_demo_paths(train_files, model_dir):
         what = "the tiny FLAN-T5" if path == Path(model_dir) else f"{n} sample recipes"
         if not is_quickstart_path(path):
             log.warning(

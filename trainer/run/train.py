@@ -38,7 +38,7 @@ from trainer.data.loader import (
     records_in,
     to_device,
 )
-from trainer.data.sample import ensure_demo_data
+from trainer.data.sample import ensure_demo_data, missing_demo_paths
 from trainer.eval.in_training import (
     EvalResult,
     eval_batch_tokens,
@@ -137,14 +137,12 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
         check_paths(cfg)
         check_hub_config(cfg)
         if cfg.make_demo_data:
+            files = [source_path(f) for f in cfg.train_files]
+            missing = missing_demo_paths(files, cfg.model_name_or_path)
             made = ensure_demo_data(
-                [source_path(f) for f in cfg.train_files],
-                cfg.model_name_or_path,
-                n=cfg.demo_records,
-                fmt=cfg.data_format,
-                dry_run=dry_run,
+                files, cfg.model_name_or_path, n=cfg.demo_records, fmt=cfg.data_format, dry_run=dry_run
             )
-            if dry_run and made:  # nothing to check in them before the run writes them
+            if dry_run and missing and made == missing:  # all the run needs, written when it starts
                 log.info("dry run: the config is fine; the run makes the model and data, then checks them")
                 return 0
         model_files = check_model_dir(cfg.model_name_or_path, weights=not cfg.random_init)
