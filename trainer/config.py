@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
+from trainer.infra.redact import MASK
 from trainer.optim import OPTIMIZERS
 
 log = logging.getLogger(__name__)
@@ -1057,17 +1058,19 @@ def _take_hf_names(values: dict[str, Any], sources: dict[str, str], source: str)
     return out
 
 
-# Names under which users bring a secret (refused below: secrets live in the environment), and what the
-# refusal shows instead of the value.
+# Names under which users bring a secret (refused below: secrets live in the environment); the refusal shows
+# redact's mask instead of the value.
 SECRET_NAMES = frozenset(("hub_token", "push_to_hub_token", "wandb_api_key", "token"))
-MASK = "***"
 
 # Names users bring from Hugging Face, axolotl and PEFT that have no key here, each with its own answer
 # (rather than the nearest key by spelling, which points the wrong way: hub_token is not max_tokens).
 ANSWERS: dict[str, str] = {
     "hub_token": "a token is never written in a config: put it in HF_TOKEN in the environment (.env for "
     "Docker)",
-    "push_to_hub_token": "a token is never written in a config: put it in HF_TOKEN in the environment",
+    **dict.fromkeys(
+        ("push_to_hub_token", "token"),
+        "a token is never written in a config: put it in HF_TOKEN in the environment",
+    ),
     "wandb_api_key": "a key is never written in a config: put it in WANDB_API_KEY in the environment",
     "deepspeed": "not supported: several GPUs shard the model with FSDP2 here (distributed_strategy: fsdp "
     "under torchrun, docs/distributed.md)",
@@ -1134,7 +1137,6 @@ ANSWERS: dict[str, str] = {
     "model_revision": "not supported: model_name_or_path takes a Hub id (its main revision) or a local "
     "directory (`hf download ID --revision REV --local-dir DIR`)",
     "use_fast_tokenizer": "nothing to set: the loader reads the model's tokenizer.json (the fast tokenizer)",
-    "token": "a token is never written in a config: put it in HF_TOKEN in the environment",
     "trust_remote_code": "not supported: T5 models run through transformers' own code",
     # axolotl's
     **dict.fromkeys(
