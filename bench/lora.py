@@ -3,6 +3,7 @@ card's memory: FLAN-T5-XL + LoRA at 16 GiB, XL full fine-tuning at 24 GiB, FLAN-
 
     python3 bench/lora.py                             # GPU: the three presets (about 5 minutes on an H100)
     python3 bench/lora.py --configs xxl_lora_32gib --steps 4
+    python3 bench/lora.py --configs xl_full_24gib --set bf16_update=stochastic   # a preset's key changed
     python3 bench/lora.py --tiny                      # CPU: the tiny shape through the same code
 
 Each config is a preset as shipped (configs/*.yaml: packed rows, CUDA graphs, 8k-token micro-batches x 8
@@ -57,8 +58,9 @@ CONFIGS = {
 }
 
 
-def run_one(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> dict:
-    """One preset through trainer.run.train.train, capped at its card; its numbers."""
+def run_one(name: str, work: Path, steps: int, warmup: int, tiny: bool, overrides: list[str]) -> dict:
+    """One preset through trainer.run.train.train, capped at its card, with `overrides` (KEY=VALUE, the value
+    as YAML) applied; its numbers."""
     import torch
     import yaml
 
@@ -76,6 +78,9 @@ def run_one(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> dict:
     records = make_records(n=512 if tiny else 4096)
     data, model_dir = write_data(work, records, shape)
     values = yaml.safe_load((PRESETS / bench.preset).read_text(encoding="utf-8"))
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        values[key.strip()] = yaml.safe_load(raw)
     values.update(
         model_name_or_path=str(model_dir),
         random_init=True,
@@ -123,7 +128,7 @@ def run_one(name: str, work: Path, steps: int, warmup: int, tiny: bool) -> dict:
     return dict(
         config=name,
         ok=rc == 0,
-        preset=bench.preset,
+        preset=bench.preset + "".join(f", {item}" for item in overrides),
         cap_gib=bench.card_gib if cuda else None,
         adapter=cfg.adapter,
         real_tok_s=(src + tgt) / seconds,
@@ -151,6 +156,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per config")
     parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the timing (>= 1)")
     parser.add_argument("--timeout", type=float, default=180, help="seconds per config")
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="change every preset's key (a YAML value)"
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny shape (CPU check of the script)")
     parser.add_argument("--out", help="directory for the full results (lora.json)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one config in this process
@@ -158,13 +166,15 @@ def main() -> int:
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be >= 1: the timing starts at the end of a step")
+    if any("=" not in item for item in args.set):
+        parser.error("--set takes KEY=VALUE items")
 
     if args.one:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
-            result = run_one(args.one, Path(tmp), args.steps, args.warmup, args.tiny)
+            result = run_one(args.one, Path(tmp), args.steps, args.warmup, args.tiny, args.set)
         Path(args.result).write_text(json.dumps(result))
         return 0
 
@@ -176,6 +186,7 @@ def main() -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"device: {device}; torch {torch.__version__}", flush=True)
     extra = ["--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else [])
+    extra += ["--set", *args.set] if args.set else []
     results = []
     for name in args.configs.split(","):
         t0 = time.time()

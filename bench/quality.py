@@ -168,6 +168,11 @@ def variants(args, packed_rows: int) -> dict[str, Variant]:
             dict(lr_scheduler_type="cosine", warmup_steps=warmup),
         ),
         Variant(
+            "kahan_8bit",
+            "ours, padded, the Kahan buffer in 8-bit codes (stochastically rounded; 1 byte per weight less)",
+            dict(bf16_update="kahan_8bit"),
+        ),
+        Variant(
             "adamw",
             f"ours, padded, AdamW lr {args.adamw_lr:g} (Kahan bf16), warm-up {warmup} then linear decay",
             adamw,

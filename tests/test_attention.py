@@ -39,6 +39,16 @@ def random_numbers(seed: int, n: int = 1 << 16) -> torch.Tensor:
     return out.cpu().double()
 
 
+def test_the_torch_reference_draws_the_kernels_numbers():
+    # The optimizers' torch path (the CPU's) rounds bf16 weights stochastically with uniform16_reference's
+    # numbers, the kernels with uniform16's: equal, so that both paths (and every FSDP2 split) round alike.
+    from trainer.kernels.dropout import uniform16_reference
+
+    for seed in (0, 12345, 2**24 - 1, 2**31 - 2):
+        index = torch.arange(1 << 16, dtype=torch.int64)
+        assert torch.equal(uniform16_reference(seed, index).double(), random_numbers(seed))
+
+
 @triton.jit
 def _keep_kernel(Seed, Out, dropout_p, BLOCK: tl.constexpr):
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

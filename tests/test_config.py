@@ -484,6 +484,22 @@ def test_lr_scheduler_kwargs_is_a_mapping():
         TrainConfig.load(None, ["lr_scheduler_kwargs=0.1"])
 
 
+def test_an_8bit_kahan_buffer_is_taken_for_adafactor_and_refused_elsewhere(tmp_path):
+    """`bf16_update: kahan_8bit` for adafactor; AdamW (torch-optimi's Kahan buffer) and adamw8bit
+    (stochastic rounding, no buffer) keep none: one line naming both keys where they were set."""
+    config = tmp_path / "c.yaml"
+    config.write_text("optimizer: adafactor\nbf16_update: kahan_8bit\n")
+    assert TrainConfig.load(config).bf16_update == "kahan_8bit"
+    for optimizer in ("adamw", "adamw8bit"):
+        config.write_text(f"optimizer: {optimizer}\nbf16_update: kahan_8bit\n")
+        with pytest.raises(
+            ConfigError,
+            match=rf"c.yaml:1 \(optimizer\) and .*c.yaml:2 \(bf16_update\): optimizer: {optimizer} keeps no "
+            r"8-bit Kahan buffer: use bf16_update: kahan, or optimizer: adafactor",
+        ):
+            TrainConfig.load(config)
+
+
 def test_an_optimizer_that_cannot_update_fsdp_shards_is_refused_naming_both_keys(tmp_path, monkeypatch):
     """What trainer.optim declares about FSDP decides the config: an optimizer without it is one line naming
     where the optimizer and the strategy were set (an optimizer declared so, as a new one could be)."""
@@ -500,6 +516,6 @@ def test_an_optimizer_that_cannot_update_fsdp_shards_is_refused_naming_both_keys
         ConfigError,
         match=r"c.yaml:1 \(optimizer\) and .*c.yaml:2 \(distributed_strategy\): "
         r"optimizer: adamw does not update FSDP2's sharded weights: use distributed_strategy: ddp, "
-        r"or one of adafactor",
+        r"or optimizer: adafactor",
     ):
         TrainConfig.load(config)

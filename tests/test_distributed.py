@@ -201,15 +201,19 @@ def test_fsdp_two_ranks_train_like_one_process_and_resume_in_one(model_dir, samp
         assert resumed[s] == pytest.approx(two[s], rel=2e-2), (s, resumed[s], two[s])
 
 
+@pytest.mark.parametrize("bf16_update", ["kahan", "kahan_8bit"])
 def test_fsdp_with_the_presets_adafactor_trains_like_one_process_and_resumes_in_one(
-    model_dir, sample_csv, tmp_path
+    model_dir, sample_csv, tmp_path, bf16_update
 ):
-    """Adafactor with Kahan-compensated bf16 weights (the rtx5090 preset's optimizer) on FSDP2's sharded
-    weights (each rank updates its shards; the factored statistics are agreed in two all-reduces), two
-    micro-batches per step reduce-scattered once (`fsdp_sync_each_micro_batch: false`), gathered weights
-    kept from forward to backward (`fsdp_reshard_after_forward: false`); its checkpoint (the row statistics
-    and Kahan buffers sharded, the column statistics whole on every rank) resumes in one process."""
-    values = dict(optimizer="adafactor", dtype="bfloat16", gradient_checkpointing=True)
+    """Adafactor with Kahan-compensated bf16 weights (the rtx5090 preset's optimizer; the buffer bf16, or
+    8-bit codes, each shard's rounded as the whole weight's in one process), on FSDP2's sharded weights
+    (each rank updates its shards; the factored statistics are agreed in two all-reduces), two micro-batches
+    per step reduce-scattered once (`fsdp_sync_each_micro_batch: false`), gathered weights kept from forward
+    to backward (`fsdp_reshard_after_forward: false`); its checkpoint (the row statistics and Kahan buffers
+    sharded, the column statistics whole on every rank) resumes in one process."""
+    values = dict(
+        optimizer="adafactor", dtype="bfloat16", gradient_checkpointing=True, bf16_update=bf16_update
+    )
     single = _one_process(model_dir, sample_csv, tmp_path / "one", gradient_accumulation_steps=4, **values)
     out = tmp_path / "fsdp"
     fsdp = dict(

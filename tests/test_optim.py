@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from trainer.optim import OPTIMIZERS, build_optimizer
+from trainer.optim import OPTIMIZERS, build_optimizer, kahan_buffer_bytes
 from trainer.optim.adafactor_optimizer import Adafactor
 from trainer.run.schedule import clip_coefficient
 
@@ -66,14 +66,18 @@ def _final_loss(small_t5, dtype, optimizer, update, lr):
 
 # Learning rates so small that most updates fall below bf16 resolution of the weights, as in fine-tuning.
 # adamw8bit's compensated updates are stochastically rounded, not Kahan-summed: the same in expectation.
-@pytest.mark.parametrize(("optimizer", "lr"), [("adamw", 2e-5), ("adamw8bit", 2e-5), ("adafactor", 1e-4)])
-def test_kahan_bf16_matches_fp32_and_naive_does_not(small_t5, optimizer, lr, record_property):
+@pytest.mark.parametrize(
+    ("optimizer", "lr", "update"),
+    [("adamw", 2e-5, "kahan"), ("adamw8bit", 2e-5, "kahan"), ("adafactor", 1e-4, "kahan"),
+     ("adafactor", 1e-4, "kahan_8bit")],
+)  # fmt: skip
+def test_compensated_bf16_matches_fp32_and_naive_does_not(small_t5, optimizer, lr, update, record_property):
     start = small_t5[0](input_ids=small_t5[1], labels=small_t5[2]).loss.item()
-    ref = _final_loss(small_t5, torch.float32, optimizer, "kahan", lr)
-    kahan = _final_loss(small_t5, torch.bfloat16, optimizer, "kahan", lr)
+    ref = _final_loss(small_t5, torch.float32, optimizer, update, lr)
+    kahan = _final_loss(small_t5, torch.bfloat16, optimizer, update, lr)
     naive = _final_loss(small_t5, torch.bfloat16, optimizer, "naive", lr)
     report = (
-        f"{optimizer}: start {start:.4f}, fp32 {ref:.4f}, bf16+Kahan {kahan:.4f} "
+        f"{optimizer}: start {start:.4f}, fp32 {ref:.4f}, bf16 {update} {kahan:.4f} "
         f"({100 * (kahan - ref) / ref:+.2f}%), naive bf16 {naive:.4f} ({100 * (naive - ref) / ref:+.2f}%)"
     )
     print(report)
@@ -84,12 +88,16 @@ def test_kahan_bf16_matches_fp32_and_naive_does_not(small_t5, optimizer, lr, rec
     assert abs(naive - ref) > abs(kahan - ref), report
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+    ("name", "update"),
+    [(name, update) for name in sorted(OPTIMIZERS) for update in ("kahan", "kahan_8bit")
+     if update == "kahan" or OPTIMIZERS[name].kahan_8bit],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_each_optimizer_holds_the_states_it_declares(small_t5, name, dtype):
+def test_each_optimizer_holds_the_states_it_declares(small_t5, name, update, dtype):
     """What an optimizer's module declares (trainer.optim: the memory plan, `trainer plan` and the disk check
-    read it) is what the built optimizer holds after a step: its states, a Kahan buffer per 16-bit weight,
-    and what a checkpoint of them takes; a new optimizer gets this check by being listed."""
+    read it) is what the built optimizer holds after a step: its states, a Kahan buffer per 16-bit weight
+    (bf16 or 8-bit), and what a checkpoint of them takes; a new optimizer gets this check by being listed."""
     from trainer.infra.disk import estimate_checkpoint_bytes, state_bytes
     from trainer.model.model_shape import ModelShape
     from trainer.plan.memory_plan import optimizer_state_bytes
@@ -97,7 +105,7 @@ def test_each_optimizer_holds_the_states_it_declares(small_t5, name, dtype):
     base, x, y = small_t5
     model = copy.deepcopy(base).to(dtype)
     cfg = SimpleNamespace(
-        optimizer=name, bf16_update="kahan", learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9,
+        optimizer=name, bf16_update=update, learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.999, adam_epsilon=1e-8,
     )  # fmt: skip
     opt = build_optimizer(model, cfg, torch.device("cpu"))
@@ -108,11 +116,11 @@ def test_each_optimizer_holds_the_states_it_declares(small_t5, name, dtype):
     )
     params = list(model.parameters())
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
-    declared = optimizer_state_bytes(ModelShape.from_config(base.config), name, "kahan", dtype_name)
+    declared = optimizer_state_bytes(ModelShape.from_config(base.config), name, update, dtype_name)
     # Up to a 0-d fp32 state per weight (a step count, an RMS) that one implementation keeps and another not.
     assert abs(declared - held) <= 4 * len(params), (held, declared)
     spec, weight_bytes = OPTIMIZERS[name], params[0].element_size()
-    kahan = weight_bytes if dtype == torch.bfloat16 and spec.kahan else 0
+    kahan = kahan_buffer_bytes(spec, weight_bytes, update)
     n = sum(p.numel() for p in params)
     estimate = estimate_checkpoint_bytes(
         n, weight_bytes, spec.checkpoint_bytes_per_param(weight_bytes) + kahan
@@ -183,15 +191,18 @@ def test_a_skipped_step_leaves_adafactor_as_if_it_never_came(small_t5, device):
         assert torch.equal(runs[1][name], w), name
 
 
+@pytest.mark.parametrize("kahan_8bit", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_resumed_adafactor_keeps_fp32_statistics_and_continues_as_the_uninterrupted_one(small_t5, device):
+def test_a_resumed_adafactor_keeps_its_state_dtypes_and_continues_as_the_uninterrupted_one(
+    small_t5, device, kahan_8bit
+):
     """A checkpoint's optimizer state loaded into a new Adafactor over bf16 weights: the second-moment
-    statistics stay fp32 (torch's load casts every state to its weight's dtype; the kernels read and write
-    them as fp32) and the next steps equal those of the optimizer that never stopped."""
+    statistics stay fp32 and 8-bit Kahan codes int8 (torch's load casts every state to its weight's dtype;
+    the kernels read them as theirs) and the next steps equal those of the optimizer that never stopped."""
     base, x, y = small_t5
     x, y = x.to(device), y.to(device)
     model = copy.deepcopy(base).to(device=device, dtype=torch.bfloat16)
-    opt = Adafactor(model.parameters(), lr=1e-3)
+    opt = Adafactor(model.parameters(), lr=1e-3, kahan_8bit=kahan_8bit)
 
     def train(model, opt, steps: int) -> None:
         for _ in range(steps):
@@ -201,22 +212,35 @@ def test_a_resumed_adafactor_keeps_fp32_statistics_and_continues_as_the_uninterr
 
     train(model, opt, 2)
     resumed_model = copy.deepcopy(model)
-    resumed = Adafactor(resumed_model.parameters(), lr=1e-3)
+    resumed = Adafactor(resumed_model.parameters(), lr=1e-3, kahan_8bit=kahan_8bit)
     resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
     for state in resumed.state.values():
-        for key in Adafactor.FP32_STATES:
+        for key, dtype in Adafactor.STATE_DTYPES.items():
             if key in state:
-                assert state[key].dtype == torch.float32, key
-        assert state["kahan_comp"].dtype == torch.bfloat16
+                assert state[key].dtype == dtype, key
+        buffer = "kahan_codes" if kahan_8bit else "kahan_comp"
+        assert state[buffer].dtype == (torch.int8 if kahan_8bit else torch.bfloat16)
     train(model, opt, 2)
     train(resumed_model, resumed, 2)
     for (name, w), r in zip(model.named_parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(r, w), name
 
 
-def _torch_update(p, grad, state: dict, scalars) -> None:
+def _effective(p, state: dict) -> torch.Tensor:
+    """The weight the optimizer carries: the stored weight plus its Kahan buffer (bf16, or 8-bit codes)."""
+    from trainer.optim.adafactor_optimizer import code_unit
+
+    w = p.detach().float()
+    if "kahan_comp" in state:
+        return w + state["kahan_comp"].float()
+    if "kahan_codes" in state:
+        return w + state["kahan_codes"].float() * code_unit(w)
+    return w
+
+
+def _torch_update(p, grad, state: dict, scalars, rounding=(0, 0)) -> None:
     """One step of `p` by the torch ops the optimizer runs off a GPU (eps 1e-30, clip threshold 1)."""
-    from trainer.optim.adafactor_optimizer import adafactor_update
+    from trainer.optim.adafactor_optimizer import _kahan_buffer, adafactor_update
 
     adafactor_update(
         p,
@@ -224,10 +248,11 @@ def _torch_update(p, grad, state: dict, scalars) -> None:
         state.get("exp_avg_sq_row"),
         state.get("exp_avg_sq_col"),
         state.get("exp_avg_sq"),
-        state.get("kahan_comp"),
+        _kahan_buffer(state),
         scalars,
         1e-30,
         1.0,
+        rounding,
     )
 
 
@@ -237,14 +262,17 @@ def _torch_update(p, grad, state: dict, scalars) -> None:
 KERNEL_SHAPES = [(70, 1100), (70, 1100), (3, 5), (3, 5), (3, 5), (1500,), (1500,), (7,)]
 
 
-@pytest.mark.parametrize(("dtype", "kahan"), [(torch.bfloat16, True), (torch.float32, False)])
-def test_adafactor_kernels_equal_the_torch_update(dtype, kahan):
+@pytest.mark.parametrize(
+    ("dtype", "update"), [(torch.bfloat16, "kahan"), (torch.bfloat16, "kahan_8bit"), (torch.float32, "naive")]
+)
+def test_adafactor_kernels_equal_the_torch_update(dtype, update):
     """trainer.kernels.adafactor_kernels (on CPU in Triton's interpreter) against `adafactor_update`, the
     torch ops the optimizer runs off a GPU, over three steps with weight decay and gradient scales: the
     second-moment states, the weights and (bf16) the Kahan buffers, whose weight + buffer is the effective
-    weight."""
+    weight (8-bit codes: their value); the codes round alike on both paths (the same numbers)."""
     from trainer.kernels.adafactor_kernels import WeightGroup
 
+    kahan, codes = update in ("kahan", "kahan_8bit"), update == "kahan_8bit"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(s, generator=g) * 0.02).to(device, dtype) for s in KERNEL_SHAPES]
@@ -254,7 +282,7 @@ def test_adafactor_kernels_equal_the_torch_update(dtype, kahan):
     results = []
     for kernels in (False, True):
         params = [torch.nn.Parameter(w.clone()) for w in weights]
-        opt = Adafactor(params, lr=1e-3, weight_decay=0.1, kahan=kahan)
+        opt = Adafactor(params, lr=1e-3, weight_decay=0.1, kahan=kahan, kahan_8bit=codes)
         for step, (step_grads, grad_scale) in enumerate(zip(grads, (1.0, 0.3, 0.6), strict=True), start=1):
             for p, grad in zip(params, step_grads, strict=True):
                 p.grad = grad.clone()
@@ -271,25 +299,67 @@ def test_adafactor_kernels_equal_the_torch_update(dtype, kahan):
                     if kernels:
                         WeightGroup.build(group, states).update(scalars, 1e-30, 1.0)
                         continue
-                    for p, st in zip(group, states, strict=True):
-                        _torch_update(p, p.grad, st, scalars)
+                    for n, (p, st) in enumerate(zip(group, states, strict=True)):
+                        _torch_update(p, p.grad, st, scalars, (n, 0))
         results.append((params, [opt.state[p] for p in params]))
     (ref_params, ref_states), (params, states) = results
     for w0, p_ref, p, st_ref, st in zip(weights, ref_params, params, ref_states, states, strict=True):
         for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):
             if key in st_ref:
                 torch.testing.assert_close(st[key], st_ref[key], rtol=1e-5, atol=0)
-        effective_ref, effective = p_ref.float(), p.float()
+        effective_ref, effective = _effective(p_ref, st_ref), _effective(p, st)
         if kahan:
-            effective_ref = effective_ref + st_ref["kahan_comp"].float()
-            effective = effective + st["kahan_comp"].float()
-            assert st["kahan_comp"].abs().max() > 0  # the rounding error is carried, not dropped
+            buffer = st.get("kahan_comp", st.get("kahan_codes"))
+            assert buffer.abs().max() > 0  # the rounding error is carried, not dropped
+        if codes:  # the same numbers round alike; an fp32 result an ulp apart (a GPU's fused multiply-adds)
+            # moves a code's remainder by 1/256 of a unit, which may round it another way and carries into the
+            # next steps: ~1% after three on an H200, less on the CPU (a wrong index or seed: nearly all)
+            assert (st["kahan_codes"] != st_ref["kahan_codes"]).float().mean() <= 5e-2
         moved = (effective_ref - w0.float()).norm()
         assert moved > 0
-        # bf16: the buffer's own rounding (2**-9 of the part the weight cannot hold) bounds the agreement;
-        # dropping the buffer would be off by ~2**-9 of the weights, ~2e-2 of `moved` here.
+        # bf16: the buffer's own rounding (2**-9 of the part the weight cannot hold; 8-bit codes: 2**-8)
+        # bounds the agreement; dropping the buffer would be off by ~2**-9 of the weights, ~2e-2 of `moved`.
         tolerance = 1e-3 if kahan else 1e-5
         assert (effective - effective_ref).norm() <= tolerance * moved
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_adafactor_8bit_kahan_codes_hold_the_rounding_error_unbiased(kernels):
+    """`kahan_8bit`: after a step the bf16 weight plus its code (in units of 1/256 of the weight's last bit)
+    is the fp32 result (the same step on fp32 weights) to within one unit, each code the error rounded up or
+    down with the probability of the remainder: unbiased, no update lost on average. Both paths: the torch
+    ops and the kernels (Triton's interpreter on the CPU), a new seed per step."""
+    from trainer.kernels.adafactor_kernels import WeightGroup
+    from trainer.optim.adafactor_optimizer import code_unit
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(1)
+    weight = (torch.randn(64, 1024, generator=g) * 0.02).to(device, torch.bfloat16)
+    grad = (torch.randn(64, 1024, generator=g) * 1e-3).to(device, torch.bfloat16)
+    results = {}
+    for name, dtype in (("exact", torch.float32), ("coded", torch.bfloat16)):
+        p = torch.nn.Parameter(weight.to(dtype, copy=True))
+        p.grad = grad.to(dtype, copy=True)
+        opt = Adafactor([p], lr=1e-5, kahan=True, kahan_8bit=True)  # updates below half a bf16 step
+        opt._init_state(p, opt.state[p])
+        scalars = opt._queue_scalars(0, 0, torch.device(device), 1, opt.param_groups[0], None)
+        with torch.no_grad():
+            if kernels and dtype == torch.bfloat16:
+                WeightGroup.build([p], [opt.state[p]]).update(scalars, 1e-30, 1.0)
+            else:
+                _torch_update(p, p.grad, opt.state[p], scalars, (0, 0))
+        results[name] = p.detach().float(), opt.state[p].get("kahan_codes")
+        if dtype == torch.bfloat16:  # the next step's seed is another
+            seed = scalars[4].item()
+            assert opt._queue_scalars(0, 0, torch.device(device), 2, opt.param_groups[0], None)[4] != seed
+    exact, (rounded, codes) = results["exact"][0], results["coded"]
+    assert codes.dtype == torch.int8 and codes.shape == weight.shape
+    error = (exact - rounded) / code_unit(rounded)  # what the codes should hold, in units
+    assert bool(((codes.float() - error).abs() <= 1).all())  # 1: a tie at +128 units, kept as 127
+    # Unbiased: the codes' mean error is far below the half unit that rounding them to nearest could leave.
+    assert abs((codes.float() - error).mean().item()) < 0.01
+    # The rounding alone (no codes) would lose these small updates: most weights did not move.
+    assert (rounded != weight.float()).float().mean() < 0.5 < (codes != 0).float().mean()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -422,21 +492,27 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from trainer.kernels.adafactor_kernels import WeightGroup, update_shards
-from trainer.optim.adafactor_optimizer import Adafactor, _local, sharded_adafactor_update
+from trainer.optim.adafactor_optimizer import Adafactor, _first_row, _local, sharded_adafactor_update
 
-shapes, dtype, out = eval(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3]
+shapes, update, out = eval(sys.argv[1]), sys.argv[2], sys.argv[3]
+dtype = torch.float32 if update == "naive" else torch.bfloat16
 device = torch.device(sys.argv[4], int(os.environ["LOCAL_RANK"]) if sys.argv[4] == "cuda" else None)
 if device.type == "cuda":
     torch.cuda.set_device(device)
 dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 mesh = init_device_mesh(device.type, (2,))
+torch.manual_seed(0)  # the 8-bit codes' seeds (as the loop seeds every rank alike)
 g = torch.Generator().manual_seed(0)
 weights = [(torch.randn(s, generator=g) * 0.02).to(device, dtype) for s in shapes]
 grads = [[(torch.randn(s, generator=g) * 1e-3).to(device, dtype) for s in shapes] for _ in range(3)]
 results = {}
 for path in ("torch", "kernels"):
     params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
-    opt = Adafactor(params, lr=1e-3, weight_decay=0.1, kahan=dtype != torch.float32)
+    opt = Adafactor(
+        params, lr=1e-3, weight_decay=0.1, kahan=update != "naive", kahan_8bit=update == "kahan_8bit"
+    )
+    # Each weight's place among its shape's (the kernels' groups): the 8-bit codes' numbers.
+    place = {id(p): sum(q.shape == p.shape for q in params[:i]) for i, p in enumerate(params)}
     for step, (step_grads, grad_scale) in enumerate(zip(grads, (1.0, 0.3, 0.6)), start=1):
         for p, grad in zip(params, step_grads):
             p.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
@@ -446,7 +522,9 @@ for path in ("torch", "kernels"):
         scalars = opt._queue_scalars(0, 0, device, step, opt.param_groups[0], scale)
         with torch.no_grad():
             if path == "torch":
-                sharded_adafactor_update([(p, opt.state[p], scalars, 1e-30, 1.0) for p in params])
+                sharded_adafactor_update(
+                    [(p, opt.state[p], scalars, 1e-30, 1.0, opt._rounding(place[id(p)], p)) for p in params]
+                )
                 continue
             by_shape = {}
             for p in params:
@@ -456,7 +534,8 @@ for path in ("torch", "kernels"):
                 states = [{k: _local(v) for k, v in opt.state[p].items()} for p in same]
                 local = [p.to_local() for p in same]
                 grads_here = [p.grad.to_local() for p in same]
-                group = WeightGroup.build(local, states, grads_here, tuple(same[0].shape))
+                whole, first_row = tuple(same[0].shape), _first_row(same[0])
+                group = WeightGroup.build(local, states, grads_here, whole, first_row)
                 groups.append((group, scalars, 1e-30, 1.0))
             update_shards(groups, dist.all_reduce)
     results[path] = [
@@ -473,13 +552,13 @@ dist.destroy_process_group()
 SHARDED_SHAPES = [(70, 1100), (70, 1100), (3, 5), (3, 5), (1, 40), (1500,), (7,)]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_adafactor_on_fsdp_shards_equals_the_whole_weights_update(dtype, tmp_path):
+@pytest.mark.parametrize("update", ["kahan", "kahan_8bit", "naive"])  # bf16, bf16, fp32 weights
+def test_adafactor_on_fsdp_shards_equals_the_whole_weights_update(update, tmp_path):
     """FSDP2's shards on 2 ranks (on 2 GPUs with NCCL where there are; else gloo, the kernels in Triton's
     interpreter): the torch ops the CPU runs (`sharded_adafactor_update`) and the kernels a GPU runs
     (`update_shards`), over three steps with weight decay and gradient scales, give what one process gives on
-    the whole weights: states, weights and Kahan buffers. The rows split unevenly, one rank holding none of a
-    weight."""
+    the whole weights: states, weights and Kahan buffers (8-bit codes rounded as the whole weight's). The rows
+    split unevenly, one rank holding none of a weight."""
     import os
     import subprocess
     import sys
@@ -489,7 +568,7 @@ def test_adafactor_on_fsdp_shards_equals_the_whole_weights_update(dtype, tmp_pat
     out = tmp_path / "sharded.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
-    cmd += [str(script), repr(SHARDED_SHAPES), dtype, str(out), device]
+    cmd += [str(script), repr(SHARDED_SHAPES), update, str(out), device]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if device == "cpu":
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
@@ -497,31 +576,32 @@ def test_adafactor_on_fsdp_shards_equals_the_whole_weights_update(dtype, tmp_pat
     assert run.returncode == 0, run.stderr[-6000:]
     got = torch.load(out)
 
-    torch_dtype = getattr(torch, dtype)
-    kahan = torch_dtype != torch.float32
+    torch_dtype = torch.float32 if update == "naive" else torch.bfloat16
+    kahan, codes = update != "naive", update == "kahan_8bit"
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(s, generator=g) * 0.02).to(torch_dtype) for s in SHARDED_SHAPES]
     grads = [[(torch.randn(s, generator=g) * 1e-3).to(torch_dtype) for s in SHARDED_SHAPES] for _ in range(3)]
     params = [torch.nn.Parameter(w.clone()) for w in weights]
-    opt = Adafactor(params, lr=1e-3, weight_decay=0.1, kahan=kahan)
+    torch.manual_seed(0)  # the ranks' seed
+    opt = Adafactor(params, lr=1e-3, weight_decay=0.1, kahan=kahan, kahan_8bit=codes)
+    place = [sum(q.shape == p.shape for q in params[:i]) for i, p in enumerate(params)]
     for step, (step_grads, grad_scale) in enumerate(zip(grads, (1.0, 0.3, 0.6), strict=True), start=1):
         scalars = opt._queue_scalars(
             0, 0, torch.device("cpu"), step, opt.param_groups[0], torch.tensor(grad_scale)
         )
-        for p, grad in zip(params, step_grads, strict=True):
+        for p, grad, n in zip(params, step_grads, place, strict=True):
             if not opt.state[p]:
                 opt._init_state(p, opt.state[p])
             with torch.no_grad():
-                _torch_update(p, grad, opt.state[p], scalars)
+                _torch_update(p, grad, opt.state[p], scalars, (n, 0))
     for path in ("torch", "kernels"):
         for w0, p, st, shard in zip(weights, params, (opt.state[p] for p in params), got[path], strict=True):
             for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):
                 if key in st:
                     torch.testing.assert_close(shard[key], st[key], rtol=1e-5, atol=0, msg=f"{path} {key}")
-            effective_ref, effective = p.detach().float(), shard["weight"].float()
-            if kahan:
-                effective_ref = effective_ref + st["kahan_comp"].float()
-                effective = effective + shard["kahan_comp"].float()
+            effective_ref, effective = _effective(p, st), _effective(shard["weight"], shard)
+            if codes:  # as in test_adafactor_kernels_equal_the_torch_update
+                assert (shard["kahan_codes"] != st["kahan_codes"]).float().mean() <= 5e-2, (path, p.shape)
             moved = (effective_ref - w0.float()).norm()
             assert moved > 0
             tolerance = 1e-3 if kahan else 1e-5  # as in test_adafactor_kernels_equal_the_torch_update

@@ -219,10 +219,11 @@ class TrainConfig:
 
     # --- optimization ---
     optimizer: OptimizerName = _key("adamw", " or ".join(spec.help for spec in OPTIMIZERS.values()) + ".")
-    bf16_update: Literal["kahan", "naive"] = _key(
+    bf16_update: Literal["kahan", "kahan_8bit", "naive"] = _key(
         "kahan",
-        "How bf16 weights take updates: Kahan-compensated (no small update lost; adamw8bit rounds them "
-        "stochastically instead), or naive.",
+        "How bf16 weights take updates: kahan (a bf16 compensation buffer per weight: no small update lost; "
+        "adamw8bit rounds stochastically instead), kahan_8bit (adafactor: the same buffer in one byte per "
+        "weight, its codes rounded stochastically), or naive (rounded to nearest: small updates lost).",
     )
     learning_rate: float = _key(1e-4, "The peak learning rate.")
     weight_decay: float = _key(0.0, "Decoupled weight decay (AdamW and Adafactor).")
@@ -469,13 +470,13 @@ class TrainConfig:
             parse_duration(self.max_time, "max_time")  # a clear error now, not when the loop reads it
         parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
         parse_duration(self.hub_request_timeout, "hub_request_timeout")
-        if self.distributed_strategy == "fsdp" and not OPTIMIZERS[self.optimizer].fsdp:
-            sharding = ", ".join(name for name, spec in OPTIMIZERS.items() if spec.fsdp)
-            raise ConfigError(
-                f"optimizer: {self.optimizer} does not update FSDP2's sharded weights: use "
-                f"distributed_strategy: ddp, or one of {sharding}",
-                key=("optimizer", "distributed_strategy"),
-            )
+        self._check_the_optimizer_can(
+            "kahan_8bit", "bf16_update", "kahan_8bit", "keeps no 8-bit Kahan buffer", "bf16_update: kahan"
+        )
+        self._check_the_optimizer_can(
+            "fsdp", "distributed_strategy", "fsdp", "does not update FSDP2's sharded weights",
+            "distributed_strategy: ddp",
+        )  # fmt: skip
         self._check_best_model_keys()
         # `~` in a path means the home directory, as in a shell.
         self.output_dir = os.path.expanduser(self.output_dir)
@@ -518,6 +519,15 @@ class TrainConfig:
     def max_time_s(self) -> float | None:
         """max_time in seconds, or None for no time budget."""
         return None if self.max_time is None else parse_duration(self.max_time, "max_time")
+
+    def _check_the_optimizer_can(self, ability: str, key: str, value: str, cannot: str, instead: str) -> None:
+        """One line naming both keys when `key: value` asks the optimizer for what its spec (trainer.optim)
+        does not declare (`ability`), with what to set instead."""
+        if getattr(self, key) != value or getattr(OPTIMIZERS[self.optimizer], ability):
+            return
+        able = ", ".join(name for name, spec in OPTIMIZERS.items() if getattr(spec, ability))
+        message = f"optimizer: {self.optimizer} {cannot}: use {instead}, or optimizer: {able}"
+        raise ConfigError(message, key=("optimizer", key))
 
     def _check_adapter_keys(self) -> None:
         if self.adapter is None:

@@ -13,7 +13,10 @@ small kernels. Per factored weight (rows, cols), the passes are:
 3. `_update_rms`: the update r * c * grad squared and summed per block of rows (vectors: their state updated
    here);
 4. `_apply`: the update clipped by its RMS, weight decay, and the weight written (with Kahan compensation:
-   rounded to the weight's dtype, the rounding error kept in the compensation buffer).
+   rounded to the weight's dtype, the rounding error kept in the compensation buffer: bf16, or 8-bit codes in
+   units of 1/256 of the weight's last bit, rounded stochastically by the hash of each element's index in
+   the whole weight (trainer.kernels.dropout.uniform16), keyed by the step's seed, the scalars' fifth number,
+   plus the weight's place in its group).
 
 The gradient is read three times, each time times the step's gradient scale (gradient clipping, as a factor
 instead of a pass that writes the gradients over), and the weight and its buffer once each way: ~14 bytes
@@ -38,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from trainer.kernels.dropout import uniform16
 
 # Tile of a factored weight a program works through: BLOCK_ROWS rows, BLOCK_COLS columns at a time, by
 # NUM_WARPS warps, loads pipelined STAGES deep. On an H100 at FLAN-T5-XL's shapes a step takes 20.1 ms this
@@ -206,7 +211,7 @@ def _update_rms(
     tl.store(RmsPartial + n.to(tl.int64) * row_blocks + rb, tl.sum(tl.sum(acc, 1), 0))
 
 
-@triton.jit(do_not_specialize=["row_blocks", "numel"])
+@triton.jit(do_not_specialize=["row_blocks", "numel", "index_offset"])
 def _apply(
     P,
     G,
@@ -222,8 +227,10 @@ def _apply(
     row_blocks,
     numel,
     clip_threshold,
+    index_offset,
     FACTORED: tl.constexpr,
     KAHAN: tl.constexpr,
+    KAHAN_8BIT: tl.constexpr,
     TY: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
@@ -254,11 +261,39 @@ def _apply(
         if KAHAN:
             comp = _tensor(Comp, n, TY)
             w += tl.load(comp + at, mask=inside, other=0.0).to(tl.float32)
+        if KAHAN_8BIT:
+            codes = _tensor(Comp, n, tl.int8)
+            w += tl.load(codes + at, mask=inside, other=0).to(tl.float32) * _code_unit(w)
         w = w - w * (weight_decay * lr) - u
-        rounded = w.to(TY)
-        tl.store(weight + at, rounded, mask=inside)
+        if KAHAN_8BIT:  # bf16 weights: rounded to nearest here, exactly (Triton's interpreter truncates)
+            nearest = _round_to_bf16(w)
+            tl.store(weight + at, nearest.to(TY), mask=inside)
+        else:
+            rounded = w.to(TY)
+            tl.store(weight + at, rounded, mask=inside)
         if KAHAN:  # what the weight's dtype could not hold this step
             tl.store(comp + at, (w - rounded.to(tl.float32)).to(TY), mask=inside)
+        if KAHAN_8BIT:  # the same, in whole units, rounded up with the probability of the remainder
+            units = (w - nearest) / _code_unit(nearest)
+            chance = uniform16(tl.load(Scalars + 4).to(tl.int32) + n, index_offset + at).to(tl.float32)
+            units = tl.floor(units + (chance + 0.5) * (1.0 / 65536.0))
+            tl.store(codes + at, tl.minimum(tl.maximum(units, -128.0), 127.0).to(tl.int8), mask=inside)
+
+
+@triton.jit
+def _round_to_bf16(w):
+    """fp32 `w` rounded to the nearest bf16 (ties to even), as fp32: integer arithmetic on the bits."""
+    bits = w.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _code_unit(w):
+    """What one 8-bit Kahan code is worth next to the bf16 weight `w` (fp32, holding a bf16 value): 1/256 of
+    its last bit, 2**(exponent - 15); the smallest normal number's for zero and subnormal weights."""
+    exponent = (w.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return ((tl.maximum(exponent, 16) - 15) << 23).to(tl.float32, bitcast=True)
 
 
 def _table(tensors: list[torch.Tensor], device) -> torch.Tensor:
@@ -280,12 +315,16 @@ class WeightGroup:
     cols: int
     factored: bool
     kahan: bool
+    kahan_8bit: bool
     dtype: torch.dtype
     addresses: tuple[int, ...]
     tables: dict[str, torch.Tensor]
-    # A shard's group (`update_shards`): the whole weight's rows and elements; the shard's are rows, cols.
+    # A shard's group (`update_shards`): the whole weight's rows and elements; the shard's are rows, cols;
+    # where its first element lies in the whole weight (the 8-bit Kahan codes' random numbers are the
+    # whole weight's).
     whole_rows: int = 0
     whole_numel: int = 0
+    index_offset: int = 0
 
     @staticmethod
     def supports(weight: torch.Tensor, grad: torch.Tensor | None = None) -> bool:
@@ -314,9 +353,11 @@ class WeightGroup:
     ) -> dict[str, list[torch.Tensor]]:
         """What the kernels read and write, by table name (`grads`: the weights' .grad by default). A state
         the weights lack (the factored ones of a vector, a Kahan buffer without compensation) is never read:
-        the weight stands in for it."""
+        the weight stands in for it. The Kahan buffer: bf16 (`kahan_comp`) or 8-bit codes (`kahan_codes`)."""
         out = {"p": list(weights), "g": [w.grad for w in weights] if grads is None else list(grads)}
-        for table, key in [("comp", "kahan_comp"), ("row", "exp_avg_sq_row"), ("col", "exp_avg_sq_col")]:
+        pairs = zip(weights, states, strict=True)
+        out["comp"] = [s.get("kahan_comp", s.get("kahan_codes", w)) for w, s in pairs]
+        for table, key in [("row", "exp_avg_sq_row"), ("col", "exp_avg_sq_col")]:
             out[table] = [s.get(key, w) for w, s in zip(weights, states, strict=True)]
         out["sq"] = [s.get("exp_avg_sq", w) for w, s in zip(weights, states, strict=True)]
         return out
@@ -328,10 +369,12 @@ class WeightGroup:
         states: list[dict],
         grads: list[torch.Tensor] | None = None,
         whole_shape: tuple[int, ...] | None = None,
+        first_row: int = 0,
     ) -> WeightGroup:
         """The group of `weights` (same shape and dtype) and their `states`. A group of shards
         (`update_shards`): `weights`, `grads` and the states are each rank's local tensors, `whole_shape` the
-        weights' shape before FSDP2 split their rows."""
+        weights' shape before FSDP2 split their rows, `first_row` the whole weight's row where this rank's
+        shard starts."""
         first = weights[0]
         tensors = cls.tensors_of(weights, states, grads)
         if any(t.data_ptr() % 16 for ts in tensors.values() for t in ts if t.numel()):
@@ -349,11 +392,13 @@ class WeightGroup:
             cols=cols,
             factored=factored,
             kahan="kahan_comp" in states[0],
+            kahan_8bit="kahan_codes" in states[0],
             dtype=first.dtype,
             addresses=cls.addresses_of(tensors),
             tables={name: _table(ts, first.device) for name, ts in tensors.items()},
             whole_rows=whole_rows,
             whole_numel=whole_numel,
+            index_offset=first_row * math.prod(first.shape[1:]),
         )
 
     @staticmethod
@@ -362,7 +407,7 @@ class WeightGroup:
 
     def update(self, scalars: torch.Tensor, eps: float, clip_threshold: float) -> None:
         """One Adafactor step of every weight of the group. scalars: [lr, beta2t, weight decay, gradient
-        scale], fp32, on the weights' device."""
+        scale, the 8-bit Kahan codes' seed], fp32, on the weights' device."""
         row_blocks = self._row_blocks()
         row_mean = torch.empty(self.count, dtype=torch.float32, device=scalars.device)
         if self.factored:
@@ -515,8 +560,10 @@ class WeightGroup:
             rms_blocks,
             float(numel),
             clip_threshold,
+            self.index_offset,
             FACTORED=self.factored,
             KAHAN=self.kahan,
+            KAHAN_8BIT=self.kahan_8bit,
             ROW_BLOCKS=triton.next_power_of_2(rms_blocks),
             **self._tiling(),
         )

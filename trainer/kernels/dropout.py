@@ -2,7 +2,9 @@
 hash (`uniform16`) of its index, keyed by a seed drawn from torch's generator (`dropout_seed`). The backward
 and gradient checkpointing's recompute (which restores that generator) draw the same seed, so they drop the
 same elements. Used by the attention kernels (trainer.kernels.packed_attention)
-and the fused feed-forward and residual ops (trainer.kernels.fused_ops)."""
+and the fused feed-forward and residual ops (trainer.kernels.fused_ops). The optimizers' stochastic rounding
+draws from the same hash (8-bit AdamW's weights, Adafactor's 8-bit Kahan codes); `uniform16_reference` gives
+the same numbers in torch ops, for the CPU's path."""
 
 from __future__ import annotations
 
@@ -30,6 +32,25 @@ def uniform16(seed, index):
     bijection). One hash per number, computed where the number is used: the kernels' tiles need no
     reshaping, which made Philox (eight 16-bit numbers per call) ~2x dearer here (bench/NOTES.md)."""
     return _mix32(index.to(tl.uint32) + _mix32(seed.to(tl.uint32))) >> 16
+
+
+_U32 = 0xFFFFFFFF
+
+
+def _mix32_reference(x: torch.Tensor) -> torch.Tensor:
+    """`_mix32` in torch ops on int64 tensors holding uint32 values (products wrap; the low 32 bits kept)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _U32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _U32
+    return x ^ (x >> 16)
+
+
+def uniform16_reference(seed: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`uniform16` in torch ops: the same 16-bit numbers (int64) for the same seed (an int or a 0-d int64
+    tensor on index's device) and element indices."""
+    key = _mix32_reference(torch.as_tensor(seed, dtype=torch.int64, device=index.device) & _U32)
+    return _mix32_reference((index.to(torch.int64) + key) & _U32) >> 16
 
 
 def dropout_resolution(dropout_p: float) -> float:

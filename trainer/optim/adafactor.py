@@ -17,6 +17,7 @@ class AdafactorSpec(OptimizerSpec):
     name = "adafactor"
     help = "adafactor (T5's settings; the XL presets': far smaller states)"
     hf_names = ("adafactor",)
+    kahan_8bit = True
 
     def state_bytes(self, shape: Any, weight_bytes: int, lora: Any = None, shards: int = 1) -> int:
         if lora is not None:
@@ -46,12 +47,18 @@ class AdafactorSpec(OptimizerSpec):
             return partial
         return partial + sum(4 * count * (dims[-1] + 2) for dims, count in weights.items())
 
-    def build(self, params: list, cfg: Any, device: Any, compensated: bool) -> Any:
+    def build(self, params: list, cfg: Any, device: Any, update: str) -> Any:
         from trainer.optim.adafactor_optimizer import Adafactor
 
-        update = "Kahan" if compensated else "plain"
-        log.info("optimizer: Adafactor (T5 settings, factored), %s updates", update)
-        return Adafactor(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, kahan=compensated)
+        what = {"kahan": "Kahan-compensated", "kahan_8bit": "Kahan-compensated (8-bit buffer)"}
+        log.info("optimizer: Adafactor (T5 settings, factored), %s updates", what.get(update, "plain"))
+        return Adafactor(
+            params,
+            lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
+            kahan=update in what,
+            kahan_8bit=update == "kahan_8bit",
+        )
 
 
 ADAFACTOR = AdafactorSpec()

@@ -3,7 +3,10 @@ optimizer trainer.optim.adafactor declares. torch-optimi has no Adafactor.
 
 bf16 weights lose small updates: once |update| < |w| * 2**-9 the sum rounds back to w. With
 `bf16_update: kahan` a bf16 compensation buffer per weight carries the rounding error into the next step
-(Kahan summation), so the effective weight is accurate to ~16 bits of mantissa.
+(Kahan summation), so the effective weight is accurate to ~16 bits of mantissa. With `bf16_update:
+kahan_8bit` the buffer is one byte per weight: the rounding error in units of 1/256 of the weight's last bit
+(it is at most half a bit: 128 units), each code rounded up or down with the probability of the remainder,
+so nothing is lost on average and the noise is 1/256 of what rounding the weight itself stochastically adds.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ class Adafactor(torch.optim.Optimizer):
     Matches `transformers.optimization.Adafactor(scale_parameter=False, relative_step=False,
     warmup_init=False, beta1=None)`: an external learning rate, a factored second moment for matrices, update
     clipping at RMS `clip_threshold`. The update is computed in fp32; with `kahan=True` the part of it that
-    the bf16 weight cannot represent is kept in a bf16 buffer and added back on the next step.
+    the bf16 weight cannot represent is kept in a bf16 buffer and added back on the next step; with
+    `kahan_8bit=True` as 8-bit codes, stochastically rounded by a hash of each element's index keyed by the
+    step (trainer.kernels.dropout.uniform16: the same numbers on every path, every rank and every FSDP2
+    split, so a shard's codes are the whole weight's).
 
     On a GPU the weights of one shape are updated together by trainer.kernels.adafactor_kernels (four launches
     per shape, each weight read where it lies); on the CPU one at a time by `adafactor_update`. FSDP's sharded
@@ -32,8 +38,14 @@ class Adafactor(torch.optim.Optimizer):
     states are split like the weights' rows, the column states whole on every rank.
     """
 
-    # The statistics are fp32 whatever the weights' dtype (the kernels read and write them as fp32).
-    FP32_STATES = ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq")
+    # States whose dtype is not the weights': the statistics are fp32 (the kernels read and write them as
+    # fp32), the 8-bit Kahan codes int8.
+    STATE_DTYPES = {
+        "exp_avg_sq_row": torch.float32,
+        "exp_avg_sq_col": torch.float32,
+        "exp_avg_sq": torch.float32,
+        "kahan_codes": torch.int8,
+    }
 
     def __init__(
         self,
@@ -44,7 +56,10 @@ class Adafactor(torch.optim.Optimizer):
         decay_rate: float = -0.8,
         weight_decay: float = 0.0,
         kahan: bool = True,
+        kahan_8bit: bool = False,
     ):
+        if kahan_8bit and not kahan:
+            raise ValueError("Adafactor: kahan_8bit is the Kahan buffer's width: it needs kahan=True")
         defaults = dict(
             lr=lr,
             eps=eps,
@@ -56,9 +71,13 @@ class Adafactor(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.kahan = kahan
-        # The step's device scalars, one (lr, beta2t, weight decay, gradient scale) tensor per group, device
-        # and distinct step count, kept from step to step so that a captured `apply` (trainer.run.cuda_graphs)
-        # reads this step's.
+        self.kahan_8bit = kahan_8bit
+        # The 8-bit codes' seed of a step is this and the step count (`_rounding_seed`): the same on every
+        # rank (the loop seeds torch alike everywhere) and after a resume, with no generator state.
+        self._seed_base = torch.initial_seed()
+        # The step's device scalars, one (lr, beta2t, weight decay, gradient scale, codes' seed) tensor per
+        # group, device and distinct step count, kept from step to step so that a captured `apply`
+        # (trainer.run.cuda_graphs) reads this step's.
         self._scalars: dict[tuple, torch.Tensor] = {}
         # The kernels' address tables per batch of same-shape weights, kept from step to step while those
         # tensors stay put.
@@ -70,16 +89,17 @@ class Adafactor(torch.optim.Optimizer):
         self._advanced = False  # `advance` prepared a step that `apply` has not run yet
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, with the second-moment statistics kept in fp32: torch casts every floating-point state to
-        its weight's dtype (bf16 statistics would lose precision, and the kernels would write past them)."""
+        """torch's, with the states of STATE_DTYPES kept in theirs: torch casts every state of a
+        floating-point weight to the weight's dtype (bf16 statistics would lose precision, codes would read as
+        a bf16 buffer, and the kernels would write past both)."""
         super().load_state_dict(state_dict)
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for saved_id, p in zip(saved_ids, params, strict=True):
             saved = state_dict["state"].get(saved_id, {})
-            for key in self.FP32_STATES:
+            for key, dtype in self.STATE_DTYPES.items():
                 if key in saved:
-                    self.state[p][key] = saved[key].to(device=p.device, dtype=torch.float32)
+                    self.state[p][key] = saved[key].to(device=p.device, dtype=dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -109,7 +129,7 @@ class Adafactor(torch.optim.Optimizer):
                 if not state:
                     self._init_state(p, state)
                 state["step"] += 1
-                kind = (p.shape, p.dtype, p.device, "kahan_comp" in state, _on_kernels(p))
+                kind = (p.shape, p.dtype, p.device, _kahan_kind(state), _on_kernels(p))
                 batches.setdefault((state["step"], kind), []).append(p)
             slots: dict[tuple, torch.Tensor] = {}  # (device, step) -> its scalars
             for (step, kind), params in batches.items():
@@ -148,9 +168,12 @@ class Adafactor(torch.optim.Optimizer):
                 weight_group.update(scalars, eps, clip_threshold)
                 continue
             if isinstance(params[0], DTensor):
-                sharded += [(p, self.state[p], scalars, eps, clip_threshold) for p in params]
+                sharded += [
+                    (p, self.state[p], scalars, eps, clip_threshold, self._rounding(n, p))
+                    for n, p in enumerate(params)
+                ]
                 continue
-            for p in params:
+            for n, p in enumerate(params):
                 state = self.state[p]
                 adafactor_update(
                     p,
@@ -158,10 +181,11 @@ class Adafactor(torch.optim.Optimizer):
                     state.get("exp_avg_sq_row"),
                     state.get("exp_avg_sq_col"),
                     state.get("exp_avg_sq"),
-                    state.get("kahan_comp"),
+                    _kahan_buffer(state),
                     scalars,
                     eps,
                     clip_threshold,
+                    (n, 0),
                 )
         if shard_groups:
             import torch.distributed as dist
@@ -182,8 +206,9 @@ class Adafactor(torch.optim.Optimizer):
         from trainer.kernels.adafactor_kernels import WeightGroup  # Triton: on a GPU only (_on_kernels)
 
         states = [self.state[p] for p in params]
-        grads, whole_shape = None, None
+        grads, whole_shape, first_row = None, None, 0
         if isinstance(params[0], DTensor):
+            first_row = _first_row(params[0])
             # FSDP2's gradients are views into its reduce-scatter's output; one not on a 16-byte boundary
             # is read from a copy (this rank's choice alone: the kernels run on every rank either way).
             grads = [p.grad.to_local() for p in params]
@@ -195,22 +220,21 @@ class Adafactor(torch.optim.Optimizer):
         kept = self._weight_groups.get(key)
         tensors = WeightGroup.tensors_of(params, states, grads)
         if kept is None or kept.addresses != WeightGroup.addresses_of(tensors):
-            kept = self._weight_groups[key] = WeightGroup.build(params, states, grads, whole_shape)
+            kept = self._weight_groups[key] = WeightGroup.build(params, states, grads, whole_shape, first_row)
         return kept
 
     def _queue_scalars(
         self, group_index: int, slot: int, device, step: int, group: dict, grad_scale: torch.Tensor | None
     ) -> torch.Tensor:
-        """[lr, beta2t, weight decay, gradient scale] of `step` copied into the kept device tensor of (group,
-        device, slot). A tensor, because they change every step and a captured update must read this step's;
-        the gradient scale is copied from its device tensor (1 without one)."""
-        values = torch.tensor(
-            [group["lr"], 1.0 - math.pow(step, group["decay_rate"]), group["weight_decay"], 1.0],
-            dtype=torch.float32,
-        )
+        """[lr, beta2t, weight decay, gradient scale, rounding seed] of `step` copied into the kept device
+        tensor of (group, device, slot). A tensor, because they change every step and a captured update must
+        read this step's; the gradient scale is copied from its device tensor (1 without one)."""
+        decay = 1.0 - math.pow(step, group["decay_rate"])
+        seed = self._rounding_seed(step) if self.kahan_8bit else 0
+        values = torch.tensor([group["lr"], decay, group["weight_decay"], 1.0, seed], dtype=torch.float32)
         key = (group_index, device, slot)
         if key not in self._scalars:
-            self._scalars[key] = torch.empty(4, dtype=torch.float32, device=device)
+            self._scalars[key] = torch.empty(5, dtype=torch.float32, device=device)
         scalars = self._scalars[key]
         if device.type == "cuda":
             # From pinned memory the copy is queued; from pageable memory the host would wait for the GPU to
@@ -220,6 +244,16 @@ class Adafactor(torch.optim.Optimizer):
         if grad_scale is not None:
             scalars[3:].copy_(grad_scale.reshape(1), non_blocking=True)
         return scalars
+
+    def _rounding_seed(self, step: int) -> int:
+        """The 8-bit codes' seed for `step`: distinct for 2**24 steps (an odd multiplier), exact in the fp32
+        scalars."""
+        return (self._seed_base * 0x9E3779B1 + step * 0x85EBCA6B) % (1 << 24)
+
+    def _rounding(self, n: int, p) -> tuple[int, int]:
+        """What the torch ops need to round the 8-bit codes of weight `p`, the `n`-th of its batch, as the
+        kernels do: (n, the index of its first element in the whole weight)."""
+        return n, _first_row(p) * math.prod(p.shape[1:])
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -238,7 +272,10 @@ class Adafactor(torch.optim.Optimizer):
         else:
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         if self.kahan and p.dtype != torch.float32:
-            state["kahan_comp"] = torch.zeros_like(p)
+            if self.kahan_8bit and p.dtype == torch.bfloat16:  # the codes' unit is a bf16 weight's
+                state["kahan_codes"] = torch.zeros_like(p, dtype=torch.int8)
+            else:
+                state["kahan_comp"] = torch.zeros_like(p)
 
 
 def _on_kernels(p: torch.Tensor) -> bool:
@@ -257,6 +294,28 @@ def _on_kernels(p: torch.Tensor) -> bool:
     return WeightGroup.supports(p)
 
 
+def _kahan_buffer(state: dict):
+    """A weight's Kahan buffer: bf16 (`kahan_comp`), 8-bit codes (`kahan_codes`), or None."""
+    return state.get("kahan_comp", state.get("kahan_codes"))
+
+
+def _kahan_kind(state: dict) -> str | None:
+    return next((key for key in ("kahan_comp", "kahan_codes") if key in state), None)
+
+
+def _first_row(p) -> int:
+    """The row of the whole weight where this rank's part of FSDP2's shard `p` (a DTensor split by rows)
+    starts: FSDP2 splits as torch.chunk does (ceil(rows / ranks) rows each, the last ranks fewer or none).
+    0 for a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return 0
+    ranks, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+    rows = p.shape[0]
+    return min(rank * -(-rows // ranks), rows)
+
+
 def _local(t):
     """A DTensor's local part (FSDP's shard); anything else as it is."""
     from torch.distributed.tensor import DTensor
@@ -264,11 +323,14 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_threshold: float) -> None:
+def adafactor_update(
+    p, grad, row, col, sq, comp, scalars, eps: float, clip_threshold: float, rounding=None
+) -> None:
     """One Adafactor step of one weight, in place, in torch ops: the second-moment statistics (`row`/`col`
-    for matrices, `sq` otherwise), the weight `p` and its Kahan buffer `comp` (or None). scalars: [lr,
-    beta2t, weight decay, gradient scale] as a float32 tensor on p's device. What
-    trainer.kernels.adafactor_kernels computes on a GPU."""
+    for matrices, `sq` otherwise), the weight `p` and its Kahan buffer `comp` (bf16, int8 codes, or None).
+    scalars: [lr, beta2t, weight decay, gradient scale, the codes' seed] as a float32 tensor on p's device;
+    `rounding`: `Adafactor._rounding`'s, for codes. What trainer.kernels.adafactor_kernels computes on a
+    GPU."""
     beta2t, grad_scale = scalars[1], scalars[3]
     grad = grad.float() * grad_scale
     update = grad.square() + eps
@@ -280,32 +342,55 @@ def adafactor_update(p, grad, row, col, sq, comp, scalars, eps: float, clip_thre
     else:
         sq.mul_(beta2t).add_(update * (1.0 - beta2t))
         update = sq.rsqrt() * grad
-    write_update(p, comp, update, update.square().mean().sqrt(), scalars, clip_threshold)
+    write_update(p, comp, update, update.square().mean().sqrt(), scalars, clip_threshold, rounding)
 
 
-def write_update(p, comp, update, rms, scalars, clip_threshold: float) -> None:
+def write_update(p, comp, update, rms, scalars, clip_threshold: float, rounding=None) -> None:
     """The end of an Adafactor step: `update` (fp32, unclipped) clipped by its `rms`, times the learning
     rate, weight decay, and the weight `p` written in place; with a Kahan buffer `comp` (16-bit weights) the
-    part of the new weight its dtype cannot hold is kept there for the next step."""
+    part of the new weight its dtype cannot hold is kept there for the next step: as it is (a bf16 buffer),
+    or as 8-bit codes in units of `code_unit`, rounded up with the probability of the remainder by the
+    kernels' numbers (`rounding`: the weight's place in its group and its first element's index)."""
     lr, weight_decay = scalars[0], scalars[2]
     update = update / (rms / clip_threshold).clamp(min=1.0) * lr
     w = p.float()
-    if comp is not None:
+    codes = comp is not None and comp.dtype == torch.int8
+    if codes:
+        w = w + comp.float() * code_unit(w)
+    elif comp is not None:
         w = w + comp.float()
     w = w - w * (weight_decay * lr) - update
     if comp is None:
         p.copy_(w)
-    else:  # 16-bit weights
-        rounded = w.to(p.dtype)
-        p.copy_(rounded)
+        return
+    rounded = w.to(p.dtype)
+    p.copy_(rounded)
+    if not codes:
         comp.copy_(w - rounded.float())  # what the weight's dtype could not hold this step
+        return
+    from trainer.kernels.dropout import uniform16_reference
+
+    rounded = rounded.float()
+    n, index_offset = rounding
+    index = torch.arange(p.numel(), device=p.device).view(p.shape) + index_offset
+    chance = uniform16_reference(scalars[4].to(torch.int64) + n, index).float()
+    units = torch.floor((w - rounded) / code_unit(rounded) + (chance + 0.5) / 65536)
+    comp.copy_(units.clamp(-128, 127).to(torch.int8))
+
+
+def code_unit(w: torch.Tensor) -> torch.Tensor:
+    """What one 8-bit Kahan code is worth next to the bf16 weights `w` (fp32 holding bf16 values): 1/256 of
+    each one's last bit, 2**(exponent - 15); the smallest normal number's for zero and subnormal weights. The
+    kernels' `_code_unit`."""
+    exponent = (w.contiguous().view(torch.int32) >> 23) & 0xFF
+    return ((exponent.clamp(min=16) - 15) << 23).view(torch.float32)
 
 
 def sharded_adafactor_update(weights: list[tuple]) -> None:
     """`adafactor_update` of FSDP's sharded weights, all at once, in torch ops (the CPU's way; a GPU runs
     trainer.kernels.adafactor_kernels.update_shards, the same passes): `weights` are (p, its state, scalars,
-    eps, clip_threshold), p a DTensor split by rows (FSDP2's Shard(0)) whose gradient and row state are
-    split the same way, the column state whole on every rank.
+    eps, clip_threshold, `Adafactor._rounding`'s), p a DTensor split by rows (FSDP2's Shard(0))
+    whose gradient and row state are split the same way, the column state whole on every rank.
 
     Each rank works on its own rows, as a DTensor op would, but with two all-reduces for all the weights
     instead of collectives per weight and op: one for what the factored statistics need from every rank
@@ -330,7 +415,7 @@ def sharded_adafactor_update(weights: list[tuple]) -> None:
     sizes = [p.shape[1] + 1 if p.dim() == 2 else 0 for p, *_ in weights]
     stats = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
     offset = 0
-    for (p, state, scalars, eps, _), size in zip(weights, sizes, strict=True):
+    for (p, state, scalars, eps, *_), size in zip(weights, sizes, strict=True):
         update = scaled_grad(p, scalars).square() + eps
         beta2t = scalars[1]
         if p.dim() == 2:
@@ -346,7 +431,7 @@ def sharded_adafactor_update(weights: list[tuple]) -> None:
     # 2. The column states (whole on every rank), and each update's sum of squares over this rank's part.
     squares = torch.zeros(len(weights), dtype=torch.float32, device=device)
     row_means, offset = [], 0
-    for i, ((p, state, scalars, _, _), size) in enumerate(zip(weights, sizes, strict=True)):
+    for i, ((p, state, scalars, *_), size) in enumerate(zip(weights, sizes, strict=True)):
         grad, beta2t = scaled_grad(p, scalars), scalars[1]
         if p.dim() == 2:
             rows = p.shape[0]
@@ -361,11 +446,11 @@ def sharded_adafactor_update(weights: list[tuple]) -> None:
         offset += size
     dist.all_reduce(squares, group=group)
     # 3. The update again, clipped by its RMS over the whole weight, written into this rank's shard.
-    for i, (p, state, scalars, _, clip_threshold) in enumerate(weights):
+    for i, (p, state, scalars, _, clip_threshold, rounding) in enumerate(weights):
         grad = scaled_grad(p, scalars)
         if p.dim() == 2:
             update = factored_update(p, state, grad, row_means[i])
         else:
             update = _local(state["exp_avg_sq"]).rsqrt() * grad
         rms = (squares[i] / p.numel()).sqrt()
-        write_update(_local(p), _local(state.get("kahan_comp")), update, rms, scalars, clip_threshold)
+        write_update(_local(p), _local(_kahan_buffer(state)), update, rms, scalars, clip_threshold, rounding)

@@ -24,12 +24,12 @@ class AdamW(OptimizerSpec):
     def checkpoint_bytes_per_param(self, weight_bytes: int) -> float:
         return 2 * weight_bytes
 
-    def build(self, params: list, cfg: Any, device: Any, compensated: bool) -> Any:
+    def build(self, params: list, cfg: Any, device: Any, update: str) -> Any:
         import torch
 
         betas = (cfg.adam_beta1, cfg.adam_beta2)
         common = dict(lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-        if compensated:
+        if update == "kahan":
             import optimi
 
             log.info("optimizer: torch-optimi AdamW with Kahan-compensated bf16 updates")

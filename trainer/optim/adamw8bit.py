@@ -45,10 +45,11 @@ class AdamW8bitSpec(OptimizerSpec):
     def checkpoint_bytes_per_param(self, weight_bytes: int) -> float:
         return 2 * (1 + 4 / BLOCK)
 
-    def build(self, params: list, cfg: Any, device: Any, compensated: bool) -> Any:
+    def build(self, params: list, cfg: Any, device: Any, update: str) -> Any:
         from trainer.optim.adamw8bit_optimizer import AdamW8bit
 
-        what = "stochastically rounded bf16 updates" if compensated else f"{params[0].dtype} updates"
+        stochastic = update == "kahan"
+        what = "stochastically rounded bf16 updates" if stochastic else f"{params[0].dtype} updates"
         log.info("optimizer: 8-bit AdamW (blocks of %d), %s", BLOCK, what)
         return AdamW8bit(
             params,
@@ -56,7 +57,7 @@ class AdamW8bitSpec(OptimizerSpec):
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_epsilon,
             weight_decay=cfg.weight_decay,
-            stochastic_rounding=compensated,
+            stochastic_rounding=stochastic,
         )
 
 

@@ -1,7 +1,7 @@
 """What an optimizer declares: its name and Hugging Face's names for it, the memory its states and its step
-take, whether it takes Kahan-compensated bf16 updates, and whether it runs on FSDP2's shards; and how it is
-built. One module of trainer.optim per optimizer; the memory plan, `trainer plan`, the disk check and the
-loop ask it instead of branching on a name.
+take, which `bf16_update` ways it takes, and whether it runs on FSDP2's shards; and how it is built. One
+module of trainer.optim per optimizer; the memory plan, `trainer plan`, the disk check and the loop ask it
+instead of branching on a name.
 
 A spec module imports no torch at import time (the config reads the names, and `trainer config` or a
 container's health check should not load torch): `build` imports what it needs.
@@ -21,6 +21,7 @@ class OptimizerSpec:
     hf_names: tuple[str, ...] = ()  # Hugging Face `optim` values that mean the same algorithm and settings
     kahan: bool = True  # keeps a bf16 compensation buffer per weight with `bf16_update: kahan`
     compensation: str = "kahan"  # what `bf16_update: kahan` does with this optimizer, in words
+    kahan_8bit: bool = False  # takes `bf16_update: kahan_8bit` (the Kahan buffer in 8-bit codes)
     fsdp: bool = True  # updates FSDP2's sharded weights (DTensors)
 
     def state_bytes(self, shape: Any, weight_bytes: int, lora: Any = None, shards: int = 1) -> int:
@@ -38,8 +39,9 @@ class OptimizerSpec:
         """GPU memory the step itself allocates beyond the states and gradients, at its peak."""
         return 0
 
-    def build(self, params: list, cfg: Any, device: Any, compensated: bool) -> Any:
+    def build(self, params: list, cfg: Any, device: Any, update: str) -> Any:
         """The torch optimizer over `params` with the config's learning rate, weight decay and the
-        optimizer's own keys; `compensated`: the weights are bf16 and bf16_update says kahan, so no small
-        update may be lost (a Kahan buffer where `kahan` is set; otherwise the optimizer's own way)."""
+        optimizer's own keys; `update` (trainer.optim.bf16_update_mode): "kahan" (16-bit weights, no small
+        update may be lost: a Kahan buffer where `kahan` is set, otherwise the optimizer's own way),
+        "kahan_8bit" (the same with an 8-bit buffer) or "naive" (rounded to nearest; any 32-bit weights)."""
         raise NotImplementedError

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from trainer.infra.memory import GIB
 from trainer.kernels.cross_entropy import CHUNK_TOKENS as CE_CHUNK_TOKENS
 from trainer.model.model_shape import LoraShape, ModelShape, load_shape
-from trainer.optim import OPTIMIZERS, kahan_updates
+from trainer.optim import OPTIMIZERS, kahan_buffer_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +107,12 @@ def optimizer_state_bytes(
 ) -> int:
     """Bytes of optimizer state for the whole model, or for `lora`'s fp32 adapters, or on one of `shards`
     FSDP ranks: the optimizer's own states (trainer.optim: each declares them) and, for 16-bit weights with
-    Kahan-compensated updates, one compensation buffer per weight in its dtype, sharded like the weights."""
+    Kahan-compensated updates, one compensation buffer per weight (in its dtype, or 8-bit codes), sharded
+    like the weights."""
     spec, e = OPTIMIZERS[optimizer], _DTYPE_BYTES[dtype]
     states = spec.state_bytes(shape, e, lora, shards)
-    if lora is None and kahan_updates(spec, e, bf16_update):
-        states += shape.sharded_params(shards) * e
+    if lora is None:
+        states += shape.sharded_params(shards) * kahan_buffer_bytes(spec, e, bf16_update)
     return states
 
 

@@ -156,7 +156,9 @@ def print_plan(cfg, gpu_memory: str, hours: float | None = None, processes: int 
             f"{', '.join(lora.targets)}: {shape.lora_num_params(lora) / 1e6:.1f}M fp32 parameters trained "
             f"(their gradients and optimizer states alone), the base frozen in {cfg.dtype}"
         )
-    bf16_update = OPTIMIZERS[cfg.optimizer].compensation if cfg.bf16_update == "kahan" else cfg.bf16_update
+    bf16_update = {"kahan": OPTIMIZERS[cfg.optimizer].compensation, "kahan_8bit": "8-bit kahan"}.get(
+        cfg.bf16_update, cfg.bf16_update
+    )
     update = "fp32 adapters" if lora is not None else f"{bf16_update} bf16 update"
     print(
         f"optimizer: {cfg.optimizer} ({update}), "
