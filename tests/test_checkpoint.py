@@ -81,6 +81,25 @@ def _truncate(path, size=10):
         f.truncate(size)
 
 
+def test_resuming_with_another_optimizer_or_kahan_buffer_is_one_line_before_any_loading(tmp_path):
+    """The optimizer's saved states fit one optimizer and one way of keeping bf16 weights' Kahan buffer: a
+    config that changes either is refused naming the key (loading would fail deep in DCP on the missing
+    states); fp32 weights keep no buffer, so bf16_update may change with them."""
+    from trainer.checkpoint.resume import check_resume_config
+
+    checkpoint = tmp_path / "checkpoint-6"
+    saved = {"optimizer": "adafactor", "bf16_update": "kahan", "dtype": "bfloat16", "adapter": None}
+    check_resume_config(checkpoint, saved, dict(saved, learning_rate=1e-4))  # other keys: a warning only
+    with pytest.raises(
+        ConfigError, match=r"checkpoint-6 was written with bf16_update 'kahan', .* changes to 'kahan_8bit'"
+    ):
+        check_resume_config(checkpoint, saved, dict(saved, bf16_update="kahan_8bit"))
+    with pytest.raises(ConfigError, match=r"written with optimizer 'adafactor', .* changes to 'adamw'"):
+        check_resume_config(checkpoint, saved, dict(saved, optimizer="adamw"))
+    fp32 = dict(saved, dtype="float32")
+    check_resume_config(checkpoint, fp32, dict(fp32, bf16_update="naive"))
+
+
 @pytest.mark.parametrize(
     "damage",
     [

@@ -103,14 +103,18 @@ def resume_position(
 
 def check_resume_config(checkpoint: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
     """ConfigError naming the keys when the config `now` changes what `checkpoint` (written with the config
-    `saved`) holds: a LoRA run's adapters or a full run's weights, the adapters' rank or projections."""
-    adapter_keys = _RESUME_FIXED_KEYS[1:] if now.get("adapter") or saved.get("adapter") else ()
+    `saved`) holds: a LoRA run's adapters or a full run's weights, the adapters' rank or projections, the
+    optimizer's states (another optimizer, or bf16 weights' Kahan buffer kept another way)."""
+    adapters = bool(now.get("adapter") or saved.get("adapter"))
+    fixed = [*_RESUME_FIXED_KEYS] if adapters else ["adapter"]
+    # bf16 weights' Kahan buffer is bf16, 8-bit or none by bf16_update (adapters are fp32: none).
+    fixed += ["optimizer"] if adapters or now.get("dtype") == "float32" else ["optimizer", "bf16_update"]
 
     def value(config: dict[str, Any], key: str):
         v = config.get(key)
         return sorted(v) if isinstance(v, list) else v  # the projections in any order: the same adapters
 
-    changed = [k for k in ("adapter", *adapter_keys) if k in saved and value(saved, k) != value(now, k)]
+    changed = [k for k in fixed if k in saved and value(saved, k) != value(now, k)]
     if changed:
         raise ConfigError(
             f"resume: {checkpoint} was written with {', '.join(f'{k} {saved[k]!r}' for k in changed)}, which "
