@@ -234,12 +234,12 @@ def test_hugging_face_names_without_a_counterpart_are_one_line_naming_the_key(tm
     with pytest.raises(ConfigError) as refused:
         TrainConfig.load(CONFIGS / "quickstart.yaml", ["fp16=true"])
     assert str(refused.value).startswith(
-        "--set fp16=true: fp16 True is not supported: T5's activations overflow fp16's range (65504)"
+        "--set fp16=true: fp16 true is not supported: T5's activations overflow fp16's range (65504)"
     )
     with pytest.raises(ConfigError) as no_checkpoints:
         TrainConfig.load(None, ["save_strategy=no"])
     assert str(no_checkpoints.value).startswith(
-        "--set save_strategy=no: save_strategy False has no counterpart here: a run always saves"
+        "--set save_strategy=no: save_strategy false has no counterpart here: a run always saves"
     )  # YAML reads a bare no as false; the line names what was typed
     with pytest.raises(ConfigError, match=r"eval_fraction: 0 and no eval_files\); this trainer's key is"):
         TrainConfig.load(None, ["evaluation_strategy=no"])
@@ -376,7 +376,7 @@ def test_ratios_of_the_run_and_lightning_durations_resolve():
             "deepspeed=ds.json",
             "'deepspeed' is not a key here: not supported: several GPUs shard the model with FSDP2",
         ),
-        ("load_in_4bit=true", "load_in_4bit True is not taken here: no quantized base (QLoRA)"),
+        ("load_in_4bit=true", "load_in_4bit true is not taken here: no quantized base (QLoRA)"),
         ("sequence_len=512", "an encoder-decoder has two lengths: max_source_length and max_target_length"),
         ("report_to=[wandb, comet_ml]", "report_to 'comet_ml' is not supported: wandb (WANDB_MODE=offline"),
         ("overwrite_output_dir=maybe", "this trainer's key is 'resume'"),

@@ -1008,6 +1008,14 @@ HF_NAMES: dict[str, HfName] = {
 }
 
 
+def _shown(value: Any) -> str:
+    """A config value as a refusal quotes it: booleans and null as YAML writes them (what the user typed),
+    anything else as Python shows it (strings quoted)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else repr(value)
+
+
 def _hf_value(key: str, value: Any, where: str) -> Any:
     """A value in the form Hugging Face or axolotl write it, as this trainer's: report_to as a list or
     "all", save_total_limit null (keep all), optimizer as an HF optim name."""
@@ -1047,7 +1055,7 @@ def _take_hf_names(values: dict[str, Any], sources: dict[str, str], source: str)
             taken[name] = (hf.key, hf.convert(value))
         except ValueError as e:
             ours = f"; this trainer's key is {hf.key!r} ({hf.hint})" if hf.key else ""
-            raise ConfigError(f"{where}: {name} {value!r} {e}{ours}") from None
+            raise ConfigError(f"{where}: {name} {_shown(value)} {e}{ours}") from None
         if hf.key in values and taken[name][1] is not DROPPED:  # `save_strategy: steps` beside save_steps
             raise ConfigError(
                 f"{where} and {sources.get(hf.key, source)}: {name!r} is Hugging Face's name for {hf.key!r} "
