@@ -29,7 +29,9 @@ loader, every process capped at 32 GiB (`--cap`; `gpu_memory_limit_gib`). The ru
   `fsdpN_padded` / `fsdpN_packed`: on the rows the preset does not use;
   `fsdpN_one_reduce`: gradients reduce-scattered once per step (`fsdp_sync_each_micro_batch: false`);
   `fsdpN_kept_weights`: gathered weights kept from forward to backward (`fsdp_reshard_after_forward: false`);
-  `fsdpN_bf16_reduce`: gradients reduce-scattered in bf16 (as ddp all-reduces them) rather than fp32.
+  `fsdpN_bf16_reduce`: gradients reduce-scattered in bf16 (as ddp all-reduces them) rather than fp32;
+  `fsdpN_kahan_8bit`: the Kahan buffer in one byte per weight (`bf16_update: kahan_8bit`: the memory it frees
+  keeps more blocks un-checkpointed).
 
 Measured per run: real (non-pad) tokens/s of all GPUs over the steps after `--warmup` (train log, rank 0's
 clock) and how much one step's rate varies (standard deviation over mean: the noise), MFU (the training FLOPs
@@ -120,6 +122,7 @@ def all_runs(gpus: int, preset: dict, graph_tokens: int) -> dict[str, tuple[int,
         runs[f"fsdp{gpus}_one_reduce"] = (gpus, dict(fsdp, fsdp_sync_each_micro_batch=False))
         runs[f"fsdp{gpus}_kept_weights"] = (gpus, dict(fsdp, fsdp_reshard_after_forward=False))
         runs[f"fsdp{gpus}_bf16_reduce"] = (gpus, dict(fsdp, **{REDUCE_DTYPE_KEY: "bfloat16"}))
+        runs[f"fsdp{gpus}_kahan_8bit"] = (gpus, dict(fsdp, bf16_update="kahan_8bit"))
     return runs
 
 
