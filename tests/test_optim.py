@@ -492,7 +492,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from trainer.kernels.adafactor_kernels import WeightGroup, update_shards
-from trainer.optim.adafactor_optimizer import Adafactor, _first_row, _local, sharded_adafactor_update
+from trainer.optim.adafactor_optimizer import Adafactor, _first_element, _local, sharded_adafactor_update
 
 shapes, update, out = eval(sys.argv[1]), sys.argv[2], sys.argv[3]
 dtype = torch.float32 if update == "naive" else torch.bfloat16
@@ -534,8 +534,8 @@ for path in ("torch", "kernels"):
                 states = [{k: _local(v) for k, v in opt.state[p].items()} for p in same]
                 local = [p.to_local() for p in same]
                 grads_here = [p.grad.to_local() for p in same]
-                whole, first_row = tuple(same[0].shape), _first_row(same[0])
-                group = WeightGroup.build(local, states, grads_here, whole, first_row)
+                whole, first = tuple(same[0].shape), _first_element(same[0])
+                group = WeightGroup.build(local, states, grads_here, whole, first)
                 groups.append((group, scalars, 1e-30, 1.0))
             update_shards(groups, dist.all_reduce)
     results[path] = [

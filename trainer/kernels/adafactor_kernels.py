@@ -369,12 +369,12 @@ class WeightGroup:
         states: list[dict],
         grads: list[torch.Tensor] | None = None,
         whole_shape: tuple[int, ...] | None = None,
-        first_row: int = 0,
+        index_offset: int = 0,
     ) -> WeightGroup:
         """The group of `weights` (same shape and dtype) and their `states`. A group of shards
         (`update_shards`): `weights`, `grads` and the states are each rank's local tensors, `whole_shape` the
-        weights' shape before FSDP2 split their rows, `first_row` the whole weight's row where this rank's
-        shard starts."""
+        weights' shape before FSDP2 split their rows, `index_offset` the index in the whole weight of the
+        shard's first element."""
         first = weights[0]
         tensors = cls.tensors_of(weights, states, grads)
         if any(t.data_ptr() % 16 for ts in tensors.values() for t in ts if t.numel()):
@@ -398,7 +398,7 @@ class WeightGroup:
             tables={name: _table(ts, first.device) for name, ts in tensors.items()},
             whole_rows=whole_rows,
             whole_numel=whole_numel,
-            index_offset=first_row * math.prod(first.shape[1:]),
+            index_offset=index_offset,
         )
 
     @staticmethod

@@ -206,9 +206,8 @@ class Adafactor(torch.optim.Optimizer):
         from trainer.kernels.adafactor_kernels import WeightGroup  # Triton: on a GPU only (_on_kernels)
 
         states = [self.state[p] for p in params]
-        grads, whole_shape, first_row = None, None, 0
+        grads, whole_shape, first_element = None, None, _first_element(params[0])
         if isinstance(params[0], DTensor):
-            first_row = _first_row(params[0])
             # FSDP2's gradients are views into its reduce-scatter's output; one not on a 16-byte boundary
             # is read from a copy (this rank's choice alone: the kernels run on every rank either way).
             grads = [p.grad.to_local() for p in params]
@@ -220,7 +219,9 @@ class Adafactor(torch.optim.Optimizer):
         kept = self._weight_groups.get(key)
         tensors = WeightGroup.tensors_of(params, states, grads)
         if kept is None or kept.addresses != WeightGroup.addresses_of(tensors):
-            kept = self._weight_groups[key] = WeightGroup.build(params, states, grads, whole_shape, first_row)
+            kept = self._weight_groups[key] = WeightGroup.build(
+                params, states, grads, whole_shape, first_element
+            )
         return kept
 
     def _queue_scalars(
@@ -253,7 +254,7 @@ class Adafactor(torch.optim.Optimizer):
     def _rounding(self, n: int, p) -> tuple[int, int]:
         """What the torch ops need to round the 8-bit codes of weight `p`, the `n`-th of its batch, as the
         kernels do: (n, the index of its first element in the whole weight)."""
-        return n, _first_row(p) * math.prod(p.shape[1:])
+        return n, _first_element(p)
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -303,17 +304,17 @@ def _kahan_kind(state: dict) -> str | None:
     return next((key for key in ("kahan_comp", "kahan_codes") if key in state), None)
 
 
-def _first_row(p) -> int:
-    """The row of the whole weight where this rank's part of FSDP2's shard `p` (a DTensor split by rows)
-    starts: FSDP2 splits as torch.chunk does (ceil(rows / ranks) rows each, the last ranks fewer or none).
-    0 for a plain tensor."""
+def _first_element(p) -> int:
+    """The index, in the whole weight, of the first element of this rank's part of FSDP2's shard `p` (a
+    DTensor split by rows): FSDP2 splits as torch.chunk does (ceil(rows / ranks) rows each, the last ranks
+    fewer or none). 0 for a plain tensor."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):
         return 0
     ranks, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
     rows = p.shape[0]
-    return min(rank * -(-rows // ranks), rows)
+    return min(rank * -(-rows // ranks), rows) * math.prod(p.shape[1:])
 
 
 def _local(t):
