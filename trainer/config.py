@@ -470,13 +470,10 @@ class TrainConfig:
             parse_duration(self.max_time, "max_time")  # a clear error now, not when the loop reads it
         parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
         parse_duration(self.hub_request_timeout, "hub_request_timeout")
+        self._check_the_optimizer_can("kahan_8bit", "bf16_update", "keeps no 8-bit Kahan buffer", "kahan")
         self._check_the_optimizer_can(
-            "kahan_8bit", "bf16_update", "kahan_8bit", "keeps no 8-bit Kahan buffer", "bf16_update: kahan"
+            "fsdp", "distributed_strategy", "does not update FSDP2's sharded weights", "ddp"
         )
-        self._check_the_optimizer_can(
-            "fsdp", "distributed_strategy", "fsdp", "does not update FSDP2's sharded weights",
-            "distributed_strategy: ddp",
-        )  # fmt: skip
         self._check_best_model_keys()
         # `~` in a path means the home directory, as in a shell.
         self.output_dir = os.path.expanduser(self.output_dir)
@@ -520,13 +517,13 @@ class TrainConfig:
         """max_time in seconds, or None for no time budget."""
         return None if self.max_time is None else parse_duration(self.max_time, "max_time")
 
-    def _check_the_optimizer_can(self, ability: str, key: str, value: str, cannot: str, instead: str) -> None:
+    def _check_the_optimizer_can(self, value: str, key: str, cannot: str, instead: str) -> None:
         """One line naming both keys when `key: value` asks the optimizer for what its spec (trainer.optim)
-        does not declare (`ability`), with what to set instead."""
-        if getattr(self, key) != value or getattr(OPTIMIZERS[self.optimizer], ability):
+        does not declare (its attribute named `value`), with the value of `key` to set instead."""
+        if getattr(self, key) != value or getattr(OPTIMIZERS[self.optimizer], value):
             return
-        able = ", ".join(name for name, spec in OPTIMIZERS.items() if getattr(spec, ability))
-        message = f"optimizer: {self.optimizer} {cannot}: use {instead}, or optimizer: {able}"
+        able = ", ".join(name for name, spec in OPTIMIZERS.items() if getattr(spec, value))
+        message = f"optimizer: {self.optimizer} {cannot}: use {key}: {instead}, or optimizer: {able}"
         raise ConfigError(message, key=("optimizer", key))
 
     def _check_adapter_keys(self) -> None:
