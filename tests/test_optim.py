@@ -321,10 +321,10 @@ def test_adafactor_kernels_equal_the_torch_update(dtype, update):
         # bounds the agreement; dropping the buffer would be off by ~2**-9 of the weights, ~2e-2 of `moved`.
         tolerance = 1e-3 if kahan else 1e-5
         assert (effective - effective_ref).norm() <= tolerance * moved
-    # The same numbers round the codes alike; an fp32 result an ulp apart (a GPU's fused multiply-adds) moves a
-    # code's remainder by 1/256 of a unit, which may round it the other way and carries into the next steps:
-    # ~1% of all codes after three steps on an H200, less on the CPU (a wrong index or seed: nearly all). Counted
-    # over all weights: in a 3 x 5 weight one such code is already 7%.
+    # The same numbers round the codes alike; an fp32 result an ulp apart (a GPU's fused multiply-adds) moves
+    # a code's remainder by 1/256 of a unit, which may round it the other way and carries into the next
+    # steps: ~1% of all codes after three steps on an H200, less on the CPU (a wrong index or seed: nearly
+    # all). Counted over all weights: in a 3 x 5 weight one such code is already 7%.
     assert codes_differing <= 5e-2 * codes_total
 
 
@@ -696,7 +696,6 @@ def test_adamw8bit_kernel_equals_the_torch_update(half):
                     k.reference_update(p, grad, state, maps, s, stochastic=False)
         results.append((params, states))
     (ref_params, ref_states), (params, states) = results
-    codes_differing = codes_total = 0
     for w0, p_ref, p, st_ref, st in zip(weights, ref_params, params, ref_states, states, strict=True):
         moved = (p_ref.float() - w0.float()).norm()
         assert moved > 0
