@@ -52,9 +52,9 @@ class TorchOpsAdafactor(optim.Adafactor):
 
 def build(name: str, params):
     if name == "adafactor_torch":
-        return TorchOpsAdafactor(params, lr=1e-3, kahan=True)
+        return TorchOpsAdafactor(params, lr=1e-3)
     if name.startswith("adafactor"):
-        return optim.Adafactor(params, lr=1e-3, kahan=True)
+        return optim.Adafactor(params, lr=1e-3)
     if name == "adamw_kahan":
         import optimi
 
@@ -91,7 +91,7 @@ def sweep(params) -> None:
     defaults = kernels.BLOCK_ROWS, kernels.BLOCK_COLS, kernels.NUM_WARPS, kernels.STAGES
     for tiling in SWEEP:
         kernels.BLOCK_ROWS, kernels.BLOCK_COLS, kernels.NUM_WARPS, kernels.STAGES = tiling
-        opt = optim.Adafactor(params, lr=1e-3, kahan=True)
+        opt = optim.Adafactor(params, lr=1e-3)
         for _ in range(3):  # states, compilation
             opt.step()
         torch.cuda.synchronize()

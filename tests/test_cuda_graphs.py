@@ -176,7 +176,7 @@ def test_the_optimizer_update_replays_as_a_graph_exactly_like_an_eager_step(tiny
     model = load(tiny_model_dir, dropout_rate=0.0)
     loss_module = Seq2SeqLMLoss(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = Adafactor(params, lr=1e-3, kahan=True)
+    opt = Adafactor(params, lr=1e-3)
     graph = MicroStepGraph(lambda **b: loss_module(**b), params)
     batches = micro_batches(4)
     for _ in range(3):

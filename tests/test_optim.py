@@ -191,10 +191,10 @@ def test_a_skipped_step_leaves_adafactor_as_if_it_never_came(small_t5, device):
         assert torch.equal(runs[1][name], w), name
 
 
-@pytest.mark.parametrize("kahan_8bit", [False, True])
+@pytest.mark.parametrize("update", ["kahan", "kahan_8bit"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_resumed_adafactor_keeps_its_state_dtypes_and_continues_as_the_uninterrupted_one(
-    small_t5, device, kahan_8bit
+    small_t5, device, update
 ):
     """A checkpoint's optimizer state loaded into a new Adafactor over bf16 weights: the second-moment
     statistics stay fp32 and 8-bit Kahan codes int8 (torch's load casts every state to its weight's dtype;
@@ -202,7 +202,7 @@ def test_a_resumed_adafactor_keeps_its_state_dtypes_and_continues_as_the_uninter
     base, x, y = small_t5
     x, y = x.to(device), y.to(device)
     model = copy.deepcopy(base).to(device=device, dtype=torch.bfloat16)
-    opt = Adafactor(model.parameters(), lr=1e-3, kahan_8bit=kahan_8bit)
+    opt = Adafactor(model.parameters(), lr=1e-3, bf16_update=update)
 
     def train(model, opt, steps: int) -> None:
         for _ in range(steps):
@@ -212,14 +212,14 @@ def test_a_resumed_adafactor_keeps_its_state_dtypes_and_continues_as_the_uninter
 
     train(model, opt, 2)
     resumed_model = copy.deepcopy(model)
-    resumed = Adafactor(resumed_model.parameters(), lr=1e-3, kahan_8bit=kahan_8bit)
+    resumed = Adafactor(resumed_model.parameters(), lr=1e-3, bf16_update=update)
     resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
     for state in resumed.state.values():
         for key, dtype in Adafactor.STATE_DTYPES.items():
             if key in state:
                 assert state[key].dtype == dtype, key
-        buffer = "kahan_codes" if kahan_8bit else "kahan_comp"
-        assert state[buffer].dtype == (torch.int8 if kahan_8bit else torch.bfloat16)
+        buffer = "kahan_codes" if update == "kahan_8bit" else "kahan_comp"
+        assert state[buffer].dtype == (torch.int8 if update == "kahan_8bit" else torch.bfloat16)
     train(model, opt, 2)
     train(resumed_model, resumed, 2)
     for (name, w), r in zip(model.named_parameters(), resumed_model.parameters(), strict=True):
@@ -282,7 +282,7 @@ def test_adafactor_kernels_equal_the_torch_update(dtype, update):
     results = []
     for kernels in (False, True):
         params = [torch.nn.Parameter(w.clone()) for w in weights]
-        opt = Adafactor(params, lr=1e-3, weight_decay=0.1, kahan=kahan, kahan_8bit=codes)
+        opt = Adafactor(params, lr=1e-3, weight_decay=0.1, bf16_update=update)
         for step, (step_grads, grad_scale) in enumerate(zip(grads, (1.0, 0.3, 0.6), strict=True), start=1):
             for p, grad in zip(params, step_grads, strict=True):
                 p.grad = grad.clone()
@@ -345,7 +345,7 @@ def test_adafactor_8bit_kahan_codes_hold_the_rounding_error_unbiased(kernels):
     for name, dtype in (("exact", torch.float32), ("coded", torch.bfloat16)):
         p = torch.nn.Parameter(weight.to(dtype, copy=True))
         p.grad = grad.to(dtype, copy=True)
-        opt = Adafactor([p], lr=1e-5, kahan=True, kahan_8bit=True)  # updates below half a bf16 step
+        opt = Adafactor([p], lr=1e-5, bf16_update="kahan_8bit")  # updates below half a bf16 step
         opt._init_state(p, opt.state[p])
         scalars = opt._queue_scalars(0, 0, torch.device(device), 1, opt.param_groups[0], None)
         with torch.no_grad():
@@ -381,7 +381,7 @@ def test_adafactor_kernels_keep_their_tables_and_leave_unaligned_weights_to_torc
     params = [torch.nn.Parameter(v.view(64, 64).clone()) for v in values]
     params += [torch.nn.Parameter(values[0].view(64, 64).clone()), torch.nn.Parameter(unaligned)]
     assert params[3].data_ptr() % 16 != 0
-    opt = Adafactor(params, lr=1e-3, kahan=True)
+    opt = Adafactor(params, lr=1e-3)
     for p in params:
         p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
     for step in range(
@@ -514,7 +514,7 @@ results = {}
 for path in ("torch", "kernels"):
     params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
     opt = Adafactor(
-        params, lr=1e-3, weight_decay=0.1, kahan=update != "naive", kahan_8bit=update == "kahan_8bit"
+        params, lr=1e-3, weight_decay=0.1, bf16_update=update
     )
     # Each weight's place among its shape's (the kernels' groups): the 8-bit codes' numbers.
     place = {id(p): sum(q.shape == p.shape for q in params[:i]) for i, p in enumerate(params)}
@@ -588,7 +588,7 @@ def test_adafactor_on_fsdp_shards_equals_the_whole_weights_update(update, tmp_pa
     grads = [[(torch.randn(s, generator=g) * 1e-3).to(torch_dtype) for s in SHARDED_SHAPES] for _ in range(3)]
     params = [torch.nn.Parameter(w.clone()) for w in weights]
     torch.manual_seed(0)  # the ranks' seed
-    opt = Adafactor(params, lr=1e-3, weight_decay=0.1, kahan=kahan, kahan_8bit=codes)
+    opt = Adafactor(params, lr=1e-3, weight_decay=0.1, bf16_update=update)
     place = [sum(q.shape == p.shape for q in params[:i]) for i, p in enumerate(params)]
     for step, (step_grads, grad_scale) in enumerate(zip(grads, (1.0, 0.3, 0.6), strict=True), start=1):
         scalars = opt._queue_scalars(

@@ -52,13 +52,7 @@ class AdafactorSpec(OptimizerSpec):
 
         what = {"kahan": "Kahan-compensated", "kahan_8bit": "Kahan-compensated (8-bit buffer)"}
         log.info("optimizer: Adafactor (T5 settings, factored), %s updates", what.get(update, "plain"))
-        return Adafactor(
-            params,
-            lr=cfg.learning_rate,
-            weight_decay=cfg.weight_decay,
-            kahan=update in what,
-            kahan_8bit=update == "kahan_8bit",
-        )
+        return Adafactor(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, bf16_update=update)
 
 
 ADAFACTOR = AdafactorSpec()

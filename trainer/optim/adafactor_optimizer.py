@@ -25,9 +25,9 @@ class Adafactor(torch.optim.Optimizer):
 
     Matches `transformers.optimization.Adafactor(scale_parameter=False, relative_step=False,
     warmup_init=False, beta1=None)`: an external learning rate, a factored second moment for matrices, update
-    clipping at RMS `clip_threshold`. The update is computed in fp32; with `kahan=True` the part of it that
-    the bf16 weight cannot represent is kept in a bf16 buffer and added back on the next step; with
-    `kahan_8bit=True` as 8-bit codes, stochastically rounded by a hash of each element's index keyed by the
+    clipping at RMS `clip_threshold`. The update is computed in fp32; with `bf16_update="kahan"` the part of
+    it that the bf16 weight cannot represent is kept in a bf16 buffer and added back on the next step; with
+    `"kahan_8bit"` as 8-bit codes, stochastically rounded by a hash of each element's index keyed by the
     step (trainer.kernels.dropout.uniform16: the same numbers on every path, every rank and every FSDP2
     split, so a shard's codes are the whole weight's).
 
@@ -55,11 +55,10 @@ class Adafactor(torch.optim.Optimizer):
         clip_threshold: float = 1.0,
         decay_rate: float = -0.8,
         weight_decay: float = 0.0,
-        kahan: bool = True,
-        kahan_8bit: bool = False,
+        bf16_update: str = "kahan",
     ):
-        if kahan_8bit and not kahan:
-            raise ValueError("Adafactor: kahan_8bit is the Kahan buffer's width: it needs kahan=True")
+        if bf16_update not in ("kahan", "kahan_8bit", "naive"):  # the config key's values
+            raise ValueError(f"Adafactor: bf16_update is kahan, kahan_8bit or naive, not {bf16_update!r}")
         defaults = dict(
             lr=lr,
             eps=eps,
@@ -70,8 +69,8 @@ class Adafactor(torch.optim.Optimizer):
             foreach=True,
         )
         super().__init__(params, defaults)
-        self.kahan = kahan
-        self.kahan_8bit = kahan_8bit
+        self.kahan = bf16_update != "naive"
+        self.kahan_8bit = bf16_update == "kahan_8bit"
         # The 8-bit codes' seed of a step is this and the step count (`_rounding_seed`): the same on every
         # rank (the loop seeds torch alike everywhere) and after a resume, with no generator state.
         self._seed_base = torch.initial_seed()
