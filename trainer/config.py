@@ -136,7 +136,11 @@ class TrainConfig:
         None,
         "The same for the last encoder blocks; null: as many as fit once every decoder block keeps its own.",
     )
-    torch_compile: bool = _key(False, "Compile each T5 block (slower start, faster steps on a GPU).")
+    torch_compile: bool = _key(
+        False,
+        "torch.compile each T5 block (slower start). The fused Triton ops stay outside the compiled graphs, "
+        "so it compiles the few ops between them: no faster under fsdp, measured (bench/multi_gpu.py).",
+    )
     cuda_graphs: bool = _key(
         False,
         "Replay each micro-step and the optimizer update as CUDA graphs (needs packing; not under fsdp).",
