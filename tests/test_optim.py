@@ -513,9 +513,7 @@ grads = [[(torch.randn(s, generator=g) * 1e-3).to(device, dtype) for s in shapes
 results = {}
 for path in ("torch", "kernels"):
     params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
-    opt = Adafactor(
-        params, lr=1e-3, weight_decay=0.1, bf16_update=update
-    )
+    opt = Adafactor(params, lr=1e-3, weight_decay=0.1, bf16_update=update)
     # Each weight's place among its shape's (the kernels' groups): the 8-bit codes' numbers.
     place = {id(p): sum(q.shape == p.shape for q in params[:i]) for i, p in enumerate(params)}
     for step, (step_grads, grad_scale) in enumerate(zip(grads, (1.0, 0.3, 0.6)), start=1):
