@@ -65,7 +65,7 @@ MEASURED_MFU = MfuMeasurement(
 # capped at 48 GiB: 21,200 real tokens/s.
 MEASURED_FSDP_MFU = MfuMeasurement(
     mfu=0.356,
-    how="`python3 bench/multi_gpu.py --shape xxl --cap 48 --runs fsdp2_kahan_8bit --preset "
+    how="`python3 bench/multi_gpu.py --shape xxl --cap 48 --runs fsdp2 --preset "
     "configs/flan-t5-xxl-fsdp-2x-rtx6000ada.yaml` on 2 H200s at 48 GiB, 2026-11-29",
 )
 ASSUMED_RECORDS = 1_000_000  # the epoch the prediction describes when the data cannot be read
