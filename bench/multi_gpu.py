@@ -13,6 +13,8 @@ of ddp and FSDP2 on the same global batches, and the memory plan against every m
     python3 bench/multi_gpu.py --runs ddp2 fsdp2 --steps 8 --set profile_steps=2 profile_start_step=5
         # rank 0's profile of two steps per run: the head of its kernels.txt printed (collectives' time, and
         # how much of it no computation hid), the whole under --out's <run>/profile/
+    python3 bench/multi_gpu.py --runs fsdp2 --steps 7 --set profile_steps=1 profile_memory=true
+        # and the memory allocated at the peak, by source line (memory.txt), against the plan's prediction
 
 Every run is `torchrun --standalone --nproc_per_node=N` over the trainer's own loop
 (`trainer.run.train.train`, as `torchrun -m trainer train` runs it) with configs/flan-t5-xl-rtx5090.yaml as
@@ -276,6 +278,9 @@ def launch(
     profile = run_dir / "profile" / "kernels.txt"
     if profile.is_file():  # --set profile_steps=N: rank 0's report's head (trainer.report.profiling)
         print(f"{name}, rank 0's profile:", *profile.read_text().splitlines()[:18], sep="\n  ", flush=True)
+    memory = run_dir / "profile" / "memory.txt"
+    if memory.is_file():  # --set profile_memory=true as well: what is allocated at the peak
+        print(f"{name}, rank 0's memory at the peak:", *memory.read_text().splitlines()[:30], sep="\n  ")
     summary = json.loads((run_dir / "run_summary.json").read_text())
     ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(nproc)]
     rows = train_rows(run_dir)

@@ -48,6 +48,7 @@ def test_overrides_are_typed():
             "cuda_graphs=true",
             "--set cuda_graphs=true: cuda_graphs needs packing: true",
         ),  # unpacked: many shapes
+        ("profile_memory=true", "profile_memory records the allocations of the profiled window: set profile"),
     ],
 )
 def test_bad_overrides_are_clear_errors(override, message):

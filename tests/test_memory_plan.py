@@ -316,19 +316,21 @@ def test_a_packed_budget_is_planned_as_its_one_row_shape():
 
 
 def test_decoder_blocks_without_checkpointing_keep_their_activations():
-    config = tiny_config()
+    config = tiny_config(num_decoder_layers=6)
     shape = ModelShape.from_config(config)
     plans = [
         plan_memory(
             shape, rows=8, src_len=64, tgt_len=128, device="cpu", decoder_blocks_without_checkpointing=k
         )
-        for k in (0, 1, 2)
+        for k in (0, 1, 3, 6)
     ]
-    for k, plan in zip((1, 2), plans[1:], strict=True):
+    for k, plan in zip((1, 3, 6), plans[1:], strict=True):
         measured = measured_activation_peak(config, 8, 64, 128, unchecked=k)
-        assert plan.activations + plan.logits == pytest.approx(measured, rel=0.15)
+        # Never under; over by no more than 5% with every block kept (a kept block's input is the kept
+        # block before it's output: counted once, or the plan drifts up by a hidden state per block)
+        assert 0 <= (plan.activations + plan.logits) / measured - 1 < 0.05, k
     peaks = [p.activations + p.logits for p in plans]
-    assert peaks[0] < peaks[1] < peaks[2]  # each block kept costs memory
+    assert peaks[0] < peaks[1] < peaks[2] < peaks[3]  # each block kept costs memory
     # More than the decoder has: all of them (the plan clamps the same way).
     blocks = config.num_decoder_layers
     assert skip_checkpointing(build_bf16(config), blocks + 1, 1) == (blocks, 1)
@@ -586,7 +588,7 @@ def test_the_loaders_packed_rows_decide_how_many_blocks_keep_their_activations(c
     cfg = dataclasses.replace(
         cfg, packing=True, max_tokens=8192, gradient_accumulation_steps=8, cuda_graphs=True
     )
-    xl, card = load_shape(cfg.model_name_or_path), 28 * GIB
+    xl, card = load_shape(cfg.model_name_or_path), 27 * GIB
     assumed = plan_run(cfg, card)
     assert probe_shapes(cfg, assumed) == [(8, 512, 512)]
     loader_rows = {"rows": 4, "source_len": 560, "target_len": 1488}  # what it chooses for recipes at 8k
@@ -765,7 +767,9 @@ def test_fsdp_shards_are_the_bytes_a_real_fsdp_step_keeps(tmp_path):
     measured = json.loads(out.read_text())
 
     shape = ModelShape.from_config(tiny_config())
-    weights, _, gradients, _, states = sharded_state(shape, "bfloat16", "adafactor", "kahan", 2, True, True)
+    weights, _, gradients, _, _, states = sharded_state(
+        shape, "bfloat16", "adafactor", "kahan", 2, True, True
+    )
     assert measured["weights"] == weights == 2 * shape.num_params() // 2  # half of the model's bf16 bytes
     assert measured["gradients"] == gradients
     assert measured["states"] == states - 4 * measured["tensors"]

@@ -13,6 +13,7 @@ import time
 import warnings
 
 import pytest
+import torch
 from tiny_run import tiny_run_values
 
 from trainer.checkpoint.resume import find_resume_checkpoint
@@ -238,6 +239,59 @@ def test_kernel_timeline_says_how_much_collective_time_no_computation_hid(tmp_pa
     timeline = kernel_timeline(path, slices=3)
     assert timeline["collective_s"] == pytest.approx(30e-6)
     assert timeline["exposed_collective_s"] == pytest.approx((5 + 8 + 5) * 1e-6)
+
+
+def test_memory_at_peak_names_what_is_live_at_the_peak_and_what_came_before():
+    from trainer.report.profiling import memory_at_peak
+
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+
+    fsdp = frame(
+        "/usr/lib/python3/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 90, "ag"
+    )
+    attention = frame("/repo/trainer/kernels/packed_attention.py", 40, "forward")
+    module = frame("/usr/lib/python3/site-packages/torch/nn/modules/module.py", 1700, "_call_impl")
+    trace = [  # the allocator's own format (torch.cuda.memory._snapshot()["device_traces"][device])
+        {"action": "alloc", "addr": 1, "size": 100, "frames": [fsdp, module]},
+        {"action": "alloc", "addr": 2, "size": 40, "frames": [attention, module]},
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": []},
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
+        {"action": "free_completed", "addr": 900, "size": 30, "frames": []},  # allocated before the trace
+        {"action": "alloc", "addr": 3, "size": 50, "frames": [fsdp, module]},
+        {"action": "alloc", "addr": 4, "size": 90, "frames": [attention]},  # the peak, past the first 1140
+        {"action": "free_completed", "addr": 4, "size": 90, "frames": []},
+        {"action": "alloc", "addr": 5, "size": 20, "frames": [module]},
+    ]
+    peak = memory_at_peak(trace, allocated_at_start=1000)
+    assert peak["peak"] == 1000 + 100 + 40 - 100 - 30 + 50 + 90
+    assert peak["before_window"] == 970
+    assert peak["by_source"] == {
+        "trainer/kernels/packed_attention.py:40 forward": (130, 2),
+        "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:90 ag <- torch/nn/modules/module.py:1700 "
+        "_call_impl": (50, 1),
+    }
+    assert peak["peak_frames"] == [attention]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="records CUDA allocations")
+def test_profile_memory_writes_what_is_allocated_at_the_peak(tiny_model_dir, sample_csv, tmp_path):
+    out = tmp_path / "run"
+    cfg = _cfg(
+        tiny_model_dir,
+        sample_csv,
+        out,
+        max_steps=3,
+        profile_steps=1,
+        profile_start_step=1,
+        profile_memory=True,
+    )
+    assert train(cfg) == 0
+    report = (out / "profile" / "memory.txt").read_text()
+    assert report.startswith("allocated at the peak of the 1 profiled steps:")
+    assert "trainer/" in report  # the trainer's own allocations are named by source line
+    assert (out / "profile" / "memory_snapshot.pickle").stat().st_size > 0
+    assert json.loads((out / "profile" / "summary.json").read_text())["memory_peak_bytes"] > 0
 
 
 def test_profile_steps_write_a_report_of_the_profiled_window(tiny_model_dir, sample_csv, tmp_path):

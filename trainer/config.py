@@ -324,6 +324,12 @@ class TrainConfig:
         0, "torch.profiler over this many optimizer steps, report in output_dir/profile/; 0: off."
     )
     profile_start_step: int = _key(5, "Steps before the profiled window (compilation, allocator warm-up).")
+    profile_memory: bool = _key(
+        False,
+        "With profile_steps on a GPU: record every allocation of the profiled window too: "
+        "profile/memory.txt (what is allocated at the peak, by source line) and memory_snapshot.pickle "
+        "(open in pytorch.org/memory_viz).",
+    )
     save_final: bool = _key(True, "A checkpoint and final/ at the end (benchmarks turn it off).")
 
     # --- monitoring (secrets come from the environment only) ---
@@ -451,6 +457,12 @@ class TrainConfig:
                 "cuda_graphs and torch_compile: use one of them", key=("cuda_graphs", "torch_compile")
             )
         self._check_adapter_keys()
+        if self.profile_memory and self.profile_steps <= 0:
+            raise ConfigError(
+                "profile_memory records the allocations of the profiled window: set profile_steps too "
+                "(e.g. profile_steps: 1)",
+                key=("profile_memory", "profile_steps"),
+            )
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(
                 f"eval_fraction must be in [0, 1), got {self.eval_fraction}", key="eval_fraction"

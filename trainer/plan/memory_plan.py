@@ -389,11 +389,11 @@ def plan_memory(
         gradients = 4 * shape.lora_num_params(lora)
     states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype, lora)
     # Alive from the forward to the end of the backward only (not at the optimizer step): FSDP's gathered
-    # weights and unsharded gradients.
-    gathered = unsharded_gradients = 0
+    # weights, reduce-scatter buffers and unsharded gradients.
+    gathered = reduce_buffers = backward_gradients = 0
     sharded = strategy == "fsdp" and processes > 1 and lora is None
     if sharded:
-        weights, gathered, gradients, unsharded_gradients, states = sharded_state(
+        weights, gathered, gradients, reduce_buffers, backward_gradients, states = sharded_state(
             shape,
             dtype,
             optimizer,
@@ -443,16 +443,18 @@ def plan_memory(
         unchecked = min(ld, max(0, decoder_blocks_without_checkpointing))
         if unchecked:
             # Their saved tensors stay from the forward; their backward (the decoder's first) adds only its
-            # scratch, and the checkpointed blocks' recompute comes after they are freed.
-            dec_keep += unchecked * dec_block
+            # scratch, and the checkpointed blocks' recompute comes after they are freed. A kept block's input
+            # is the kept block before it's output, already among that block's saved tensors (the residual
+            # sum): only the first kept block's input is a tensor of its own.
+            dec_keep += unchecked * dec_block - (unchecked - 1) * b * t * d * e
             dec_bwd -= dec_block
         unchecked = min(le, max(0, encoder_blocks_without_checkpointing))
         if unchecked:  # the same in the encoder, whose kept tensors stay through the whole decoder
-            enc_keep += unchecked * enc_block
+            enc_keep += unchecked * enc_block - (unchecked - 1) * b * s * d * e
             enc_bwd -= enc_block
-    else:  # everything every block saves stays until its backward
-        enc_keep = le * (b * s * d * e + enc_block)
-        dec_keep = ld * (b * t * d * e + dec_block)
+    else:  # everything every block saves stays until its backward; inputs as with kept blocks above
+        enc_keep = b * s * d * e + le * enc_block
+        dec_keep = b * t * d * e + ld * dec_block
         enc_bwd, dec_bwd = enc_bwd - enc_block, dec_bwd - dec_block  # only the backward scratch is new
 
     logits_peak = _loss_bytes(b * t, d, v, e, fused and e == 2, head_grad=lora is None)
@@ -475,12 +477,15 @@ def plan_memory(
     # What the optimizer's step allocates (trainer.optim declares it: Adafactor's partial sums; optimi's
     # foreach step uses the gradients as its scratch buffer).
     opt_temp = OPTIMIZERS[optimizer].step_scratch_bytes(shape, lora, processes if sharded else 1)
-    moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]))
-    if opt_temp > acts + logits + gathered + unsharded_gradients:
+    # FSDP2's unsharded bf16 gradients exist from a block's backward on (none at the loss)
+    made_by_backward = {m: 0 if m == "loss" else backward_gradients for m in moments}
+    moment, (acts, logits) = max(moments.items(), key=lambda kv: sum(kv[1]) + made_by_backward[kv[0]])
+    if opt_temp > acts + logits + gathered + reduce_buffers + made_by_backward[moment]:
         moment, acts, logits = "optimizer step", 0, 0
     else:
         opt_temp = 0
-        weights, gradients = weights + gathered, gradients + unsharded_gradients
+        weights = weights + gathered
+        gradients = gradients + reduce_buffers + made_by_backward[moment]
     allocated = weights + gradients + states + acts + logits + opt_temp
     return MemoryPlan(
         weights=weights,
@@ -502,18 +507,21 @@ def sharded_state(
     processes: int,
     reshard_after_forward: bool,
     sync_each_micro_batch: bool,
-) -> tuple[int, int, int, int, int]:
-    """One GPU's (sharded weights, gathered weights, sharded gradients, unsharded gradients, optimizer states)
-    under FSDP2 (trainer.run.parallel.wrap) over `processes` ranks.
+) -> tuple[int, int, int, int, int, int]:
+    """One GPU's (sharded weights, gathered weights, sharded gradients, reduce-scatter buffers, unsharded
+    gradients, optimizer states) under FSDP2 (trainer.run.parallel.wrap) over `processes` ranks.
 
     Sharded: each weight's ceil(rows / processes) rows (FSDP2 pads the shards to one size), in `dtype`, and
-    its gradient likewise; the optimizer states as `optimizer_state_bytes` shards them. Gathered (bf16, from
-    the forward to the end of the backward): the root's weights (embeddings, LM head, final norms; kept
-    gathered through the step) and two blocks' (the one running and the next, prefetched), or every block's
-    with `reshard_after_forward` false. Unsharded gradients (during the backward): a block's bf16 gradients
-    as the backward makes them and the fp32 reduce-scatter inputs of two blocks (one reducing while the next
-    runs) and of the root, whose bf16 gradients live through the whole backward; without
-    `sync_each_micro_batch` every weight's fp32 gradient, accumulated over the micro-batches."""
+    its gradient likewise; the optimizer states as `optimizer_state_bytes` shards them. Gathered (bf16): the
+    root's weights (embeddings, LM head, final norms; gathered through the step) and two blocks' (the one
+    running and the next, prefetched: FSDP2's all-gather stream keeps that much memory reserved), or every
+    block's with `reshard_after_forward` false. Reduce-scatter buffers: the fp32 inputs of two blocks (one
+    reducing while the next runs) or of the root, made on FSDP2's reduce-scatter stream, whose memory stays
+    reserved through the step; without `sync_each_micro_batch` every weight's fp32 gradient, accumulated over
+    the micro-batches. Unsharded gradients, from the first block's backward on (none at the loss): a block's
+    bf16 gradients as the backward makes them, and the root's, which live through the whole backward.
+    A memory snapshot of XXL on 2 GPUs at the loss (`profile_memory`) has each of these terms but the
+    reserved buffers as allocated bytes, to 0.1 GiB in 39 GiB."""
     e = _DTYPE_BYTES[dtype]
     block = max(shape.block_params(decoder=True), shape.block_params(decoder=False))
     root = shape.root_params()
@@ -521,11 +529,12 @@ def sharded_state(
     weights = shape.sharded_params(processes) * e
     gathered = 2 * root + 2 * (2 * block if reshard_after_forward else all_blocks)
     gradients = shape.sharded_params(processes) * e
-    unsharded = 2 * block + 2 * root + 4 * max(2 * block, root)
+    reduce_buffers = 4 * max(2 * block, root)
     if not sync_each_micro_batch:
-        unsharded += 4 * shape.num_params()
+        reduce_buffers += 4 * shape.num_params()
+    unsharded = 2 * block + 2 * root
     states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype, shards=processes)
-    return weights, gathered, gradients, unsharded, states
+    return weights, gathered, gradients, reduce_buffers, unsharded, states
 
 
 def _budget_shapes(

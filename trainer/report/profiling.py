@@ -8,12 +8,17 @@ records optimizer steps S+1 .. S+N and writes to output_dir/profile/:
   torchrun how long the collectives ran and how much of that no computation hid (ddp's all-reduce, FSDP2's
   all-gathers and reduce-scatters waited for).
 - trace.json: the Chrome/Perfetto trace (open in https://ui.perfetto.dev).
+With `profile_memory: true` (CUDA) every allocation of the window is recorded as well:
+- memory.txt: the memory allocated at the window's peak, by the source line that allocated it (the trainer's,
+  FSDP2's or the model's code nearest the allocation) and the allocation that reached the peak;
+- memory_snapshot.pickle: the allocator's history (open in https://pytorch.org/memory_viz).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
 import time
 from pathlib import Path
 
@@ -22,6 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 PHASES = ("data", "forward_backward", "optimizer")
+MEMORY_HISTORY_ENTRIES = 2_000_000  # allocator events kept: a few optimizer steps of a 48-block model
 
 
 class StepProfiler:
@@ -29,12 +35,23 @@ class StepProfiler:
     context manager it stops a profiler still running when the block ends (a run stopped or failing inside
     the profiled window), without a report."""
 
-    def __init__(self, start_step: int, steps: int, output_dir: str | Path, enabled: bool = True):
+    def __init__(
+        self,
+        start_step: int,
+        steps: int,
+        output_dir: str | Path,
+        enabled: bool = True,
+        memory: bool = False,
+    ):
         self.start_step, self.steps = start_step, steps
         self.out = Path(output_dir) / "profile"
         self.enabled = enabled and steps > 0
+        self.memory = memory and torch.cuda.is_available()
+        if memory and self.enabled and not self.memory:
+            log.info("profile_memory: no CUDA device, no allocations to record; the kernel report only")
         self.prof: torch.profiler.profile | None = None
         self.started_at = 0.0
+        self.allocated_at_start = 0
 
     def before_step(self, step: int) -> None:
         if not self.enabled or self.prof is not None or step != self.start_step:
@@ -43,6 +60,11 @@ class StepProfiler:
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize()
+        if self.memory:
+            self.allocated_at_start = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(
+                context="alloc", stacks="python", max_entries=MEMORY_HISTORY_ENTRIES
+            )
         self.prof = torch.profiler.profile(activities=activities)
         self.prof.__enter__()
         self.started_at = time.perf_counter()
@@ -56,12 +78,18 @@ class StepProfiler:
         wall = time.perf_counter() - self.started_at
         prof, self.prof, self.enabled = self.prof, None, False
         prof.__exit__(None, None, None)
-        return self._write(prof, wall)
+        snapshot = None
+        if self.memory:
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+        return self._write(prof, wall, snapshot)
 
     def close(self) -> None:
         if self.prof is not None:
             prof, self.prof, self.enabled = self.prof, None, False
             prof.__exit__(None, None, None)
+            if self.memory:
+                torch.cuda.memory._record_memory_history(enabled=None)
             log.info("profile: the run ended inside the profiled window; no report written")
 
     def __enter__(self) -> StepProfiler:
@@ -70,7 +98,7 @@ class StepProfiler:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _write(self, prof, wall: float) -> dict:
+    def _write(self, prof, wall: float, memory_snapshot: dict | None) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
         events = prof.key_averages()
         # Kernels are the device-side events; ops and annotations carry their kernels' time as well.
@@ -134,9 +162,94 @@ class StepProfiler:
                     "running (not hidden behind compute)"
                 ]
         (self.out / "kernels.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        if memory_snapshot is not None:
+            summary["memory_peak_bytes"] = self._write_memory(memory_snapshot)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
         log.info("profile: %s; written to %s", lines[0], self.out)
         return summary
+
+    def _write_memory(self, snapshot: dict) -> int:
+        with open(self.out / "memory_snapshot.pickle", "wb") as f:
+            pickle.dump(snapshot, f)
+        device = torch.cuda.current_device()
+        peak = memory_at_peak(snapshot["device_traces"][device], self.allocated_at_start)
+        lines = [
+            f"allocated at the peak of the {self.steps} profiled steps: {peak['peak'] / 2**30:.2f} GiB "
+            f"(the run's peak so far: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; "
+            f"{peak['events']} allocator events recorded)",
+            f"of it allocated before the window (weights, optimizer states, ...): "
+            f"{peak['before_window'] / 2**30:.2f} GiB",
+            "the allocation that reached the peak: "
+            + " <- ".join(_frame_name(f) for f in peak["peak_frames"][:6]),
+            "",
+            f"{'live at the peak, allocated in the window by':<90} {'GiB':>8} {'tensors':>8}",
+        ]
+        for where, (size, count) in sorted(peak["by_source"].items(), key=lambda kv: -kv[1][0])[:40]:
+            lines.append(f"{where[:90]:<90} {size / 2**30:8.3f} {count:8d}")
+        (self.out / "memory.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        log.info("profile: %s; written to %s", lines[0], self.out / "memory.txt")
+        return peak["peak"]
+
+
+def memory_at_peak(trace: list[dict], allocated_at_start: int) -> dict:
+    """Replays one device's allocator trace (torch.cuda.memory._snapshot()["device_traces"][device]) from
+    `allocated_at_start` bytes: the peak of allocated bytes, how much of it was allocated before the trace
+    began, the live allocations at the peak summed by source (`allocation_source`: bytes, count), and the
+    frames of the allocation that reached the peak."""
+    live: dict[int, tuple[int, str]] = {}
+    before = allocated_at_start
+    total = peak = allocated_at_start
+    peak_live: dict[int, tuple[int, str]] = {}
+    peak_before, peak_frames = before, []
+    for event in trace:
+        action = event["action"]
+        if action == "alloc":
+            live[event["addr"]] = (event["size"], allocation_source(event.get("frames", [])))
+            total += event["size"]
+            if total > peak:
+                peak, peak_live, peak_before = total, dict(live), before
+                peak_frames = event.get("frames", [])
+        elif action == "free_completed":
+            total -= event["size"]
+            if live.pop(event["addr"], None) is None:  # allocated before the trace began
+                before -= event["size"]
+    by_source: dict[str, tuple[int, int]] = {}
+    for size, where in peak_live.values():
+        bytes_, count = by_source.get(where, (0, 0))
+        by_source[where] = (bytes_ + size, count + 1)
+    return {
+        "peak": peak,
+        "before_window": peak_before,
+        "by_source": by_source,
+        "peak_frames": peak_frames,
+        "events": len(trace),
+    }
+
+
+# Frames in these places say what an allocation is for; torch's generic layers (autograd, nn.Module's call,
+# functional wrappers) do not.
+_TELLING_PATHS = ("/trainer/", "/torch/distributed/", "/transformers/", "/torch/utils/checkpoint")
+
+
+def allocation_source(frames: list[dict]) -> str:
+    """The innermost frame of the trainer, FSDP2 or the model code (or the innermost of all) as
+    'path:line function', the path from the package down; a library's with its caller (FSDP2's helpers are
+    shared by its gathers and its reductions)."""
+    for i, frame in enumerate(frames):
+        if any(p in frame["filename"] for p in _TELLING_PATHS):
+            if "/trainer/" in frame["filename"] or i + 1 == len(frames):
+                return _frame_name(frame)
+            return f"{_frame_name(frame)} <- {_frame_name(frames[i + 1])}"
+    return _frame_name(frames[0]) if frames else "(no Python frame)"
+
+
+def _frame_name(frame: dict) -> str:
+    path = frame["filename"]
+    if "site-packages/" in path:
+        path = path.split("site-packages/", 1)[1]
+    elif "/trainer/" in path:
+        path = "trainer/" + path.split("/trainer/", 1)[1]
+    return f"{path}:{frame['line']} {frame['name']}"
 
 
 def kernel_timeline(trace_path: Path, slices: int = 40) -> dict | None:

@@ -215,7 +215,13 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             heartbeat=heartbeat,
             stop=stop,
             profiler=exits.enter_context(
-                StepProfiler(cfg.profile_start_step, cfg.profile_steps, output_dir, enabled=rank == 0)
+                StepProfiler(
+                    cfg.profile_start_step,
+                    cfg.profile_steps,
+                    output_dir,
+                    enabled=rank == 0,
+                    memory=cfg.profile_memory,
+                )
             ),
             progress=exits.enter_context(
                 ConsoleProgress(data.total_steps, state.step, enabled=rank == 0, bar=cfg.progress_bar)
