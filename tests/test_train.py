@@ -247,11 +247,11 @@ def test_memory_at_peak_names_what_is_live_at_the_peak_and_what_came_before():
     def frame(path, line, name):
         return {"filename": path, "line": line, "name": name}
 
-    fsdp = frame(
-        "/usr/lib/python3/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 90, "ag"
-    )
-    attention = frame("/repo/trainer/kernels/packed_attention.py", 40, "forward")
-    module = frame("/usr/lib/python3/site-packages/torch/nn/modules/module.py", 1700, "_call_impl")
+    # a virtual environment inside a folder named trainer: torch's frames are still torch's
+    packages = "/home/me/trainer/.venv/lib/python3.11/site-packages"
+    fsdp = frame(f"{packages}/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 90, "ag")
+    attention = frame("/home/me/trainer/trainer/kernels/packed_attention.py", 40, "forward")
+    module = frame(f"{packages}/torch/nn/modules/module.py", 1700, "_call_impl")
     trace = [  # the allocator's own format (torch.cuda.memory._snapshot()["device_traces"][device])
         {"action": "alloc", "addr": 1, "size": 100, "frames": [fsdp, module]},
         {"action": "alloc", "addr": 2, "size": 40, "frames": [attention, module]},

@@ -226,9 +226,9 @@ def memory_at_peak(trace: list[dict], allocated_at_start: int) -> dict:
     }
 
 
-# Frames in these places say what an allocation is for; torch's generic layers (autograd, nn.Module's call,
+# Frames in these packages say what an allocation is for; torch's generic layers (autograd, nn.Module's call,
 # functional wrappers) do not.
-_TELLING_PATHS = ("/trainer/", "/torch/distributed/", "/transformers/", "/torch/utils/checkpoint")
+_TELLING_PACKAGES = ("trainer/", "torch/distributed/", "transformers/", "torch/utils/checkpoint")
 
 
 def allocation_source(frames: list[dict]) -> str:
@@ -236,20 +236,25 @@ def allocation_source(frames: list[dict]) -> str:
     'path:line function', the path from the package down; a library's with its caller (FSDP2's helpers are
     shared by its gathers and its reductions)."""
     for i, frame in enumerate(frames):
-        if any(p in frame["filename"] for p in _TELLING_PATHS):
-            if "/trainer/" in frame["filename"] or i + 1 == len(frames):
+        path = _package_path(frame["filename"])
+        if path.startswith(_TELLING_PACKAGES):
+            if path.startswith("trainer/") or i + 1 == len(frames):
                 return _frame_name(frame)
             return f"{_frame_name(frame)} <- {_frame_name(frames[i + 1])}"
     return _frame_name(frames[0]) if frames else "(no Python frame)"
 
 
-def _frame_name(frame: dict) -> str:
-    path = frame["filename"]
+def _package_path(path: str) -> str:
+    """A source file's path from its package down: after site-packages/, or from this package's folder."""
     if "site-packages/" in path:
-        path = path.split("site-packages/", 1)[1]
-    elif "/trainer/" in path:
-        path = "trainer/" + path.split("/trainer/", 1)[1]
-    return f"{path}:{frame['line']} {frame['name']}"
+        return path.rsplit("site-packages/", 1)[1]
+    if "/trainer/" in path:
+        return "trainer/" + path.rsplit("/trainer/", 1)[1]
+    return path
+
+
+def _frame_name(frame: dict) -> str:
+    return f"{_package_path(frame['filename'])}:{frame['line']} {frame['name']}"
 
 
 def kernel_timeline(trace_path: Path, slices: int = 40) -> dict | None:
