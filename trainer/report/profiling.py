@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.infra.memory import GIB
+
 log = logging.getLogger(__name__)
 
 PHASES = ("data", "forward_backward", "optimizer")
@@ -174,18 +176,18 @@ class StepProfiler:
         device = torch.cuda.current_device()
         peak = memory_at_peak(snapshot["device_traces"][device], self.allocated_at_start)
         lines = [
-            f"allocated at the peak of the {self.steps} profiled steps: {peak['peak'] / 2**30:.2f} GiB "
-            f"(the run's peak so far: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; "
+            f"allocated at the peak of the {self.steps} profiled steps: {peak['peak'] / GIB:.2f} GiB "
+            f"(the run's peak so far: {torch.cuda.max_memory_allocated() / GIB:.2f} GiB; "
             f"{peak['events']} allocator events recorded)",
             f"of it allocated before the window (weights, optimizer states, ...): "
-            f"{peak['before_window'] / 2**30:.2f} GiB",
+            f"{peak['before_window'] / GIB:.2f} GiB",
             "the allocation that reached the peak: "
             + " <- ".join(_frame_name(f) for f in peak["peak_frames"][:6]),
             "",
             f"{'live at the peak, allocated in the window by':<90} {'GiB':>8} {'tensors':>8}",
         ]
         for where, (size, count) in sorted(peak["by_source"].items(), key=lambda kv: -kv[1][0])[:40]:
-            lines.append(f"{where[:90]:<90} {size / 2**30:8.3f} {count:8d}")
+            lines.append(f"{where[:90]:<90} {size / GIB:8.3f} {count:8d}")
         (self.out / "memory.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
         log.info("profile: %s; written to %s", lines[0], self.out / "memory.txt")
         return peak["peak"]
