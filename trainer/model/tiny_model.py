@@ -100,6 +100,7 @@ def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
         n_sub_iterations=2,
         shrinking_factor=0.75,
         initial_alphabet=_template_alphabet(),
+        show_progress=False,  # its bars are blank lines in a log without a terminal
     )
     tok.train_from_iterator(texts, trainer)
     data = json.loads(tok.to_str())
