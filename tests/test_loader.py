@@ -147,7 +147,9 @@ def write_bad_csv(path: Path) -> None:
         f'3,,{good},l,s,"[]"\r\n'
         "4,Too few\r\n"
         '5,No steps,"[""a""]","[]",l,s,"[]"\r\n'
-        f'6,Mom\'s pie,{good},l,s,"[]"\r\n',
+        f'6,Mom\'s pie,{good},l,s,"[]"\r\n'
+        f"7,No NER,{good},l,s,\r\n"  # an empty cell is an empty list: NER is not rendered, the record kept
+        '8,Blank steps,"[""a""]", ,l,s,"[]"\r\n',
         newline="",
     )
 
@@ -156,16 +158,17 @@ def test_lenient_counts_and_examples(tmp_path, tiny_model_dir):
     p = tmp_path / "bad.csv"
     write_bad_csv(p)
     s = RecipeStream(p, tiny_model_dir, batch_size=4)
-    assert sum(len(b["input_ids"]) for b in s) == 3
+    assert sum(len(b["input_ids"]) for b in s) == 4
     st = s.stats()
-    assert st["yielded"] == 3
-    assert st["skipped"] == {"malformed_csv": 2, "empty_title": 1, "empty_directions": 1}
+    assert st["yielded"] == 4
+    assert st["skipped"] == {"malformed_csv": 2, "empty_title": 1, "empty_directions": 2}
     ex = "\n".join(st["examples"])
     for line, reason in [
         (5, "malformed_csv"),
         (6, "empty_title"),
         (7, "malformed_csv"),
         (8, "empty_directions"),
+        (11, "empty_directions"),
     ]:
         assert f"bad.csv:{line}: {reason}" in ex, ex
 

@@ -374,6 +374,11 @@ pub fn parse_csv(rec: &ByteRecord, format: Format, cols: &Columns) -> Result<Par
     let get = |i: usize, what: &str| utf8(rec.get(i).unwrap_or(b""), what);
     let list = |i: usize, what: &str| -> Result<Field, Skip> {
         let s = get(i, what)?;
+        if s.trim().is_empty() {
+            // An empty cell is an empty list: a column the task renders then skips the record as empty
+            // (`empty_directions`), one it does not (NER for the default task) keeps it.
+            return Ok(Field::List(Vec::new()));
+        }
         // RecipeNLG writes JSON lists; exports re-saved through pandas write Python ones, as Food.com does.
         let parsed = match format {
             Format::RecipeNlg => serde_json::from_str::<Vec<String>>(s)
@@ -663,6 +668,7 @@ mod tests {
         let want = Field::List(vec!["1 egg".into(), "\u{bd} cup".into()]);
         assert_eq!(parse(r#"["1 egg", "\u00bd cup"]"#).unwrap(), want);
         assert_eq!(parse(r#"['1 egg', '\u00bd cup']"#).unwrap(), want);
+        assert_eq!(parse(" ").unwrap(), Field::List(Vec::new())); // the renderer says `empty_ingredients`
         let err = parse("not a list").unwrap_err();
         assert_eq!(err.reason, "malformed_csv");
         assert!(
