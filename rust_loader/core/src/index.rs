@@ -34,7 +34,8 @@ use crate::render::Renderer;
 use crate::split::{read_line_bounded, CsvRecords};
 use crate::tokenize::Tok;
 
-const MAGIC: &[u8; 8] = b"RLIDX005";
+// Bumped when the same file would index differently (006: an empty CSV list cell is an empty list).
+const MAGIC: &[u8; 8] = b"RLIDX006";
 const CHUNK: usize = 1024;
 /// Bad-record examples kept per file.
 pub const MAX_EXAMPLES: usize = 10;
