@@ -261,7 +261,7 @@ def start_train_log(cfg: TrainConfig, output_dir: Path, resume_from: Path | None
     logged in a file beside it."""
     kept = continue_train_log(output_dir / TRAIN_LOG, state.step if resume_from else None)
     if kept is not None:
-        why = "resume: never" if cfg.resume == "never" else f"no checkpoint in {output_dir}"
+        why = "resume: never" if cfg.resume == "never" else f"no checkpoint to resume from in {output_dir}"
         log.warning("%s: training starts over from step 0; the rows logged before are kept in %s", why, kept)
 
 
