@@ -25,13 +25,15 @@ loader, every process capped at 32 GiB (`--cap`; `gpu_memory_limit_gib`). The ru
 - `ddpN`: the preset on N GPUs (`distributed_strategy: ddp`, the same per-GPU micro-batch on every N).
 - `graphsN` (when the preset does not already replay CUDA graphs): the preset on packed rows of 8k-token
   micro-batches replayed as CUDA graphs (`cuda_graphs`), accumulating as many tokens per step as the preset.
-- `fsdpN` (N = 2 and all the GPUs): the preset under FSDP2, eager (`cuda_graphs: false`: FSDP2's collectives
-  run inside every micro-step); `fsdpN_two_micro`: the same tokens per optimizer step in two micro-batches
-  (what FSDP2 needs to hide its collectives; the cuda_graphs refusal suggests it). On all the GPUs only:
+- `fsdpN` (N = 2 and all the GPUs): the preset under FSDP2, eager (`cuda_graphs: false`);
+  `fsdpN_graphs`: the same on packed rows with each micro-step, FSDP2's all-gathers and reduce-scatters
+  included, replayed as a CUDA graph (`cuda_graphs: true`); `fsdpN_two_micro`: eager, the same tokens per
+  optimizer step in two micro-batches (large micro-batches hide an eager step's host time). On all the GPUs
+  only:
   `fsdpN_padded` / `fsdpN_packed`: on the rows the preset does not use;
   `fsdpN_one_reduce`: gradients reduce-scattered once per step (`fsdp_sync_each_micro_batch: false`);
   `fsdpN_kept_weights`: gathered weights kept from forward to backward (`fsdp_reshard_after_forward: false`);
-  `fsdpN_bf16_reduce`: gradients reduce-scattered in bf16 (as ddp all-reduces them) rather than fp32;
+  `fsdpN_fp32_reduce`: gradients reduce-scattered in fp32 rather than the bf16 weights' dtype;
   `fsdpN_kahan_8bit`: the Kahan buffer in one byte per weight (`bf16_update: kahan_8bit`: the memory it frees
   keeps more blocks un-checkpointed).
 
@@ -111,11 +113,11 @@ def all_runs(gpus: int, preset: dict, graph_tokens: int) -> dict[str, tuple[int,
         runs[f"ddp{n}"] = (n, dict(distributed_strategy="ddp"))
         if not preset_is_graphs:
             runs[f"graphs{n}"] = (n, dict(graphs, distributed_strategy="ddp"))
-    # FSDP2 gathers and reduces inside every micro-step, which a CUDA graph cannot replay: eager.
     fsdp = dict(distributed_strategy="fsdp", cuda_graphs=False)
     two_micro = dict(fsdp, max_tokens=step_tokens // 2, gradient_accumulation_steps=2)
     for n in sorted({2, gpus} & set(range(2, gpus + 1))):
         runs[f"fsdp{n}"] = (n, fsdp)
+        runs[f"fsdp{n}_graphs"] = (n, dict(fsdp, packing=True, cuda_graphs=True))
         if preset.get("max_tokens") and preset.get("gradient_accumulation_steps", 1) > 2:
             runs[f"fsdp{n}_two_micro"] = (n, two_micro)
     if gpus >= 2:
@@ -123,7 +125,7 @@ def all_runs(gpus: int, preset: dict, graph_tokens: int) -> dict[str, tuple[int,
         runs[f"fsdp{gpus}_{other}"] = (gpus, dict(fsdp, packing=not preset.get("packing")))
         runs[f"fsdp{gpus}_one_reduce"] = (gpus, dict(fsdp, fsdp_sync_each_micro_batch=False))
         runs[f"fsdp{gpus}_kept_weights"] = (gpus, dict(fsdp, fsdp_reshard_after_forward=False))
-        runs[f"fsdp{gpus}_bf16_reduce"] = (gpus, dict(fsdp, **{REDUCE_DTYPE_KEY: "bfloat16"}))
+        runs[f"fsdp{gpus}_fp32_reduce"] = (gpus, dict(fsdp, **{REDUCE_DTYPE_KEY: "float32"}))
         runs[f"fsdp{gpus}_kahan_8bit"] = (gpus, dict(fsdp, bf16_update="kahan_8bit"))
     return runs
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,39 +218,84 @@ def test_the_optimizer_update_replays_as_a_graph_exactly_like_an_eager_step(tiny
     assert not all(torch.equal(a, w) for a, w in zip(replayed, saved, strict=False))  # it did update
 
 
+# A short bf16 run of packed rows replayed as CUDA graphs (warm-up micro-steps, the capture, then replays).
+GRAPHS_RUN = dict(
+    dtype="bfloat16",
+    packing=True,
+    cuda_graphs=True,
+    optimizer="adafactor",
+    max_tokens=1024,
+    save_final=False,
+)
+
+
+def _losses(out) -> list[float]:
+    rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def _one_process(model, sample_csv, out, **values) -> list[float]:
+    """The losses of the run in this process with accumulation 2: what 2 ranks with accumulation 1 train."""
+    cfg = tiny_run_values(model, sample_csv, out, **values, gradient_accumulation_steps=2)
+    assert train(TrainConfig.from_dict(cfg)) == 0
+    return _losses(out)
+
+
+def _two_ranks(values: dict, config: Path) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 -m trainer train` on `values`, written to `config`."""
+    config.write_text(yaml.safe_dump(values))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "trainer", "train", "--config", str(config)]
+    run = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    return run
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two ranks of ddp need two GPUs")
 def test_two_ranks_replay_their_micro_steps_and_train_as_one_process(
     tiny_model_without_dropout, sample_csv, tmp_path
 ):
     """cuda_graphs under torchrun (ddp, NCCL): each rank captures and replays its micro-steps and the update,
     the gradients summed between them; the losses are one process's on the same global batches (bf16)."""
-    steps = 6  # warm-up micro-steps, the capture, then replays
-    values = dict(
-        dtype="bfloat16",
-        packing=True,
-        cuda_graphs=True,
-        optimizer="adafactor",
-        max_tokens=1024,
-        max_steps=steps,
-        eval_fraction=0.0,
-        save_steps=10**6,
-        save_final=False,
-    )
-
-    def losses(out) -> list[float]:
-        rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
-        return [r["loss"] for r in rows if "loss" in r]
-
-    model, one = tiny_model_without_dropout, tmp_path / "one"
-    cfg = tiny_run_values(model, sample_csv, one, **values, gradient_accumulation_steps=2)
-    assert train(TrainConfig.from_dict(cfg)) == 0
+    values = dict(GRAPHS_RUN, max_steps=6, eval_fraction=0.0, save_steps=10**6)
+    model = tiny_model_without_dropout
+    one = _one_process(model, sample_csv, tmp_path / "one", **values)
     two = tmp_path / "two"
-    config = tmp_path / "two.yaml"
-    config.write_text(yaml.safe_dump(tiny_run_values(model, sample_csv, two, **values)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "trainer", "train", "--config", str(config)]
-    run = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-6000:]
+    run = _two_ranks(tiny_run_values(model, sample_csv, two, **values), tmp_path / "two.yaml")
     assert "cuda_graphs: micro-step captured" in run.stderr
     assert "cuda_graphs: optimizer update captured" in run.stderr
-    assert losses(two) == pytest.approx(losses(one), rel=2e-2)
+    assert _losses(two) == pytest.approx(one, rel=2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two ranks of FSDP2 need two GPUs")
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_fsdp_ranks_replay_their_collectives_and_train_as_one_process(
+    tiny_model_without_dropout, sample_csv, tmp_path, reshard_after_forward
+):
+    """cuda_graphs under FSDP2 (NCCL): each rank captures its micro-step with FSDP2's all-gathers and
+    reduce-scatters in it and replays it; an evaluation and a checkpoint at step 4 (the graph dropped, FSDP2
+    eager, then captured again); the losses are one process's on the same global batches (bf16), and the
+    run resumes from its checkpoint."""
+    values = dict(
+        GRAPHS_RUN,
+        max_steps=8,
+        eval_fraction=0.05,
+        eval_steps=4,
+        eval_max_batches=2,
+        generation_max_new_tokens=8,
+        save_steps=4,
+    )
+    model = tiny_model_without_dropout
+    one = _one_process(model, sample_csv, tmp_path / "one", **values)
+    two = tmp_path / "two"
+    fsdp = dict(values, distributed_strategy="fsdp", fsdp_reshard_after_forward=reshard_after_forward)
+    run = _two_ranks(tiny_run_values(model, sample_csv, two, **fsdp), tmp_path / "two.yaml")
+    assert "capture 2" in run.stderr  # again after the evaluation
+    assert _losses(two) == pytest.approx(one, rel=2e-2)
+    resumed = tmp_path / "resumed"
+    checkpoint = str(two / "checkpoint-4")
+    run = _two_ranks(
+        tiny_run_values(model, sample_csv, resumed, **fsdp, resume=checkpoint), tmp_path / "resumed.yaml"
+    )
+    assert "cuda_graphs: micro-step captured" in run.stderr
+    assert _losses(resumed) == pytest.approx(_losses(two)[4:], rel=2e-2)

@@ -143,7 +143,8 @@ class TrainConfig:
     )
     cuda_graphs: bool = _key(
         False,
-        "Replay each micro-step and the optimizer update as CUDA graphs (needs packing; not under fsdp).",
+        "Replay each micro-step and the optimizer update as CUDA graphs (needs packing). Under fsdp each "
+        "micro-step with FSDP2's collectives; the update runs eagerly.",
     )
     random_init: bool = _key(
         False, "Random weights in model_name_or_path's architecture, from its config.json (benchmarks)."
@@ -393,7 +394,8 @@ class TrainConfig:
     fsdp_sync_each_micro_batch: bool = _key(
         True,
         "fsdp: reduce-scatter the gradients after every micro-batch; false: only after the step's last (the "
-        "whole model's fp32 gradients on every GPU until then, one reduce-scatter per step).",
+        "whole model's gradients on every GPU until then, one reduce-scatter per step; not with "
+        "cuda_graphs).",
     )
 
     def __post_init__(self) -> None:

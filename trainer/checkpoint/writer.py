@@ -58,7 +58,10 @@ class Written:
 def tensor_bytes(state) -> int:
     """The bytes of the tensors in a (nested) state dict as a staged copy holds them: each tensor once (tied
     weights, the same view under several names, are one)."""
-    return sum(_local(t).numel() * _local(t).element_size() for t in _skeleton(state)[1])
+    return sum(
+        distributed.local_shard(t).numel() * distributed.local_shard(t).element_size()
+        for t in _skeleton(state)[1]
+    )
 
 
 def background_saves(needed_bytes: int, available_bytes: int | None) -> str | None:
@@ -116,7 +119,7 @@ class HostStager:
         self._fit(tensors)
         copies, on_gpu = [], False
         for i, tensor in enumerate(tensors):
-            local, buffer = _local(tensor), self._buffers[i]
+            local, buffer = distributed.local_shard(tensor), self._buffers[i]
             on_gpu = on_gpu or local.is_cuda
             buffer.copy_(local, non_blocking=local.is_cuda)
             if isinstance(tensor, DTensor):
@@ -142,7 +145,7 @@ class HostStager:
         """Buffers for `tensors`, made anew where none fits (the first save, a new shape). Page-locking runs
         on a thread of its own: a refused cudaHostRegister stays the calling thread's last CUDA error, which
         that thread's next kernel launch would raise."""
-        locals_ = [_local(t) for t in tensors]
+        locals_ = [distributed.local_shard(t) for t in tensors]
         missing = [
             i
             for i, like in enumerate(locals_)
@@ -183,17 +186,11 @@ class HostStager:
 def _view(tensor: torch.Tensor) -> object:
     """What makes two tensors the same data: a model's state dict holds a tied weight as a tensor per name,
     each a view of one storage."""
-    local = _local(tensor)
+    local = distributed.local_shard(tensor)
     if local.device.type == "meta" or local.numel() == 0:
         return id(tensor)
     storage = local.untyped_storage().data_ptr()
     return (local.device, storage, local.storage_offset(), local.shape, local.stride(), local.dtype)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _host_buffer(like: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,11 @@ no process group is started and every helper here is a no-op, so a single-proces
   CUDA graph cannot replay its hooks.
 - `fsdp` (FSDP2, `fully_shard`): weights, gradients and optimizer states are split across ranks. Each T5 block
   is one unit, the root (embeddings, LM head, final norms) another. A unit's weights are all-gathered in bf16
-  just before use; gradients are reduce-scattered in fp32; the sharded weights and the optimizer states keep
-  cfg.dtype. `fsdp_reshard_after_forward: false` keeps each block's gathered weights from its forward to its
-  backward (no second all-gather, the whole model's bf16 weights on every GPU); `fsdp_sync_each_micro_batch:
-  false` reduce-scatters once per optimizer step (the whole model's fp32 gradients on every GPU until then).
+  just before use; gradients are reduce-scattered in cfg.dtype (bf16 weights: as ddp all-reduces them); the
+  sharded weights and the optimizer states keep cfg.dtype. `fsdp_reshard_after_forward: false` keeps each
+  block's gathered weights from its forward to its backward (no second all-gather, the whole model's bf16
+  weights on every GPU); `fsdp_sync_each_micro_batch: false` reduce-scatters once per optimizer step (the
+  whole model's gradients on every GPU until then).
 
 What FSDP wraps is the loss module (`trainer.model.loss.Seq2SeqLMLoss` around the HF model), so its hooks see
 the whole step, the LM head's direct use in the loss included. The HF model inside keeps its parameter names,
@@ -164,6 +165,13 @@ def ranks_where(flag: bool) -> list[int]:
     marks = [0.0] * world_size()
     marks[rank()] = 1.0 if flag else 0.0
     return [r for r, mark in enumerate(all_sum(marks)) if mark > 0]
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (this rank's FSDP2 shard); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainer.infra.distributed import local_shard
+
 if TYPE_CHECKING:
     from trainer.kernels.adafactor_kernels import WeightGroup
 
@@ -214,7 +216,7 @@ class Adafactor(torch.optim.Optimizer):
             grads = [copies.get(i, g) for i, g in enumerate(grads)]
             self._grad_copies += copies.values()
             params, whole_shape = [p.to_local() for p in params], tuple(params[0].shape)
-            states = [{k: _local(v) for k, v in state.items()} for state in states]
+            states = [{k: local_shard(v) for k, v in state.items()} for state in states]
         kept = self._weight_groups.get(key)
         tensors = WeightGroup.tensors_of(params, states, grads)
         if kept is None or kept.addresses != WeightGroup.addresses_of(tensors):
@@ -316,13 +318,6 @@ def _first_element(p) -> int:
     return min(rank * -(-rows // ranks), rows) * math.prod(p.shape[1:])
 
 
-def _local(t):
-    """A DTensor's local part (FSDP's shard); anything else as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def adafactor_update(
     p, grad, row, col, sq, comp, scalars, eps: float, clip_threshold: float, rounding=None
 ) -> None:
@@ -405,11 +400,11 @@ def sharded_adafactor_update(weights: list[tuple]) -> None:
     device = weights[0][0].to_local().device
 
     def scaled_grad(p, scalars):
-        return _local(p.grad).float() * scalars[3]
+        return local_shard(p.grad).float() * scalars[3]
 
     def factored_update(p, state, grad, row_mean):
-        r_factor = (_local(state["exp_avg_sq_row"]) / row_mean).rsqrt().unsqueeze(-1)
-        return r_factor * _local(state["exp_avg_sq_col"]).unsqueeze(-2).rsqrt() * grad
+        r_factor = (local_shard(state["exp_avg_sq_row"]) / row_mean).rsqrt().unsqueeze(-1)
+        return r_factor * local_shard(state["exp_avg_sq_col"]).unsqueeze(-2).rsqrt() * grad
 
     # 1. Row states of this rank's rows; each weight's column sums over them and its row-state sum.
     sizes = [p.shape[1] + 1 if p.dim() == 2 else 0 for p, *_ in weights]
@@ -419,13 +414,13 @@ def sharded_adafactor_update(weights: list[tuple]) -> None:
         update = scaled_grad(p, scalars).square() + eps
         beta2t = scalars[1]
         if p.dim() == 2:
-            row = _local(state["exp_avg_sq_row"])
+            row = local_shard(state["exp_avg_sq_row"])
             if row.numel():
                 row.mul_(beta2t).add_(update.mean(dim=-1) * (1.0 - beta2t))
                 stats[offset : offset + size - 1] = update.sum(dim=-2)
                 stats[offset + size - 1] = row.sum()
         else:
-            _local(state["exp_avg_sq"]).mul_(beta2t).add_(update * (1.0 - beta2t))
+            local_shard(state["exp_avg_sq"]).mul_(beta2t).add_(update * (1.0 - beta2t))
         offset += size
     dist.all_reduce(stats, group=group)
     # 2. The column states (whole on every rank), and each update's sum of squares over this rank's part.
@@ -436,12 +431,12 @@ def sharded_adafactor_update(weights: list[tuple]) -> None:
         if p.dim() == 2:
             rows = p.shape[0]
             col_mean = stats[offset : offset + size - 1] / rows
-            _local(state["exp_avg_sq_col"]).mul_(beta2t).add_(col_mean * (1.0 - beta2t))
+            local_shard(state["exp_avg_sq_col"]).mul_(beta2t).add_(col_mean * (1.0 - beta2t))
             row_means.append(stats[offset + size - 1] / rows)
             update = factored_update(p, state, grad, row_means[-1])
         else:
             row_means.append(None)
-            update = _local(state["exp_avg_sq"]).rsqrt() * grad
+            update = local_shard(state["exp_avg_sq"]).rsqrt() * grad
         squares[i] = update.square().sum()
         offset += size
     dist.all_reduce(squares, group=group)
@@ -451,6 +446,8 @@ def sharded_adafactor_update(weights: list[tuple]) -> None:
         if p.dim() == 2:
             update = factored_update(p, state, grad, row_means[i])
         else:
-            update = _local(state["exp_avg_sq"]).rsqrt() * grad
+            update = local_shard(state["exp_avg_sq"]).rsqrt() * grad
         rms = (squares[i] / p.numel()).sqrt()
-        write_update(_local(p), _local(_kahan_buffer(state)), update, rms, scalars, clip_threshold, rounding)
+        write_update(
+            local_shard(p), local_shard(_kahan_buffer(state)), update, rms, scalars, clip_threshold, rounding
+        )

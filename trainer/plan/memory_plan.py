@@ -515,11 +515,12 @@ def sharded_state(
     its gradient likewise; the optimizer states as `optimizer_state_bytes` shards them. Gathered (bf16): the
     root's weights (embeddings, LM head, final norms; gathered through the step) and two blocks' (the one
     running and the next, prefetched: FSDP2's all-gather stream keeps that much memory reserved), or every
-    block's with `reshard_after_forward` false. Reduce-scatter buffers: the fp32 inputs of two blocks (one
-    reducing while the next runs) or of the root, made on FSDP2's reduce-scatter stream, whose memory stays
-    reserved through the step; without `sync_each_micro_batch` every weight's fp32 gradient, accumulated over
-    the micro-batches. Unsharded gradients, from the first block's backward on (none at the loss): a block's
-    bf16 gradients as the backward makes them, and the root's, which live through the whole backward.
+    block's with `reshard_after_forward` false. Reduce-scatter buffers, in `dtype` (trainer.run.parallel
+    reduces in the weights' dtype): the inputs of two blocks (one reducing while the next runs) or of the
+    root, made on FSDP2's reduce-scatter stream, whose memory stays reserved through the step; without
+    `sync_each_micro_batch` every weight's gradient, accumulated over the micro-batches. Unsharded
+    gradients, from the first block's backward on (none at the loss): a block's bf16 gradients as the
+    backward makes them, and the root's, which live through the whole backward.
     A memory snapshot of XXL on 2 GPUs at the loss (`profile_memory`) has each of these terms but the
     reserved buffers as allocated bytes, to 0.1 GiB in 39 GiB."""
     e = _DTYPE_BYTES[dtype]
@@ -529,9 +530,9 @@ def sharded_state(
     weights = shape.sharded_params(processes) * e
     gathered = 2 * root + 2 * (2 * block if reshard_after_forward else all_blocks)
     gradients = shape.sharded_params(processes) * e
-    reduce_buffers = 4 * max(2 * block, root)
+    reduce_buffers = e * max(2 * block, root)
     if not sync_each_micro_batch:
-        reduce_buffers += 4 * shape.num_params()
+        reduce_buffers += e * shape.num_params()
     unsharded = 2 * block + 2 * root
     states = optimizer_state_bytes(shape, optimizer, bf16_update, dtype, shards=processes)
     return weights, gathered, gradients, reduce_buffers, unsharded, states

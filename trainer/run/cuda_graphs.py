@@ -18,7 +18,12 @@ graph's memory pool holds a micro-step's activations) capture again at the next 
 an eager micro-step's cached blocks would come on top of the memory the run holds by then.
 
 Under torchrun (`ddp`) every rank replays its own graphs; the all-reduce of the gradients runs between the
-last micro-step and the update, outside both graphs.
+last micro-step and the update, outside both graphs. Under FSDP2 (`fsdp`) the graph holds the micro-step's
+collectives too, as torchtitan captures them: FSDP2's hooks run once, while capturing, and its all-gathers
+and reduce-scatters are replayed on their own streams, overlapping the blocks' compute as in an eager step;
+the reduce-scattered gradients add into the sharded gradients where they are. The ranks capture together
+(their micro-steps are in step). The update, whose two all-reduces go through the host's process group,
+runs eagerly (`capture_update` false): once per optimizer step, not per micro-step.
 
 The optimizer step (trainer.optim.adafactor_optimizer.Adafactor) is captured too, into the micro-step graph's
 memory pool: its fp32 scratch reuses the activations' memory instead of coming on top of it, and its kernels
@@ -35,6 +40,8 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+
+from trainer.infra.distributed import local_shard
 
 # Other threads use the GPU while this one captures: NCCL's watchdog under torchrun queries its events, the
 # background checkpoint writer runs. In CUDA's default (global) capture mode another thread's call ends the
@@ -54,9 +61,10 @@ class MicroStepGraph:
     """`run(batch, scale)`: `(loss_fn(**batch) * scale).backward()` and the detached loss, as a replayed CUDA
     graph once its shape is warm. `params`: the trainable parameters (their gradients are the graph's)."""
 
-    def __init__(self, loss_fn, params: list[torch.nn.Parameter]):
+    def __init__(self, loss_fn, params: list[torch.nn.Parameter], capture_update: bool = True):
         self.loss_fn = loss_fn
         self.params = params
+        self.capture_update = capture_update
         self.graph: torch.cuda.CUDAGraph | None = None
         self.update_graph: torch.cuda.CUDAGraph | None = None  # the optimizer's update, in the graph's pool
         self.update_key: tuple | None = None  # the update's layout (Adafactor.advance)
@@ -72,7 +80,7 @@ class MicroStepGraph:
 
     def run(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
         shape = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()))
-        key = (shape, tuple(p.grad.data_ptr() if p.grad is not None else 0 for p in self.params))
+        key = (shape, self._grad_addresses())
         if self.graph is None or key != self.key:
             if self.warm.get(shape, 0) < WARMUP:
                 self.warm[shape] = self.warm.get(shape, 0) + 1
@@ -86,7 +94,11 @@ class MicroStepGraph:
 
     def update(self, optimizer: Adafactor, layout: tuple) -> None:
         """Adafactor's `apply` for the step its `advance` prepared (`layout`, what advance returned), replayed
-        from a graph in the micro-step graph's memory pool once that graph exists."""
+        from a graph in the micro-step graph's memory pool once that graph exists (eagerly without
+        `capture_update`)."""
+        if not self.capture_update:
+            optimizer.step()
+            return
         if self.graph is None or not self.stepped:
             if self.graph is not None:
                 # The first update runs eagerly, after `advance` made the optimizer's states outside the
@@ -132,6 +144,10 @@ class MicroStepGraph:
         if had_graph:
             torch.cuda.empty_cache()  # the pool's memory back to the device: for an evaluation, a new capture
 
+    def _grad_addresses(self) -> tuple[int, ...]:
+        """Where each gradient lies (under FSDP2 its local shard), 0 for none."""
+        return tuple(0 if p.grad is None else local_shard(p.grad).data_ptr() for p in self.params)
+
     def _eager(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
@@ -147,7 +163,7 @@ class MicroStepGraph:
         for p in self.params:  # the graph adds into gradients that exist
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        key = (key[0], tuple(p.grad.data_ptr() for p in self.params))
+        key = (key[0], self._grad_addresses())
         self.static = {k: torch.empty_like(v) for k, v in batch.items()}
         self.scale = torch.zeros((), dtype=torch.float32, device=batch["labels"].device)
         torch.cuda.synchronize()

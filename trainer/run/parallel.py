@@ -19,8 +19,10 @@ log = logging.getLogger(__name__)
 # FSDP2's compute dtype: the weights are all-gathered in it. (The CPU tests run the packed Triton kernels in
 # Triton's interpreter, which computes fp16 right but not bf16: they set fp16 here.)
 FSDP_COMPUTE_DTYPE = torch.bfloat16
-# The dtype FSDP2 reduce-scatters gradients in (bench/multi_gpu.py's `fsdpN_bf16_reduce` measures bf16).
-FSDP_REDUCE_DTYPE = torch.float32
+# The dtype FSDP2 reduce-scatters gradients in; None: the weights' own. bf16 weights get bf16 gradients
+# either way, and ddp all-reduces them in bf16 (on 2 GPUs the sum of two is rounded once, as an fp32 sum cast
+# to bf16 is); fp32 master weights get fp32. bench/multi_gpu.py's `fsdpN_fp32_reduce` measures fp32.
+FSDP_REDUCE_DTYPE: torch.dtype | None = None
 
 
 def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
@@ -44,17 +46,22 @@ def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
     # FSDP2's pre-backward hook): tests/test_distributed.py's FSDP2 losses equal one process's.
     warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor", UserWarning)
     loss_module = Seq2SeqLMLoss(model)
-    mp = MixedPrecisionPolicy(param_dtype=FSDP_COMPUTE_DTYPE, reduce_dtype=FSDP_REDUCE_DTYPE)
+    reduce_dtype = FSDP_REDUCE_DTYPE or next(model.parameters()).dtype
+    mp = MixedPrecisionPolicy(param_dtype=FSDP_COMPUTE_DTYPE, reduce_dtype=reduce_dtype)
     blocks = [*model.encoder.block, *model.decoder.block]
     for block in blocks:
-        fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.fsdp_reshard_after_forward)
+        # With cuda_graphs the last block to run forward keeps its gathered weights for its backward, which
+        # comes right after: torchtitan captures FSDP2 so, having found that resharding that block too makes
+        # a capture depend on an event of uncaptured work (CUDA_ERROR_STREAM_CAPTURE_ISOLATION).
+        kept = cfg.cuda_graphs and block is blocks[-1]
+        fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.fsdp_reshard_after_forward and not kept)
     fully_shard(loss_module, mp_policy=mp)
     log.info(
         "distributed: FSDP2 over %d ranks, %d T5 blocks + root, bf16 compute, %s gradient reduction %s, "
         "%s sharded weights and optimizer states%s",
         world_size(),
         len(blocks),
-        {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(FSDP_REDUCE_DTYPE, str(FSDP_REDUCE_DTYPE)),
+        {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(reduce_dtype, str(reduce_dtype)),
         "after every micro-batch" if cfg.fsdp_sync_each_micro_batch else "once per optimizer step",
         next(model.parameters()).dtype,
         "" if cfg.fsdp_reshard_after_forward else ", gathered weights kept from forward to backward",

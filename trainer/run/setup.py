@@ -469,4 +469,6 @@ def micro_step_graph(cfg: TrainConfig, device: torch.device, model, train_module
         return None
     log.info("cuda_graphs: each micro-step runs as a CUDA graph, captured after %d eager ones", WARMUP)
     params = [p for p in model.parameters() if p.requires_grad]
-    return MicroStepGraph(lambda **batch: token_loss_sum(train_module, batch), params)
+    # FSDP2's update all-reduces through the process group: eager, once per optimizer step.
+    capture_update = not distributed.is_sharded(train_module)
+    return MicroStepGraph(lambda **batch: token_loss_sum(train_module, batch), params, capture_update)

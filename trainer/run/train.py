@@ -117,14 +117,17 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
     # bad config, model directory, output_dir or data file, before the model is loaded.
     memory.set_alloc_conf(cfg.cuda_alloc_conf)
     rank, world_size, local_rank = distributed.env()
-    if cfg.cuda_graphs and world_size > 1 and cfg.distributed_strategy == "fsdp":
+    if (
+        cfg.cuda_graphs
+        and world_size > 1
+        and cfg.distributed_strategy == "fsdp"
+        and not cfg.fsdp_sync_each_micro_batch
+    ):
         raise ConfigError(
-            "cuda_graphs with distributed_strategy fsdp: FSDP2 gathers and reduces inside every micro-step, "
-            "which a CUDA graph cannot replay; use distributed_strategy ddp, or cuda_graphs false with "
-            "micro-batches as large as memory allows (eager small ones leave the GPU waiting: FLAN-T5-XL "
-            "on 2 and 4 GPUs ran at 77-79% of ddp's speed per GPU with max_tokens 32768 x 2, 30-31% with "
-            "8192 x 8)",
-            key=("cuda_graphs", "distributed_strategy"),
+            "cuda_graphs with fsdp_sync_each_micro_batch false: a replayed micro-step reduce-scatters its "
+            "gradients as the captured one did, and with this setting only the step's last micro-step does; "
+            "set fsdp_sync_each_micro_batch true (the default), or cuda_graphs false",
+            key=("cuda_graphs", "fsdp_sync_each_micro_batch"),
         )
     distributed.quiet_other_ranks()
     route_library_output()
