@@ -274,6 +274,37 @@ def test_memory_at_peak_names_what_is_live_at_the_peak_and_what_came_before():
     assert peak["peak_frames"] == [attention]
 
 
+def test_reserved_memory_is_summed_by_pool_and_stream_with_what_no_tensor_holds():
+    """A CUDA graph's private pool and the allocator's own, on two streams: what each reserves, what of it
+    tensors hold, what waits for another stream, and the largest free block (fragmentation shows as reserve
+    far above allocation with only small free blocks)."""
+    from trainer.report.profiling import reserved_by_pool
+
+    def segment(pool, stream, blocks, device=0):
+        return {  # the allocator's own format (torch.cuda.memory._snapshot()["segments"])
+            "device": device,
+            "segment_pool_id": pool,
+            "stream": stream,
+            "total_size": sum(size for size, _ in blocks),
+            "allocated_size": sum(size for size, state in blocks if state == "active_allocated"),
+            "blocks": [{"size": size, "state": state} for size, state in blocks],
+        }
+
+    segments = [
+        segment((0, 0), 7, [(100, "active_allocated"), (60, "inactive")]),
+        segment((1, 0), 7, [(300, "active_allocated"), (20, "inactive"), (30, "inactive")]),
+        segment((1, 0), 7, [(200, "inactive")]),
+        segment((1, 0), 9, [(50, "active_awaiting_free"), (10, "inactive")]),
+        segment((0, 0), 7, [(999, "active_allocated")], device=1),  # another GPU's
+    ]
+    rows = reserved_by_pool(segments, device=0)
+    assert [(r["pool"], r["stream"]) for r in rows] == [((1, 0), 7), ((0, 0), 7), ((1, 0), 9)]
+    graph_pool = rows[0]
+    assert graph_pool["reserved"] == 550 and graph_pool["allocated"] == 300 and graph_pool["segments"] == 2
+    assert graph_pool["largest_free"] == 200 and graph_pool["awaiting_free"] == 0
+    assert rows[2]["awaiting_free"] == 50 and rows[2]["allocated"] == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="records CUDA allocations")
 def test_profile_memory_writes_what_is_allocated_at_the_peak(tiny_model_dir, sample_csv, tmp_path):
     out = tmp_path / "run"
@@ -290,6 +321,7 @@ def test_profile_memory_writes_what_is_allocated_at_the_peak(tiny_model_dir, sam
     report = (out / "profile" / "memory.txt").read_text()
     assert report.startswith("allocated at the peak of the 1 profiled steps:")
     assert "trainer/" in report  # the trainer's own allocations are named by source line
+    assert "reserved at the window's end, by memory pool" in report
     assert (out / "profile" / "memory_snapshot.pickle").stat().st_size > 0
     assert json.loads((out / "profile" / "summary.json").read_text())["memory_peak_bytes"] > 0
 

@@ -328,8 +328,8 @@ class TrainConfig:
     profile_memory: bool = _key(
         False,
         "With profile_steps on a GPU: record every allocation of the profiled window too: "
-        "profile/memory.txt (what is allocated at the peak, by source line) and memory_snapshot.pickle "
-        "(open in pytorch.org/memory_viz).",
+        "profile/memory.txt (what is allocated at the peak, by source line; what is reserved, by memory pool "
+        "and stream) and memory_snapshot.pickle (open in pytorch.org/memory_viz).",
     )
     save_final: bool = _key(True, "A checkpoint and final/ at the end (benchmarks turn it off).")
 

@@ -10,7 +10,9 @@ records optimizer steps S+1 .. S+N and writes to output_dir/profile/:
 - trace.json: the Chrome/Perfetto trace (open in https://ui.perfetto.dev).
 With `profile_memory: true` (CUDA) every allocation of the window is recorded as well:
 - memory.txt: the memory allocated at the window's peak, by the source line that allocated it (the trainer's,
-  FSDP2's or the model's code nearest the allocation) and the allocation that reached the peak;
+  FSDP2's or the model's code nearest the allocation) and the allocation that reached the peak; then what the
+  allocator holds reserved at the window's end by memory pool (its own, or a CUDA graph's) and stream, with
+  how much of it is allocated and its largest free block (reserved beyond allocated: cached, or fragmented);
 - memory_snapshot.pickle: the allocator's history (open in https://pytorch.org/memory_viz).
 """
 
@@ -188,6 +190,19 @@ class StepProfiler:
         ]
         for where, (size, count) in sorted(peak["by_source"].items(), key=lambda kv: -kv[1][0])[:40]:
             lines.append(f"{where[:90]:<90} {size / GIB:8.3f} {count:8d}")
+        lines += [
+            "",
+            "reserved at the window's end, by memory pool ((0, 0): the allocator's own; others: CUDA "
+            "graphs') and stream",
+            f"{'pool':<12} {'stream':>16} {'reserved GiB':>13} {'allocated GiB':>14} {'awaiting GiB':>14} "
+            f"{'segments':>9} {'largest free GiB':>17}",
+        ]
+        for row in reserved_by_pool(snapshot["segments"], device):
+            lines.append(
+                f"{str(row['pool']):<12} {row['stream']:>16x} {row['reserved'] / GIB:13.2f} "
+                f"{row['allocated'] / GIB:14.2f} {row['awaiting_free'] / GIB:14.2f} {row['segments']:9d} "
+                f"{row['largest_free'] / GIB:17.3f}"
+            )
         (self.out / "memory.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
         log.info("profile: %s; written to %s", lines[0], self.out / "memory.txt")
         return peak["peak"]
@@ -226,6 +241,37 @@ def memory_at_peak(trace: list[dict], allocated_at_start: int) -> dict:
         "peak_frames": peak_frames,
         "events": len(trace),
     }
+
+
+def reserved_by_pool(segments: list[dict], device: int) -> list[dict]:
+    """The allocator's segments on `device` (torch.cuda.memory._snapshot()["segments"]) summed by memory pool
+    and stream: reserved and allocated bytes, bytes freed but held until another stream is done with them
+    (`record_stream`), segments, and the largest block no tensor holds; the largest reserve first."""
+    rows: dict[tuple, dict] = {}
+    for seg in segments:
+        if seg.get("device", device) != device:
+            continue
+        key = (tuple(seg.get("segment_pool_id", (0, 0))), seg["stream"])
+        row = rows.setdefault(
+            key,
+            {
+                "pool": key[0],
+                "stream": key[1],
+                "reserved": 0,
+                "allocated": 0,
+                "awaiting_free": 0,
+                "segments": 0,
+                "largest_free": 0,
+            },
+        )
+        row["reserved"] += seg["total_size"]
+        row["allocated"] += seg["allocated_size"]
+        row["segments"] += 1
+        blocks = seg.get("blocks", [])
+        row["awaiting_free"] += sum(b["size"] for b in blocks if b["state"] == "active_awaiting_free")
+        free = [b["size"] for b in blocks if b["state"] == "inactive"]
+        row["largest_free"] = max([row["largest_free"], *free])
+    return sorted(rows.values(), key=lambda r: -r["reserved"])
 
 
 # Frames in these packages say what an allocation is for; torch's generic layers (autograd, nn.Module's call,
