@@ -496,8 +496,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from trainer.infra.distributed import local_shard
 from trainer.kernels.adafactor_kernels import WeightGroup, update_shards
-from trainer.optim.adafactor_optimizer import Adafactor, _first_element, _local, sharded_adafactor_update
+from trainer.optim.adafactor_optimizer import Adafactor, _first_element, sharded_adafactor_update
 
 shapes, update, out = eval(sys.argv[1]), sys.argv[2], sys.argv[3]
 dtype = torch.float32 if update == "naive" else torch.bfloat16
@@ -534,7 +535,7 @@ for path in ("torch", "kernels"):
                 by_shape.setdefault(tuple(p.shape), []).append(p)
             groups = []
             for same in by_shape.values():
-                states = [{k: _local(v) for k, v in opt.state[p].items()} for p in same]
+                states = [{k: local_shard(v) for k, v in opt.state[p].items()} for p in same]
                 local = [p.to_local() for p in same]
                 grads_here = [p.grad.to_local() for p in same]
                 whole, first = tuple(same[0].shape), _first_element(same[0])
