@@ -56,6 +56,10 @@ def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
         kept = cfg.cuda_graphs and block is blocks[-1]
         fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.fsdp_reshard_after_forward and not kept)
     fully_shard(loss_module, mp_policy=mp)
+    if device.type == "cuda":
+        # Sharding freed the whole weights each rank loaded. Cached, that memory would serve the default
+        # stream only, not FSDP2's streams nor a CUDA graph's warm-up stream: it would add to their peak.
+        torch.cuda.empty_cache()
     log.info(
         "distributed: FSDP2 over %d ranks, %d T5 blocks + root, bf16 compute, %s gradient reduction %s, "
         "%s sharded weights and optimizer states%s",
