@@ -46,7 +46,8 @@ def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
     # FSDP2's pre-backward hook): tests/test_distributed.py's FSDP2 losses equal one process's.
     warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor", UserWarning)
     loss_module = Seq2SeqLMLoss(model)
-    reduce_dtype = FSDP_REDUCE_DTYPE or next(model.parameters()).dtype
+    weights_dtype = next(model.parameters()).dtype
+    reduce_dtype = FSDP_REDUCE_DTYPE or weights_dtype
     mp = MixedPrecisionPolicy(param_dtype=FSDP_COMPUTE_DTYPE, reduce_dtype=reduce_dtype)
     blocks = [*model.encoder.block, *model.decoder.block]
     for block in blocks:
@@ -60,6 +61,11 @@ def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
         # Sharding freed the whole weights each rank loaded. Cached, that memory would serve the default
         # stream only, not FSDP2's streams nor a CUDA graph's warm-up stream: it would add to their peak.
         torch.cuda.empty_cache()
+    kept_note = ""
+    if not cfg.fsdp_reshard_after_forward:
+        kept_note = ", gathered weights kept from forward to backward"
+    elif cfg.cuda_graphs:
+        kept_note = ", the last block's gathered weights kept for its backward (cuda_graphs)"
     log.info(
         "distributed: FSDP2 over %d ranks, %d T5 blocks + root, bf16 compute, %s gradient reduction %s, "
         "%s sharded weights and optimizer states%s",
@@ -67,7 +73,7 @@ def wrap(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
         len(blocks),
         {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(reduce_dtype, str(reduce_dtype)),
         "after every micro-batch" if cfg.fsdp_sync_each_micro_batch else "once per optimizer step",
-        next(model.parameters()).dtype,
-        "" if cfg.fsdp_reshard_after_forward else ", gathered weights kept from forward to backward",
+        weights_dtype,
+        kept_note,
     )
     return loss_module
