@@ -77,6 +77,18 @@ def _torchrun(
     return run
 
 
+def _two_ranks_run(source: str, args: list[str], tmp_path: Path, **env: str) -> None:
+    """`torchrun --standalone --nproc_per_node=2 SCRIPT ARGS` for a script's source, with tests/ on its path
+    and `env` added; the test fails with the ranks' stderr unless both end well."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(source)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    run_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), run_env.get("PYTHONPATH", "")])
+    run = subprocess.run([*cmd, *args], env=run_env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+
+
 def _losses(out: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}  # training rows (evaluations: "eval_loss")
@@ -394,16 +406,8 @@ def test_fsdp_16_bit_compute_runs_the_packed_kernels_and_gives_one_process_gradi
     (its fp32 bias tables) must come through as it is (a bf16 copy failed the first backward on a GPU:
     "expected mat1 and mat2 to have the same dtype"). Two ranks on two packed batches against one process on
     both, through the kernels, in 16-bit."""
-    script = tmp_path / "fsdp_packed.py"
-    script.write_text(_FSDP_PACKED)
     out = tmp_path / "fsdp.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(script), str(model_dir), str(out)]
-    tests = str(Path(__file__).parent)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-6000:]
+    _two_ranks_run(_FSDP_PACKED, [str(model_dir), str(out)], tmp_path, TRITON_INTERPRET="1")
     got = torch.load(out)
 
     from test_packed_t5 import load
@@ -461,13 +465,10 @@ def test_fsdp_gives_the_memory_of_the_whole_weights_back_after_sharding(tmp_path
     stream only, not FSDP2's streams or a CUDA graph's warm-up: on top of their peak (1.5 GiB at XL on 2
     GPUs, enough to leave a 32 GB card short). Once the model is wrapped, the allocator (configured as the
     trainer configures it) holds back little beyond what is allocated."""
-    script = tmp_path / "fsdp_cached.py"
-    script.write_text(_FSDP_CACHED_AFTER_SHARDING)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(script), str(tmp_path / "memory")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTORCH_CUDA_ALLOC_CONF=TrainConfig().cuda_alloc_conf)
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-6000:]
+    alloc_conf = TrainConfig().cuda_alloc_conf
+    _two_ranks_run(
+        _FSDP_CACHED_AFTER_SHARDING, [str(tmp_path / "memory")], tmp_path, PYTORCH_CUDA_ALLOC_CONF=alloc_conf
+    )
     for rank in range(2):
         memory = json.loads((tmp_path / f"memory-{rank}.json").read_text())
         assert memory["whole"] > 2**28  # 0.54 GiB: the half sharding frees would show
