@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 UV := $(VENV)/bin/uv
 export UV_LINK_MODE := copy
 
-.PHONY: quickstart test install rust-test lint wheel clean
+.PHONY: quickstart test install rust-test lint wheel clean container-test container-clean
 
 # The venv and its tools are made once; torch (several GB) comes from uv's cache after the first time.
 $(VENV)/bin/maturin:
@@ -38,6 +38,18 @@ lint: install
 
 test: install rust-test lint
 	$(VENV)/bin/pytest -q
+
+# The image built by a real Docker engine and used as the README says, on the CPU (docker/test/run.sh says how;
+# tests/test_container_engine.py says what). Starts an engine if none answers; stand-in base images where no
+# container registry is reachable.
+container-test: install
+	docker/test/run.sh
+
+# The images and build cache container-test leaves for its next run.
+container-clean:
+	-docker image rm recipe-t5-trainer:container-test recipe-t5-standin/rust:1.95.0-bookworm \
+		recipe-t5-standin/cuda:13.0.2-base
+	-docker builder prune --force
 
 wheel: $(VENV)/bin/maturin
 	$(VENV)/bin/maturin build --release --out dist

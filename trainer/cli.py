@@ -394,6 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="must match --out's name; foodcom-csv writes Food.com's layout to a .csv (default: from the "
         "name)",
     )
+    demo = data.add_parser(
+        "demo",
+        help="write the recipes and tiny model that a make_demo_data config trains on, if missing",
+    )
+    demo.add_argument("--config", required=True, help="YAML config with make_demo_data: true")
+    _add_overrides(demo)
     inspect = data.add_parser("inspect", help="count records, skips, token lengths and padding")
     inspect.add_argument("paths", nargs="+", help=DATA_SOURCES)
     inspect.add_argument("--config", help="YAML config whose tokenizer, task and batching to use")
@@ -440,25 +446,30 @@ def main(argv: list[str] | None = None) -> int:
 
     # Secrets (W&B key, Discord webhook, HF token) are masked in every log line from here on.
     install_log_redaction()
+
+    def refused(line: str, e: BaseException) -> int:
+        """Exit 2 with one line; a training run that could not start also says it on Discord."""
+        print(line, file=sys.stderr)
+        if args.command == "train" and not getattr(e, "run_reported", False):
+            from trainer.report.start_failure import report_start_failure
+
+            report_start_failure(line, argv)
+        return 2
+
     try:
         return run_command(args)
     except OutputDirLocked as e:  # another trainer writes into this output_dir: the message names it
-        print(f"trainer: {redact(str(e))}", file=sys.stderr)
-        return 2
+        return refused(f"trainer: {redact(str(e))}", e)
     except (UsageError, ModelDirError) as e:  # generate/evaluate: a value or model directory it cannot use
-        print(f"trainer {args.command}: {redact(str(e))}", file=sys.stderr)
-        return 2
+        return refused(f"trainer {args.command}: {redact(str(e))}", e)
     except ModelFilesError as e:  # model_name_or_path's files: the message says which and how to get them
-        print(f"trainer: model error: {redact(str(e))}", file=sys.stderr)
-        return 2
+        return refused(f"trainer: model error: {redact(str(e))}", e)
     except ConfigError as e:
-        print(f"trainer: config error: {redact(str(e))}", file=sys.stderr)
-        return 2
+        return refused(f"trainer: config error: {redact(str(e))}", e)
     except PeerLost:  # another rank of a torchrun run ended: logged where it showed; its own log says why
         return 1
     except (RecipeDataError, RecipeFileError) as e:  # bad data or paths: the message names the file and line
-        print(f"trainer: data error: {redact(str(e))}", file=sys.stderr)
-        return 2
+        return refused(f"trainer: data error: {redact(str(e))}", e)
     except KeyboardInterrupt:
         print("trainer: interrupted", file=sys.stderr)
         return 130
@@ -480,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # Commands that load transformers or huggingface_hub, whose output then goes through the trainer's logging
 # (`trainer train` does that itself, as train() does it for scripts).
-_LIBRARY_COMMANDS = {"plan", "tiny-model", "generate", "evaluate", "serve", "inspect"}
+_LIBRARY_COMMANDS = {"plan", "tiny-model", "generate", "evaluate", "serve", "inspect", "demo"}
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -551,6 +562,19 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"trainer data sample: {e}", file=sys.stderr)
             return 2
         print(f"wrote {args.n} recipes ({written}) to {args.out}")
+        return 0
+    if args.data_command == "demo":
+        from trainer.config import TrainConfig
+        from trainer.data.sample import demo_data
+
+        cfg = TrainConfig.load(args.config, args.set)
+        if not cfg.make_demo_data:
+            print(f"nothing to write: {args.config} does not set make_demo_data")
+            return 0
+        missing, made = demo_data(cfg)
+        if missing != made:  # ensure_demo_data warned about each path it would not write
+            return 2
+        print(f"wrote {', '.join(map(str, made))}" if made else "the demo data is there already")
         return 0
     from trainer.config import TrainConfig
     from trainer.data.loader import inspect_report

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from trainer import _loader
+from trainer.config import ConfigError, TrainConfig, source_path
 from trainer.data.hf_datasets import is_hub_dataset
 from trainer.model.tiny_model import build_tiny_model
 
@@ -80,10 +81,32 @@ def ensure_demo_data(
         written.append(path)
         if dry_run:
             log.info("dry run: make_demo_data would write %s to %s", what, path)
-        elif path == Path(model_dir):
-            log.info("make_demo_data: building the tiny FLAN-T5 in %s", path)
-            build_tiny_model(path, seed=0)
-        else:
-            log.info("make_demo_data: writing %d sample recipes to %s", n, path)
-            write_sample(path, n, seed=0, fmt=fmt)
+            continue
+        try:
+            if path == Path(model_dir):
+                log.info("make_demo_data: building the tiny FLAN-T5 in %s", path)
+                build_tiny_model(path, seed=0)
+            else:
+                log.info("make_demo_data: writing %d sample recipes to %s", n, path)
+                write_sample(path, n, seed=0, fmt=fmt)
+        except OSError as e:  # a read-only data folder (Docker mounts ./data read-only), a full disk
+            raise ConfigError(
+                f"make_demo_data: cannot write {what} to {path}: {e.strerror or e}"
+                + (f" ({e.filename})" if e.filename and str(e.filename) != str(path) else "")
+                + "; in Docker, the CPU "
+                "override's demo-data service writes them (docker-compose.cpu.yml), or `trainer data demo "
+                "--config CONFIG` where the folder is writable",
+                key="make_demo_data",
+            ) from e
     return written
+
+
+def demo_data(cfg: TrainConfig, dry_run: bool = False) -> tuple[list[Path], list[Path]]:
+    """What a `make_demo_data` config trains on and is missing, and what of it was written (or, on a dry run,
+    would be): `ensure_demo_data` over the config's train_files and model."""
+    files = [source_path(f) for f in cfg.train_files]
+    missing = missing_demo_paths(files, cfg.model_name_or_path)
+    made = ensure_demo_data(
+        files, cfg.model_name_or_path, n=cfg.demo_records, fmt=cfg.data_format, dry_run=dry_run
+    )
+    return missing, made

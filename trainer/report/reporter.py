@@ -40,6 +40,7 @@ from trainer.config import TrainConfig
 from trainer.infra.redact import install_log_redaction, redact
 from trainer.infra.stopping import StopBeforeTraining, signal_exit_code
 from trainer.report.notify import DiscordNotifier, Priority, make_embed, webhook_url_from_env
+from trainer.report.start_failure import forget_start_failure
 from trainer.report.step_meter import LoggedStep, format_duration
 from trainer.report.tensorboard_logger import TensorBoardLogger
 from trainer.report.wandb_logger import WandbLogger, artifact_name, log_model_mode
@@ -221,6 +222,7 @@ class Reporter:
         attempt: int = 1,
     ) -> None:
         """The run starts; `attempt` k > 1: it is the (k-1)-th restart of the run (a restarted container)."""
+        forget_start_failure()
         fields = [
             ("Model", model, True),
             ("Effective batch", effective_batch, True),
@@ -538,6 +540,8 @@ class Reporter:
             self.stopped_before_training(signal_name=exc.signal_name)
         elif exc is not None:
             self.crashed(exc)
+        if exc is not None:  # the CLI then does not report it again as a failed start
+            exc.run_reported = True
         self.close()
 
     def _close_at_exit(self) -> None:

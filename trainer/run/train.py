@@ -31,14 +31,14 @@ from trainer.checkpoint import resume
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.hub import HubUploader, check_hub_config, upload_pending
 from trainer.checkpoint.writer import CheckpointWriter
-from trainer.config import ConfigError, TrainConfig, source_path
+from trainer.config import ConfigError, TrainConfig
 from trainer.data.loader import (
     RecipeDataError,
     RecipeFileError,
     records_in,
     to_device,
 )
-from trainer.data.sample import ensure_demo_data, missing_demo_paths
+from trainer.data.sample import demo_data
 from trainer.eval.in_training import (
     EvalResult,
     eval_batch_tokens,
@@ -140,11 +140,7 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
         check_paths(cfg)
         check_hub_config(cfg)
         if cfg.make_demo_data:
-            files = [source_path(f) for f in cfg.train_files]
-            missing = missing_demo_paths(files, cfg.model_name_or_path)
-            made = ensure_demo_data(
-                files, cfg.model_name_or_path, n=cfg.demo_records, fmt=cfg.data_format, dry_run=dry_run
-            )
+            missing, made = demo_data(cfg, dry_run=dry_run)
             if dry_run and missing and made == missing:  # all the run needs, written when it starts
                 log.info("dry run: the config is fine; the run makes the model and data, then checks them")
                 return 0
