@@ -12,11 +12,16 @@ import torch
 # Triton kernels (trainer.kernels) run in Triton's interpreter on CPU
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest-xdist runs a worker per core, and the tests' trainings are tiny: one thread for each process's
+# matmuls (this one's and its subprocesses'), so that the workers do not fight over the cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
 from trainer.data.sample import write_sample
 from trainer.model.tiny_model import build_tiny_model
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +63,38 @@ def sample_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("samples") / "recipes.jsonl"
     write_sample(path, 300, seed=3, fmt="jsonl")
     return path
+
+
+# A test that takes longer than this on a 2-core machine without the `slow` mark is named at the run's end.
+SLOW_TEST_S = 20.0
+SLOW_REASON = "Slow because"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every `slow` test says why in its docstring, and runs first: pytest-xdist hands tests out in this
+    order, so the long ones start early while the short ones fill the other workers, rather than ending the
+    run alone on one."""
+    for item in items:
+        doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
+        if item.get_closest_marker("slow") and SLOW_REASON not in doc:
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked slow without a reason: its docstring says '{SLOW_REASON} ...'"
+            )
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Names the tests that became slow without saying so, so that the suite's time does not creep back."""
+    unmarked = [
+        report
+        for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
+        if report.when == "call" and report.duration > SLOW_TEST_S and "slow" not in report.keywords
+    ]
+    if unmarked:
+        terminalreporter.section(f"over {SLOW_TEST_S:.0f} s without @pytest.mark.slow")
+        for report in sorted(unmarked, key=lambda r: -r.duration):
+            terminalreporter.line(f"{report.duration:6.1f}s {report.nodeid}")
+        terminalreporter.line(
+            f"Make them faster, or mark them slow with '{SLOW_REASON} ...' in the docstring (bench/NOTES.md "
+            "keeps the suite's budget)."
+        )

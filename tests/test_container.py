@@ -522,7 +522,9 @@ def _merged(tmp_path: Path, *files: Path, **env: str) -> dict:
     cmd = [_tool("docker-compose"), "--project-directory", str(tmp_path)]
     for f in files:
         cmd += ["-f", str(f)]
-    done = subprocess.run([*cmd, "--profile", "serve", "config", "--format", "json"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [*cmd, "--profile", "serve", "config", "--format", "json"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -646,7 +648,7 @@ def test_multi_gpu_override_runs_torchrun_with_the_same_command():
     assert 30 < shutdown < _seconds(base["stop_grace_period"])
 
 
-def test_serve_service_is_opt_in_and_serves_the_final_model_on_this_machine():
+def test_serve_service_is_opt_in_and_serves_the_final_model_on_this_machine(tmp_path):
     """The serve profile: not started by a plain `up`, the image the trainer builds, the final/ the default
     config writes, a GPU, the port on 127.0.0.1 only, and a health check of its own (the image's watches a
     training heartbeat, which a server never writes)."""
@@ -666,11 +668,13 @@ def test_serve_service_is_opt_in_and_serves_the_final_model_on_this_machine():
     )
     assert serve["ports"] == [f"127.0.0.1:8000:{argv[argv.index('--port') + 1]}"]
     assert _service(env={"SERVE_PORT": "9000"}, name="serve")["ports"] == ["127.0.0.1:9000:8000"]
-    # the key for a shared page comes from .env, and only it: no W&B key or Hub token in the server
-    assert serve["environment"] == ["SERVE_API_KEY="] and "env_file" not in serve
-    assert _service(env={"SERVE_API_KEY": "k" * 32}, name="serve")["environment"] == [
-        "SERVE_API_KEY=" + "k" * 32
-    ]
+    # the key for a shared page comes from .env, and only it: no W&B key or Hub token in the server. Not in
+    # .env, it is not set at all (Docker Compose itself merges it here); set blank, the server refuses to
+    # start.
+    assert serve["environment"] == ["SERVE_API_KEY"] and "env_file" not in serve
+    assert _merged(tmp_path, COMPOSE)["services"]["serve"]["environment"] == {"SERVE_API_KEY": None}
+    given = _merged(tmp_path, COMPOSE, SERVE_API_KEY="k" * 32)["services"]["serve"]["environment"]
+    assert given == {"SERVE_API_KEY": "k" * 32}
     devices = serve["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert serve["healthcheck"]["test"][:2] == ["CMD", "python"]

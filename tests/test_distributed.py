@@ -120,7 +120,9 @@ def _resume_in_one_process(model_dir, sample_csv, checkpoint: Path, out: Path, *
     return _losses(out)
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_match_one_process_and_resume_in_one(model_dir, sample_csv, single, tmp_path):
+    """Slow because torchrun starts 2 ranks, then one process resumes."""
     out = tmp_path / "ddp"
     run = _torchrun(_values(model_dir, sample_csv, out, distributed_strategy="ddp"), tmp_path)
     assert "process group: 2 ranks, backend gloo" in run.stderr
@@ -147,13 +149,15 @@ def test_ddp_two_ranks_match_one_process_and_resume_in_one(model_dir, sample_csv
         assert resumed[s] == pytest.approx(single[s], rel=1e-5), (s, resumed[s], single[s])
 
 
+@pytest.mark.slow
 def test_ddp_on_packed_rows_matches_one_process_keeps_the_best_and_resumes_in_one(
     model_dir, sample_csv, tmp_path
 ):
     """Packed rows under torchrun: rank r of 2 trains the packed global batches r, r+2, ..., so 2 ranks match
     1 process with accumulation 2; each checkpoint's model.safetensors holds its step's weights (rank 0's
     own); rank 0 writes the best checkpoint's weights (by eval_loss) into final/; a checkpoint of 2 ranks
-    resumes in 1 process on the same packed batches."""
+    resumes in 1 process on the same packed batches.
+    Slow because torchrun starts 2 ranks, one process trains the same steps, and one resumes."""
     from safetensors.torch import load_file
 
     packed = dict(packing=True, eval_steps=1, save_steps=1, save_total_limit=2, load_best_model_at_end=True)
@@ -190,9 +194,11 @@ def test_ddp_on_packed_rows_matches_one_process_keeps_the_best_and_resumes_in_on
     assert resumed[STEPS] == pytest.approx(one[STEPS], rel=1e-5), (resumed, one)
 
 
+@pytest.mark.slow
 def test_fsdp_two_ranks_train_like_one_process_and_resume_in_one(model_dir, sample_csv, single, tmp_path):
     """FSDP2 computes in bf16 (fp32 sharded weights and AdamW states), hence the looser tolerance; gradient
-    checkpointing on, as for FLAN-T5-XL."""
+    checkpointing on, as for FLAN-T5-XL.
+    Slow because torchrun starts 2 ranks, then one process resumes."""
     out = tmp_path / "fsdp"
     values = _values(model_dir, sample_csv, out, distributed_strategy="fsdp", gradient_checkpointing=True)
     run = _torchrun(values, tmp_path)
@@ -214,6 +220,7 @@ def test_fsdp_two_ranks_train_like_one_process_and_resume_in_one(model_dir, samp
 
 
 @pytest.mark.parametrize("bf16_update", ["kahan", "kahan_8bit"])
+@pytest.mark.slow
 def test_fsdp_with_the_presets_adafactor_trains_like_one_process_and_resumes_in_one(
     model_dir, sample_csv, tmp_path, bf16_update
 ):
@@ -222,7 +229,8 @@ def test_fsdp_with_the_presets_adafactor_trains_like_one_process_and_resumes_in_
     (each rank updates its shards; the factored statistics are agreed in two all-reduces), two micro-batches
     per step reduce-scattered once (`fsdp_sync_each_micro_batch: false`), gathered weights kept from forward
     to backward (`fsdp_reshard_after_forward: false`); its checkpoint (the row statistics and Kahan buffers
-    sharded, the column statistics whole on every rank) resumes in one process."""
+    sharded, the column statistics whole on every rank) resumes in one process.
+    Slow because torchrun starts 2 ranks twice, and one process trains the same steps."""
     values = dict(
         optimizer="adafactor", dtype="bfloat16", gradient_checkpointing=True, bf16_update=bf16_update
     )
@@ -314,6 +322,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize(("strategy", "tolerance"), [("ddp", 1e-5), ("fsdp", 2e-2)])
+@pytest.mark.slow
 def test_two_nodes_train_checkpoint_and_resume_on_one(
     model_dir, sample_csv, tmp_path, strategy, tolerance, monkeypatch
 ):
@@ -321,7 +330,8 @@ def test_two_nodes_train_checkpoint_and_resume_on_one(
     train as one run of 4 ranks; its checkpoint resumes on one node of 2 ranks (twice the accumulation: the
     same global batch), which continues with the losses of the 4-rank run. Under FSDP2 the checkpoint's
     shards of 4 ranks are split again for 2 (bf16 compute: the looser tolerance). On the CPU (gloo) on any
-    machine: two "nodes" on one host would each take its first GPU."""
+    machine: two "nodes" on one host would each take its first GPU.
+    Slow because two torchrun launchers of 2 ranks each start, then one of 2 ranks resumes."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     steps = 3
     out = tmp_path / "two-nodes"
@@ -401,11 +411,13 @@ def packed_batches() -> list[dict]:
     reason="the CPU's path (the kernels in Triton's interpreter); on GPUs bench/multi_gpu.py's fsdp runs "
     "take the packed kernels through FSDP2 in bf16",
 )
+@pytest.mark.slow
 def test_fsdp_16_bit_compute_runs_the_packed_kernels_and_gives_one_process_gradients(model_dir, tmp_path):
     """FSDP2 casts what a block's forward receives to its compute dtype: the packed layout the blocks share
     (its fp32 bias tables) must come through as it is (a bf16 copy failed the first backward on a GPU:
     "expected mat1 and mat2 to have the same dtype"). Two ranks on two packed batches against one process on
-    both, through the kernels, in 16-bit."""
+    both, through the kernels, in 16-bit.
+    Slow because the packed kernels run in Triton's interpreter, on 2 ranks and in one process."""
     out = tmp_path / "fsdp.pt"
     _two_ranks_run(_FSDP_PACKED, [str(model_dir), str(out)], tmp_path, TRITON_INTERPRET="1")
     got = torch.load(out)

@@ -746,9 +746,11 @@ def test_rerunning_a_finished_run_keeps_its_heartbeat(finished_run, tmp_path, ti
 
 
 @pytest.mark.parametrize("phase", ["save", "torch_save"])
+@pytest.mark.slow
 def test_a_double_ctrl_c_during_a_save_leaves_nothing_and_the_rerun_says_it_starts_over(
     tmp_path, tiny_model_dir, sample_csv, phase
 ):
+    """Slow because two trainer processes start, the first held inside its save until the second Ctrl-C."""
     config, out = _config(tmp_path, "ctrl-c", tiny_model_dir, sample_csv, max_steps=1000)
     script, marker = tmp_path / "blocking.py", tmp_path / "saving"
     script.write_text(_BLOCKING_SCRIPT)
@@ -811,6 +813,7 @@ def _with_data_file_cut_while_blocked(tmp_path: Path, config: Path, data: Path, 
     return proc.returncode, console
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_moment_of_background_writes_leaves_only_complete_checkpoints(
     tmp_path, tiny_model_dir, sample_csv
 ):
@@ -818,7 +821,8 @@ def test_sigkill_at_any_moment_of_background_writes_leaves_only_complete_checkpo
     nearly always in flight), and the run killed with SIGKILL 8 times at random moments: every
     checkpoint-<step> directory is complete and resumable, what a kill cut short (a write, or the deletion of
     a rotated checkpoint) is a temporary directory the next run removes, and the last run resumes from the
-    newest checkpoint and finishes. Its log shows each save waiting for the write before it."""
+    newest checkpoint and finishes. Its log shows each save waiting for the write before it.
+    Slow because nine trainer processes start, eight of them killed after two new saves each."""
     from trainer.checkpoint.store import checkpoint_problem, list_checkpoints
 
     config, out = _config(

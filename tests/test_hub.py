@@ -211,6 +211,7 @@ def test_a_dead_hub_costs_nothing_and_a_restart_uploads_what_was_left(
         hub.close()
 
 
+@pytest.mark.slow
 def test_a_slow_hub_never_holds_training_up_and_a_rerun_finishes_the_upload(
     tmp_path,
     tiny_model_dir,
@@ -220,7 +221,8 @@ def test_a_slow_hub_never_holds_training_up_and_a_rerun_finishes_the_upload(
 ):
     """Every commit hangs: the run still trains every step and finishes while its first upload is in flight
     (had a step waited for it, the run would not have ended before the server answered), and the end waits
-    hub_upload_timeout. Run again once the Hub answers, the finished run only uploads what is pending."""
+    hub_upload_timeout. Run again once the Hub answers, the finished run only uploads what is pending.
+    Slow because two runs wait out the upload timeouts of a Hub that answers late."""
     hub_server.script.delay = 600.0
     config, out = _config(tmp_path, tiny_model_dir, sample_csv, "slow", save_steps=1, hub_upload_timeout=2)
     env = _env(tmp_path, hub_server.endpoint, hub_server.token, dead_webhook_url)
@@ -246,6 +248,7 @@ def test_a_slow_hub_never_holds_training_up_and_a_rerun_finishes_the_upload(
     assert not (out / PENDING_DIR).exists()
 
 
+@pytest.mark.slow
 def test_a_hub_that_never_answers_is_said_during_the_run_and_the_end_stays_bounded(
     tmp_path,
     tiny_model_dir,
@@ -254,7 +257,9 @@ def test_a_hub_that_never_answers_is_said_during_the_run_and_the_end_stays_bound
 ):
     """A Hub that takes connections and never answers: each request gives up after hub_request_timeout, the
     upload is tried 3 times (5 s and 30 s apart), and the failure is in the log and in Discord while the run
-    still trains (a 60 s time budget); the run finishes (exit 0) and its end waits hub_upload_timeout."""
+    still trains (a 60 s time budget); the run finishes (exit 0) and its end waits hub_upload_timeout.
+    Slow because the upload's three tries are 5 s and 30 s apart, and the run trains meanwhile, on its time
+    budget."""
     token = "hf_stalledRunToken0123456789abcdef"
     with silent_endpoint() as url:
         config, out = _config(

@@ -101,6 +101,35 @@ def test_the_quickstart_preset_written_by_init_passes_the_dry_run_it_suggests(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["quickstart.yaml"]
 
 
+def test_the_quickstart_preset_with_the_users_data_checks_that_data(tmp_path, monkeypatch, capsys):
+    """The demo preset writes its own recipes only under data/quickstart/: given other data, init notes what
+    matches no file, and the dry run it suggests fails on it, in one line, as the real run would."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["init", "--preset", "quickstart", "--data", "nowhere/*.csv"]) == 0
+    said = capsys.readouterr().out
+    assert "note: nowhere/*.csv matches no file" in said, said
+    assert cli_main(["train", "--config", "quickstart.yaml", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "nowhere/*.csv matches no file" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_init_to_a_directory_writes_the_preset_inside_it(tmp_path, monkeypatch, capsys):
+    """`--to configs/` as `cp`: the preset's file name inside it; `--force` replaces that file, never the
+    directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    assert cli_main(["init", "--preset", "quickstart", "--to", "configs"]) == 0
+    assert TrainConfig.load(tmp_path / "configs" / "quickstart.yaml").max_steps == 250
+    assert cli_main(["init", "--preset", "quickstart", "--to", "configs"]) == 2
+    assert "configs/quickstart.yaml exists" in capsys.readouterr().err
+    assert cli_main(["init", "--preset", "quickstart", "--to", "configs", "--force"]) == 0
+    (tmp_path / "configs" / "quickstart.yaml").unlink()
+    (tmp_path / "configs" / "quickstart.yaml").mkdir()
+    assert cli_main(["init", "--preset", "quickstart", "--to", "configs", "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory; give --to a file name" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_init_refuses_to_replace_a_file_or_to_guess_a_preset(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     mine = tmp_path / "flan-t5-xl-rtx4090.yaml"

@@ -608,6 +608,7 @@ def test_sigterm_in_a_real_run_is_reported(
     _no_secret_anywhere(out, console, discord_server.url, discord_server.token)
 
 
+@pytest.mark.slow
 def test_a_slow_or_dead_server_adds_at_most_the_close_timeout(
     tmp_path,
     tiny_model_dir,
@@ -619,7 +620,8 @@ def test_a_slow_or_dead_server_adds_at_most_the_close_timeout(
     """The same real run against a healthy server, one that never answers in time and a dead one: the run
     ends with messages still queued (had the steps waited on the network, none would be), and closing waits
     at most the close timeout for them. What is bounded is the wait the notifier measures in close(), which
-    its deadline controls, not the run's wall clock, which a busy machine stretches at will."""
+    its deadline controls, not the run's wall clock, which a busy machine stretches at will.
+    Slow because each run waits out a Discord server's close timeout, which is what it measures."""
 
     def run(name: str, url: str, *flags: str) -> str:
         config, _ = _run_config(tmp_path, tiny_model_dir, sample_csv, name, report_to="none")
@@ -663,6 +665,7 @@ def _step_times(out: Path) -> dict[int, float]:
     return {r["step"]: r["time"] for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_the_eta_after_a_checkpoint_and_after_a_resume_is_the_step_time_times_the_steps_left(
     tmp_path,
     tiny_model_dir,
@@ -672,7 +675,8 @@ def test_the_eta_after_a_checkpoint_and_after_a_resume_is_the_step_time_times_th
 ):
     """The ETA Discord shows right after a checkpoint, in a first process and in one that resumed, against the
     time per step that process measured (train log) times the steps left. (It used to divide the time since
-    the start by the steps since the last checkpoint: 5x too long one step after it.)"""
+    the start by the steps since the last checkpoint: 5x too long one step after it.)
+    Slow because an ETA needs steps of a known time: two runs of slowed steps."""
     env = _run_env(tmp_path, discord_server.url, step_sleep_s=0.5)  # steps of >= 0.5 s: ETAs of seconds
     checks = []
     for total, first in ((12, 0), (24, 12)):  # the second run resumes from checkpoint-12
@@ -698,6 +702,7 @@ def test_the_eta_after_a_checkpoint_and_after_a_resume_is_the_step_time_times_th
         assert expected / 2 <= eta <= 3.5 * expected, (step, eta, expected, checks)
 
 
+@pytest.mark.slow
 def test_a_restart_before_the_first_checkpoint_continues_the_same_wandb_run(
     tmp_path,
     tiny_model_dir,
@@ -705,6 +710,7 @@ def test_a_restart_before_the_first_checkpoint_continues_the_same_wandb_run(
     fault_script,
     discord_server,  # noqa: F811
 ):
+    """Slow because three trainer processes start, with W&B (offline) in each."""
     from trainer.checkpoint.resume import find_resume_checkpoint
 
     config, out = _run_config(tmp_path, tiny_model_dir, sample_csv, "kept", save_steps=100, eval_steps=100)
@@ -765,8 +771,9 @@ def test_tensorboard_gets_wandbs_scalars_and_a_resume_purges_the_steps_it_repeat
 ):
     """report_to: tensorboard writes output_dir/runs: the scalars W&B gets under the same names against the
     optimizer step, the generated recipes and the config as text, no secret; a run resumed from an older
-    checkpoint starts its file with a purge at that step, so TensorBoard drops the earlier attempt's later
-    points instead of drawing the curve twice."""
+    checkpoint starts its file with a purge at the step after it, so TensorBoard drops the earlier attempt's
+    later points instead of drawing the curve twice, and keeps the checkpoint's own step (not logged
+    again)."""
     from tiny_run import tiny_run_values
 
     from trainer.run.train import train
@@ -797,6 +804,6 @@ def test_tensorboard_gets_wandbs_scalars_and_a_resume_purges_the_steps_it_repeat
     first_again, second = read_tensorboard_events(out / "runs")
     assert first_again == first  # the earlier file is left as it was: TensorBoard purges on reading
     starts = [e for e in second if e.HasField("session_log") and e.session_log.status == e.session_log.START]
-    assert [e.step for e in starts] == [3]
+    assert [e.step for e in starts] == [4]  # step 3's point, from the first file, stays
     assert second.index(starts[0]) < min(i for i, e in enumerate(second) if e.summary.value)
     assert sorted(_scalars(second)["train/loss"]) == [4, 5, 6]

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -150,6 +151,30 @@ def test_concurrent_clients_each_get_their_own_recipe(server, model_dir):
         (b"ingredients=egg", 400, "the body is not JSON"),
         (b"\xff\xfe", 400, "the body is not JSON"),
         (b"x" * (1 << 20), 413, "the body is over 65,536 bytes"),
+        # What a hostile client sends: numbers no machine integer holds, nesting past Python's recursion
+        # limit, strings UTF-8 cannot hold, and options whose cost grows with their value.
+        (b'{"ingredients": "egg", "top_k": 1%s}' % (b"0" * 30), 400, "top_k must be <= 1000000, got 1"),
+        (
+            b'{"ingredients": "egg", "no_repeat_ngram_size": 1%s}' % (b"0" * 30),
+            400,
+            "no_repeat_ngram_size must be <=",
+        ),
+        (b'{"ingredients": "egg", "no_repeat_ngram_size": 15000}', 400, "no_repeat_ngram_size must be <= 32"),
+        (b'{"ingredients": "egg", "num_beams": 9}', 400, "num_beams must be <= 8"),
+        (
+            b'{"ingredients": "egg", "temperature": 1%s}' % (b"0" * 400),
+            400,
+            "temperature must be a number a float",
+        ),
+        (
+            b'{"ingredients": "egg", "repetition_penalty": 1000}',
+            400,
+            "repetition_penalty must be > 0 and <= 100",
+        ),
+        (b"[" * 60_000, 400, "the body is nested too deeply"),
+        (b'{"ingredients": "\\ud800 egg"}', 400, "not valid Unicode"),
+        (b'{"ingredients": "egg", "title": "\\udfff"}', 400, "not valid Unicode"),
+        (b'{"\\ud800": 1}', 400, "not valid Unicode"),
     ],
 )
 def test_bad_requests_get_a_4xx_and_one_line_and_the_server_keeps_serving(server, body, status, message):
@@ -159,6 +184,35 @@ def test_bad_requests_get_a_4xx_and_one_line_and_the_server_keeps_serving(server
     assert message in error and "\n" not in error, error
     good = httpx.post(f"{server.url}/generate", json={"ingredients": "egg", "max_new_tokens": 2}, timeout=60)
     assert good.status_code == 200, good.text
+    assert "Traceback" not in server.log, server.log
+
+
+def test_a_client_that_goes_away_frees_its_slot_at_the_next_step(model_dir, tmp_path):
+    """A non-streamed request for 2,000 tokens whose client gives up: the server stops decoding it (the
+    steps end far below 2,000) and the next request is answered."""
+    long_writer = tmp_path / "final"  # min_new_tokens: no end-of-sequence before 2,000 tokens
+    shutil.copytree(model_dir, long_writer)
+    generation = json.loads((long_writer / "generation_config.json").read_text())
+    generation["min_new_tokens"] = 2000
+    (long_writer / "generation_config.json").write_text(json.dumps(generation))
+    serve = ServeProcess(long_writer, "--device", "cpu", "--max_new_tokens", "2000")
+    try:
+        body = {"ingredients": "2 eggs; 1 cup flour", "max_new_tokens": 2000}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{serve.url}/generate", json=body, timeout=httpx.Timeout(60, read=0.5))
+        for _ in range(600):  # until the slot is free (a guard against a hang, not a time limit)
+            health = httpx.get(f"{serve.url}/health").json()
+            if health["decoding"] == 0 and health["waiting"] == 0:
+                break
+            threading.Event().wait(0.2)
+        assert health["decoding"] == 0 and health["prompts"] == 0, health
+        assert health["steps"] < 2000, health  # given up, not decoded to its end
+        good = httpx.post(
+            f"{serve.url}/generate", json={"ingredients": "egg", "max_new_tokens": 2}, timeout=60
+        )
+        assert good.status_code == 200, good.text
+    finally:
+        serve.stop()
 
 
 def test_a_full_server_answers_503_at_once_with_a_retry_after(model_dir):
@@ -235,9 +289,15 @@ def test_the_page_health_and_unknown_routes(server, model_dir):
     assert httpx.get(f"{server.url}/generate").status_code == 405
 
 
-def test_bad_command_lines_are_one_line(model_dir, tmp_path, capfd):
+def test_bad_command_lines_are_one_line(model_dir, tmp_path, capfd, monkeypatch):
     from trainer.cli import main
 
+    # A key that a template left blank is refused, not taken as "no key" (a page open to everyone).
+    monkeypatch.setenv("SERVE_API_KEY", "  ")
+    assert main(["serve", "--model", str(model_dir)]) == 2
+    err = capfd.readouterr().err
+    assert "SERVE_API_KEY is set but blank" in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.delenv("SERVE_API_KEY")
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "no such model directory" in capfd.readouterr().err
     assert main(["serve", "--model", str(model_dir), "--top_p", "3"]) == 2

@@ -155,9 +155,15 @@ class Features(NamedTuple):
             sample=any(r.do_sample for r in rows),
             truncate=any(r.do_sample and (r.top_k > 0 or r.top_p < 1.0) for r in rows),
             penalty=any(r.repetition_penalty != 1.0 for r in rows),
-            ngram=max((r.no_repeat_ngram_size for r in rows), default=0),
+            ngram=_ngram_bucket(max((r.no_repeat_ngram_size for r in rows), default=0)),
             min_new=any(r.min_new_tokens > 0 for r in rows),
         )
+
+
+def _ngram_bucket(n: int) -> int:
+    """The n-gram size a step's ban runs at: the next power of two (a row's own size masks the rest), so that
+    requests with sizes 3 and 4 share a CUDA graph, and a graph is made for at most 6 sizes (2 to 32)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def static_decoding_reason(model, kwargs: dict[str, Any]) -> Decoding | str:

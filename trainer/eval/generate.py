@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from trainer.config import DATA_FORMATS, TASKS, TrainConfig
 from trainer.data.loader import resolve_sources, skipped_summary
@@ -42,24 +42,68 @@ from trainer.model.model_files import is_adapter_dir
 
 log = logging.getLogger(__name__)
 
-# Hugging Face GenerationConfig names -> (type, Hugging Face's default, help); `--num-beams` works too.
-DECODING_OPTIONS: dict[str, tuple[type, Any, str]] = {
-    "num_beams": (
+
+class DecodingOption(NamedTuple):
+    """A decoding option: its type, Hugging Face's default, its help, and the values it takes. Every number
+    has both bounds: an option whose cost grows with its value (beams, tokens, n-gram sizes) cannot make one
+    request slow for everyone (`trainer serve`), and a value too large for a tensor is refused, not a
+    crash."""
+
+    kind: type
+    hf_default: Any
+    help: str
+    low: float | None = None  # the least value (bool: None)
+    high: float | None = None  # the largest value
+    low_open: bool = False  # `low` itself is refused: the value must be above it
+
+    def check(self, name: str, value: Any, flag: str) -> None:
+        """UsageError, naming the option as `{flag}{name}`, for a value outside the bounds."""
+        if self.kind is bool:
+            return
+        if not math.isfinite(value):  # NaN passes every comparison
+            raise UsageError(f"{flag}{name} must be a finite number, got {value}")
+        low, high = self.low, self.high
+        if self.low_open and self.high is not None and not low < value <= high:
+            if high == 1:
+                raise UsageError(f"{flag}{name} must be in ({_num(low)}, 1], got {value}")
+            raise UsageError(f"{flag}{name} must be > {_num(low)} and <= {_num(high)}, got {value}")
+        if low is not None and value < low:
+            raise UsageError(f"{flag}{name} must be >= {_num(low)}, got {value}")
+        if high is not None and value > high:
+            raise UsageError(f"{flag}{name} must be <= {_num(high)}, got {value}")
+
+
+def _num(x: float | None) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+# An n-gram ban costs a pass over each row's tokens per n-gram token, at every step; NoRepeatNGram's usual
+# sizes are 2 to 4. 32 leaves room for any real use.
+MAX_NO_REPEAT_NGRAM = 32
+# Hugging Face GenerationConfig names, with their bounds; `--num-beams` works too.
+DECODING_OPTIONS: dict[str, DecodingOption] = {
+    "num_beams": DecodingOption(
         int,
         1,
         "beams per prompt (1: greedy or sampling; beam search runs on Hugging Face's generate)",
+        1,
+        64,
     ),
-    "max_new_tokens": (
-        int,
-        None,
-        "new tokens per recipe (without a generation_config value: max_target_length)",
+    "max_new_tokens": DecodingOption(
+        int, None, "new tokens per recipe (without a generation_config value: max_target_length)", 1, 65536
     ),
-    "do_sample": (bool, False, "sample instead of the most likely token"),
-    "temperature": (float, 1.0, "sampling temperature (with --do_sample)"),
-    "top_p": (float, 1.0, "nucleus sampling: keep the likeliest tokens up to this probability"),
-    "top_k": (int, 50, "sampling: keep the k likeliest tokens"),
-    "no_repeat_ngram_size": (int, 0, "never repeat an n-gram of this size (0: off)"),
-    "repetition_penalty": (float, 1.0, "penalise tokens already generated (1.0: off)"),
+    "do_sample": DecodingOption(bool, False, "sample instead of the most likely token"),
+    "temperature": DecodingOption(float, 1.0, "sampling temperature (with --do_sample)", 0.0, 100.0, True),
+    "top_p": DecodingOption(
+        float, 1.0, "nucleus sampling: keep the likeliest tokens up to this probability", 0.0, 1.0, True
+    ),
+    "top_k": DecodingOption(int, 50, "sampling: keep the k likeliest tokens", 1, 1_000_000),
+    "no_repeat_ngram_size": DecodingOption(
+        int, 0, "never repeat an n-gram of this size (0: off)", 0, MAX_NO_REPEAT_NGRAM
+    ),
+    "repetition_penalty": DecodingOption(
+        float, 1.0, "penalise tokens already generated (1.0: off)", 0.0, 100.0, True
+    ),
 }
 # Cache tokens decoded at once: rows x beams x (prompt + new tokens). FLAN-T5-XL keeps 192 KiB of cache per
 # token (24 decoder layers x keys and values x 2048 x bf16): 32k tokens are 6 GiB. Without --max-batch-tokens:
@@ -176,7 +220,8 @@ def decoding_settings(model, template: PromptTemplate, given: dict[str, Any]) ->
         # HF's fallback is max_length=20 tokens: a recipe needs the length it was trained to write.
         kwargs["max_new_tokens"] = template.max_target_length
     said = []
-    for name, (_, hf_default, _) in DECODING_OPTIONS.items():
+    for name, option in DECODING_OPTIONS.items():
+        hf_default = option.hf_default
         if name in given:
             value, source = given[name], "given"
         elif name in kwargs:
@@ -413,7 +458,8 @@ def add_model_arguments(p: argparse.ArgumentParser, data_format: bool = True) ->
         "--seed", type=int, default=0, help="random seed of sampling (and of evaluate's --max-records draw)"
     )
     g = p.add_argument_group("decoding (Hugging Face names; default: the model's generation_config)")
-    for name, (kind, _, text) in DECODING_OPTIONS.items():
+    for name, option in DECODING_OPTIONS.items():
+        kind, text = option.kind, option.help
         spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         if kind is bool:  # `--do_sample` alone, or `--do_sample false`, as HfArgumentParser reads it
             g.add_argument(
@@ -424,20 +470,10 @@ def add_model_arguments(p: argparse.ArgumentParser, data_format: bool = True) ->
 
 
 def check_decoding(given: dict[str, Any], flag: str = "--") -> None:
-    """UsageError, naming the option as `{flag}{name}`, for a decoding value `model.generate` refuses."""
-    for name in ("num_beams", "max_new_tokens", "top_k"):
-        if given.get(name, 1) < 1:
-            raise UsageError(f"{flag}{name} must be >= 1, got {given[name]}")
-    for name in ("temperature", "repetition_penalty", "top_p"):  # NaN passes every comparison
-        if not math.isfinite(given.get(name, 1.0)):
-            raise UsageError(f"{flag}{name} must be a finite number, got {given[name]}")
-    for name in ("temperature", "repetition_penalty"):
-        if given.get(name, 1.0) <= 0:
-            raise UsageError(f"{flag}{name} must be > 0, got {given[name]}")
-    if not 0 < given.get("top_p", 1.0) <= 1:
-        raise UsageError(f"{flag}top_p must be in (0, 1], got {given['top_p']}")
-    if given.get("no_repeat_ngram_size", 0) < 0:
-        raise UsageError(f"{flag}no_repeat_ngram_size must be >= 0, got {given['no_repeat_ngram_size']}")
+    """UsageError, naming the option as `{flag}{name}`, for a decoding value outside its bounds."""
+    for name, value in given.items():
+        if name in DECODING_OPTIONS:
+            DECODING_OPTIONS[name].check(name, value, flag)
 
 
 def decoding_given(args: argparse.Namespace) -> dict[str, Any]:

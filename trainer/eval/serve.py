@@ -206,13 +206,23 @@ class Batcher:
                 self.engine.start(
                     slots, [job.record["source_ids"] for job in starting], [job.decoding for job in starting]
                 )
-            except Exception as e:
-                for job in starting:
-                    job.send("error", _failure(e))
-                log.warning("generation failed for %d request(s): %s", len(starting), _failure(e))
-                return others
-            self.active.update(zip(slots, starting, strict=True))
+            except Exception:
+                # One request's failure must not fail the others that joined at this step: each alone.
+                for slot, job in zip(slots, starting, strict=True):
+                    self._start_alone(slot, job)
+            else:
+                self.active.update(zip(slots, starting, strict=True))
         return others
+
+    def _start_alone(self, slot: int, job: Job) -> None:
+        try:
+            self.engine.start([slot], [job.record["source_ids"]], [job.decoding])
+        except Exception as e:
+            self.engine.release(slot)
+            log.warning("generation failed for 1 request: %s", _failure(e))
+            job.send("error", _failure(e))
+            return
+        self.active[slot] = job
 
     def _stream(self, job: Job, token: int) -> None:
         """Send a streamed request the text its newest token adds (the whole so far decoded at once:
@@ -276,9 +286,33 @@ def _typed(name: str, value: Any, kind: type) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # a whole number past 1e308
+            raise BadRequest(
+                f"{name} must be a number a float holds, got one of {len(str(value))} digits"
+            ) from None
     wanted = {bool: "true or false", int: "a whole number", float: "a number"}[kind]
     raise BadRequest(f"{name} must be {wanted}, got {json.dumps(value)}")
+
+
+def _check_unicode(value: Any, depth: int = 0) -> None:
+    """BadRequest for a string anywhere in a request that UTF-8 cannot hold (a lone surrogate, `"\\ud800"`):
+    JSON's escapes allow one, and the tokenizer would fail on it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest(
+                "the body has a string that is not valid Unicode (a lone surrogate escape)"
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k)
+            _check_unicode(v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_unicode(v)
 
 
 class RecipeServer:
@@ -300,10 +334,13 @@ class RecipeServer:
             request = json.loads(body)
         except ValueError as e:  # also a body that is not UTF-8
             raise BadRequest(f"the body is not JSON ({e})") from None
+        except RecursionError:
+            raise BadRequest("the body is nested too deeply to be a request") from None
         if not isinstance(request, dict):
             raise BadRequest(
                 'the body must be a JSON object, e.g. {"ingredients": ["2 eggs", "1 cup flour"]}'
             )
+        _check_unicode(request)
         known = (*REQUEST_FIELDS, *DECODING_OPTIONS)
         for key in request:
             if key not in known:
@@ -324,21 +361,27 @@ class RecipeServer:
         if not isinstance(stream, bool):
             raise BadRequest("stream must be true or false")
         given = dict(self.defaults)
-        for name, (kind, _, _) in DECODING_OPTIONS.items():
+        for name, option in DECODING_OPTIONS.items():
             if request.get(name) is not None:
-                given[name] = _typed(name, request[name], kind)
+                given[name] = _typed(name, request[name], option.kind)
+        limit = self.batcher.max_new_tokens
+        # This server's own bounds first: they are lower than the options' and say how to raise them.
+        if given.get("max_new_tokens", 0) > limit:
+            raise BadRequest(
+                f"max_new_tokens must be <= {limit} on this server (start it with --max_new_tokens N for "
+                f"longer recipes), got {given['max_new_tokens']}"
+            )
+        if given.get("num_beams", 1) > MAX_BEAMS:
+            raise BadRequest(f"num_beams must be <= {MAX_BEAMS}, got {given['num_beams']}")
         try:
             check_decoding(given, flag="")
             record = cli_record(self.renderer, self.model_dir.template, title, ingredients, flag="")
         except UsageError as e:
             raise BadRequest(str(e)) from None
-        if given.get("num_beams", 1) > MAX_BEAMS:
-            raise BadRequest(f"num_beams must be <= {MAX_BEAMS}, got {given['num_beams']}")
         from trainer.eval.decoding import Decoding
 
         kwargs, _ = decoding_settings(self.batcher.model, self.model_dir.template, given)
         decoding = Decoding.of(self.batcher.model, kwargs)
-        limit = self.batcher.max_new_tokens
         new_tokens = decoding.max_new_tokens if isinstance(decoding, Decoding) else kwargs["max_new_tokens"]
         if new_tokens > limit:
             raise BadRequest(
@@ -421,12 +464,12 @@ class RecipeServer:
                     events(job), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
                 )
             try:
-                while True:
-                    kind, value = await job.events.get()
-                    if kind == "done":
-                        return JSONResponse(value)
-                    if kind == "error":
-                        return JSONResponse({"error": value}, status_code=500)
+                kind, value = await answer_or_disconnect(job, request)
+                if kind == "done":
+                    return JSONResponse(value)
+                if kind == "error":
+                    return JSONResponse({"error": value}, status_code=500)
+                return Response(status_code=499)  # nobody reads it: the client went away
             finally:
                 job.cancelled = True  # the answer is sent, or the client went away: its slot is free
 
@@ -451,6 +494,30 @@ async def read_body(request) -> bytes:
         if len(body) > MAX_BODY_BYTES:
             raise too_large
     return body
+
+
+async def answer_or_disconnect(job: Job, request) -> tuple[str, Any]:
+    """A non-streamed request's answer ("done" or "error"), or ("gone", None) as soon as its client
+    disconnects: Starlette says nothing of a disconnect to a plain endpoint, so this listens for it."""
+
+    async def answer() -> tuple[str, Any]:
+        while True:
+            kind, value = await job.events.get()
+            if kind in ("done", "error"):
+                return kind, value
+
+    async def gone() -> tuple[str, Any]:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        return "gone", None
+
+    tasks = [asyncio.ensure_future(answer()), asyncio.ensure_future(gone())]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        return next(iter(done)).result()
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _sse(kind: str, value: Any) -> str:
@@ -525,7 +592,13 @@ def run_serve(args: argparse.Namespace) -> int:
     defaults = decoding_given(args)
     if args.max_waiting < 1:
         raise UsageError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    api_key = os.environ.get(API_KEY_ENV, "").strip()
+    api_key = os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        raise UsageError(
+            f"{API_KEY_ENV} is set but blank: give it a key, or unset it to serve without one "
+            "(on 127.0.0.1 only, for yourself)"
+        )
+    api_key = (api_key or "").strip()
     model_dir = open_model_dir(args.model, args.task)
     try:  # before the model loads: a port in use is one line, at once
         sock = socket.create_server((args.host, args.port))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, TrainConfig, source_path
 from trainer.data import hf_datasets
+from trainer.data.sample import is_quickstart_path
 from trainer.model.model_shape import LoraShape, load_shape
 from trainer.plan.gpu_specs import GPUS, GpuSpec, flops_per_real_token, predicted_tokens_per_s
 from trainer.plan.memory_plan import TYPICAL_SOURCE, TYPICAL_TARGET
@@ -152,6 +153,10 @@ def write_config(preset: Preset, to: Path, data: list[str] | None, output: str |
     """Write `preset` to `to` as a local config: train_files from `data` (else the preset's, a container path
     under data/), output_dir from `output` (else the preset's under outputs/), the rest as shipped, comments
     included. Returns what to say to the user. Raises ConfigError for an existing `to` without `force`."""
+    if to.is_dir():  # as `cp`: the preset's file name inside it
+        to = to / preset.file_name
+    if to.is_dir():
+        raise ConfigError(f"{to} is a directory; give --to a file name, e.g. {to / preset.file_name}")
     if to.exists() and not force:
         raise ConfigError(f"{to} exists; give another --to, or --force to replace it")
     train_files = data or [_local(source_path(e)) for e in preset.config.train_files]
@@ -170,8 +175,16 @@ def write_config(preset: Preset, to: Path, data: list[str] | None, output: str |
         f"wrote {to}: the preset {preset.name} ({preset.config.model_name_or_path}, {preset.trains()}, "
         f"{preset.card_text()}) with train_files {', '.join(train_files)} and output_dir {output_dir}"
     ]
-    missing = unmatched_files([f for f in train_files if not hf_datasets.is_dataset(f)])
-    if missing and not preset.config.make_demo_data:  # a demo preset writes its own recipes
+    # A demo preset writes its own recipes where they are missing, as plain files under data/quickstart/ only.
+    written_by_demo = [
+        f
+        for f in train_files
+        if preset.config.make_demo_data and not any(ch in f for ch in "*?[") and is_quickstart_path(f)
+    ]
+    missing = unmatched_files(
+        [f for f in train_files if f not in written_by_demo and not hf_datasets.is_dataset(f)]
+    )
+    if missing:
         said.append(f"note: {missing}; put the recipes there or give --data")
     said.append(f"next: trainer train --config {to} --dry-run")
     return "\n".join(said)

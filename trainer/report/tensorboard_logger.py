@@ -43,9 +43,11 @@ class TensorBoardLogger:
             from tensorboardX import SummaryWriter
 
             os.makedirs(directory, exist_ok=True)
-            # purge_step: TensorBoard drops the events of earlier files after this step (a resume from an
-            # older checkpoint repeats those steps).
-            self.writer = SummaryWriter(directory, purge_step=start_step or None, flush_secs=FLUSH_SECONDS)
+            # purge_step: TensorBoard drops the events of earlier files from this step on. A run resumed from
+            # step N's checkpoint logs N + 1 onwards: the earlier attempt's points after N go (this run
+            # draws them again), N's own stays (nobody logs it again).
+            purge = start_step + 1 if start_step else None
+            self.writer = SummaryWriter(directory, purge_step=purge, flush_secs=FLUSH_SECONDS)
             text = yaml.safe_dump(clean_config(config), sort_keys=False)
             self.writer.add_text("config", "```\n" + text + "```", start_step)
             logger.info("TensorBoard: event files in %s (tensorboard --logdir %s)", directory, directory)

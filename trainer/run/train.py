@@ -31,7 +31,8 @@ from trainer.checkpoint import resume
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.hub import HubUploader, check_hub_config, upload_pending
 from trainer.checkpoint.writer import CheckpointWriter
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import ConfigError, TrainConfig, source_path
+from trainer.data import hf_datasets
 from trainer.data.loader import (
     RecipeDataError,
     RecipeFileError,
@@ -52,6 +53,7 @@ from trainer.infra.run_lock import describe_holder, lock_holder, lock_output_dir
 from trainer.infra.stopping import StopBeforeTraining, StopRequested
 from trainer.model.model_files import check_model_dir
 from trainer.plan.memory_plan import plan_packed_rows, plan_run
+from trainer.plan.plan_report import unmatched_files
 from trainer.report.profiling import StepProfiler
 from trainer.report.step_meter import (
     ConsoleProgress,
@@ -141,7 +143,12 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
         check_hub_config(cfg)
         if cfg.make_demo_data:
             missing, made = demo_data(cfg, dry_run=dry_run)
-            if dry_run and missing and made == missing:  # all the run needs, written when it starts
+            if dry_run and missing and made == missing:  # what is missing, the run writes when it starts
+                # Data the run does not write must be there now: the dry run's promise is the data too.
+                theirs = [f for f in cfg.train_files if source_path(f) not in {str(m) for m in made}]
+                unmatched = unmatched_files([f for f in theirs if not hf_datasets.is_dataset(f)])
+                if unmatched:
+                    raise ConfigError(f"train_files: {unmatched}")
                 log.info("dry run: the config is fine; the run makes the model and data, then checks them")
                 return 0
         model_files = check_model_dir(cfg.model_name_or_path, weights=not cfg.random_init)

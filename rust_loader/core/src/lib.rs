@@ -14,6 +14,7 @@ pub mod paths;
 pub mod plan;
 pub mod records;
 pub mod render;
+pub mod scratch;
 pub mod split;
 pub mod stream;
 pub mod tokenize;

@@ -423,7 +423,7 @@ Tea,\"[\"\"tea\"\"]\",\"[\"\"Steep.\"\"]\",\"[]\"\r\n";
 
     #[test]
     fn csv_prompts_references_lines_and_skips() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = crate::scratch::ScratchDir::new().unwrap();
         let path = write(dir.path(), "r.csv", CSV.as_bytes());
         let set = prompter(false)
             .read(std::slice::from_ref(&path), &ReadOptions::default())
@@ -453,7 +453,7 @@ Tea,\"[\"\"tea\"\"]\",\"[\"\"Steep.\"\"]\",\"[]\"\r\n";
 
     #[test]
     fn jsonl_needs_only_the_source_fields() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = crate::scratch::ScratchDir::new().unwrap();
         let path = write(
             dir.path(),
             "p.jsonl",
@@ -507,7 +507,7 @@ Tea,\"[\"\"tea\"\"]\",\"[\"\"Steep.\"\"]\",\"[]\"\r\n";
 
     #[test]
     fn compressed_files_read_the_same() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = crate::scratch::ScratchDir::new().unwrap();
         let plain = write(dir.path(), "r.csv", CSV.as_bytes());
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
         gz.write_all(CSV.as_bytes()).unwrap();
@@ -540,7 +540,7 @@ Tea,\"[\"\"tea\"\"]\",\"[\"\"Steep.\"\"]\",\"[]\"\r\n";
 
     #[test]
     fn splits_partition_the_records_that_have_a_target() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = crate::scratch::ScratchDir::new().unwrap();
         let mut text = String::new();
         for i in 0..200 {
             text += &format!(
@@ -613,7 +613,7 @@ Tea,\"[\"\"tea\"\"]\",\"[\"\"Steep.\"\"]\",\"[]\"\r\n";
 
     #[test]
     fn bad_files_are_one_clear_error() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = crate::scratch::ScratchDir::new().unwrap();
         let p = prompter(false);
         let read = |path: String| {
             p.read(&[path], &ReadOptions::default())

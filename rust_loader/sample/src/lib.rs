@@ -1564,6 +1564,11 @@ fn filler_step(rng: &mut Rng, sweet: bool, method: Method, done: &[&str], s: &mu
     }
 }
 
+// In the crate's one test binary rather than in tests/: each test binary links arrow, parquet and tokenizers
+// under the release profile's LTO, about a minute on a 2-core machine.
+#[cfg(test)]
+mod loader_reads_samples;
+
 #[cfg(test)]
 mod tests {
     use super::*;

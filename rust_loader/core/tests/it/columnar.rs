@@ -199,7 +199,7 @@ fn rows_of(b: &Batch) -> Vec<Vec<i64>> {
 
 #[test]
 fn parquet_and_arrow_read_as_the_same_records_as_jsonl() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let rows = recipes(230, "");
     let want = all_rows(
         &mut Loader::new(config(&[&jsonl(dir.path(), "r.jsonl", &rows)], dir.path())).unwrap(),
@@ -233,7 +233,7 @@ fn parquet_and_arrow_read_as_the_same_records_as_jsonl() {
 
 #[test]
 fn parquet_shuffles_resumes_and_shards_like_the_text_formats() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let rows = recipes(300, "");
     let p = parquet(dir.path(), "r.parquet", &rows, false);
     let mut c = config(&[&p], dir.path());
@@ -285,7 +285,7 @@ fn parquet_shuffles_resumes_and_shards_like_the_text_formats() {
 
 #[test]
 fn bad_rows_are_counted_or_named() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let mut rows = recipes(20, "");
     rows[3].1 = None; // null ingredients
     rows[7].0 = Some("  ".into()); // empty title
@@ -340,7 +340,7 @@ fn bad_rows_are_counted_or_named() {
 
 #[test]
 fn columns_map_fields_and_a_missing_column_is_named() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let rows = recipes(40, "");
     let want = all_rows(
         &mut Loader::new(config(&[&jsonl(dir.path(), "r.jsonl", &rows)], dir.path())).unwrap(),
@@ -397,7 +397,7 @@ fn columns_map_fields_and_a_missing_column_is_named() {
 
 #[test]
 fn a_rewritten_parquet_file_is_indexed_again() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let props = || {
         WriterProperties::builder()
             .set_compression(parquet::basic::Compression::UNCOMPRESSED)
@@ -440,7 +440,7 @@ fn a_rewritten_parquet_file_is_indexed_again() {
         warnings.len() == 1 && warnings[0].contains("changed since it was indexed"),
         "{warnings:?}"
     );
-    let fresh_dir = tempfile::tempdir().unwrap();
+    let fresh_dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let fresh = jsonl(fresh_dir.path(), "e.jsonl", &edited);
     assert_eq!(
         all_rows(&mut l),
@@ -452,7 +452,7 @@ fn a_rewritten_parquet_file_is_indexed_again() {
 
 #[test]
 fn weights_draw_each_source_in_proportion() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let big = jsonl(dir.path(), "big.jsonl", &recipes(200, "big"));
     let small = parquet(dir.path(), "small.parquet", &recipes(50, "small"), false);
     let mut c = config(&[&big, &small], dir.path());
@@ -537,7 +537,7 @@ fn weights_draw_each_source_in_proportion() {
 
 #[test]
 fn held_out_records_are_never_drawn() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let a = jsonl(dir.path(), "a.jsonl", &recipes(300, "a"));
     let b = jsonl(dir.path(), "b.jsonl", &recipes(100, "b"));
     let mut c = config(&[&a, &b], dir.path());

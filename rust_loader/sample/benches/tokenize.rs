@@ -1,7 +1,7 @@
-//! Measurement, not a test (run it with `--ignored`): per-word id cache against one tokenizer call per text, on
+//! Measurement, not a test: per-word id cache against one tokenizer call per text, on
 //! generated recipes rendered like the loader renders them, with the ids of both compared.
 //!
-//! `cargo test -p recipe_sample --release --test tokenize_bench -- --ignored --nocapture`
+//! `cargo bench -p recipe_sample --bench tokenize`
 //! (`TOKENIZER=/path/to/tokenizer.json` and `N=...` to change the defaults: the test tokenizer, 20000 recipes).
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -12,9 +12,7 @@ use recipe_core::render::Renderer;
 use recipe_core::tokenize::Tok;
 use recipe_sample::RecipeGen;
 
-#[test]
-#[ignore]
-fn per_word_cache_vs_per_text() {
+fn main() {
     let tokenizer = std::env::var_os("TOKENIZER")
         .map(PathBuf::from)
         .unwrap_or_else(|| {

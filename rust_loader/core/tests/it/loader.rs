@@ -51,7 +51,7 @@ const RECIPENLG: &str = "\u{feff},title,ingredients,directions,link,source,NER\r
 
 #[test]
 fn recipenlg_quoting_bom_crlf_and_skips() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = write(dir.path(), "r.csv", RECIPENLG.as_bytes());
     let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
     let rows = all_rows(&mut l);
@@ -87,7 +87,7 @@ fn recipenlg_quoting_bom_crlf_and_skips() {
 
 #[test]
 fn foodcom_and_jsonl() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let food = "name,id,steps,ingredients,description\n\
 pie,1,\"['mix it', \"\"don't stop\"\"]\",\"['flour', \"\"baker's yeast\"\"]\",d\n\
 bad,2,\"['unterminated]\",\"['x']\",d\n";
@@ -118,7 +118,7 @@ bad,2,\"['unterminated]\",\"['x']\",d\n";
 
 #[test]
 fn compressed_and_truncated() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     gz.write_all(RECIPENLG.as_bytes()).unwrap();
     let gz = gz.finish().unwrap();
@@ -143,7 +143,7 @@ fn compressed_and_truncated() {
 
 #[test]
 fn file_errors_name_the_path() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let missing = dir.path().join("nope.csv");
     let e = Loader::new(config(&[&missing], dir.path())).err().unwrap();
     assert!(matches!(e, LoaderError::File { .. }) && e.to_string().contains("nope.csv"));
@@ -186,7 +186,7 @@ fn many(dir: &Path, n: usize) -> PathBuf {
 
 #[test]
 fn resume_and_determinism() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = many(dir.path(), 400);
     let mut c = config(&[&p], dir.path());
     c.options.shuffle = true;
@@ -231,7 +231,7 @@ fn resume_and_determinism() {
 
 #[test]
 fn csv_lines_count_newlines_inside_fields_once() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let good = "\"[\"\"x\"\"]\",\"[\"\"y\"\"]\"";
     for (name, end, inner) in [
         ("lf.csv", "\n", "\n"),
@@ -267,7 +267,7 @@ fn csv_lines_count_newlines_inside_fields_once() {
 
 #[test]
 fn globs_skip_hidden_files_and_literal_paths_win() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let data = dir.path().join("data");
     std::fs::create_dir(&data).unwrap();
     let p = write(&data, "r.csv", RECIPENLG.as_bytes());
@@ -302,7 +302,7 @@ fn globs_skip_hidden_files_and_literal_paths_win() {
 
 #[test]
 fn odd_files_get_clear_errors() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     for (name, bytes) in [
         ("blank.csv", b"\n\r\n  \n".to_vec()),
         ("bom.jsonl", b"\xef\xbb\xbf\n".to_vec()),
@@ -338,7 +338,7 @@ fn odd_files_get_clear_errors() {
 
 #[test]
 fn over_long_jsonl_line_is_skipped_and_the_next_is_kept() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let long = format!("{{\"title\":\"{}\"}}", "x".repeat(3 << 20));
     let text = format!("{long}\n{{\"source\":\"s\",\"target\":\"t\"}}\n");
     let p = write(dir.path(), "long.jsonl", text.as_bytes());
@@ -355,7 +355,7 @@ fn over_long_jsonl_line_is_skipped_and_the_next_is_kept() {
 
 #[test]
 fn all_skipped_says_why() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = write(
         dir.path(),
         "r.csv",
@@ -377,7 +377,7 @@ fn all_skipped_says_why() {
 
 #[test]
 fn damaged_index_cache_is_rebuilt() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = write(dir.path(), "r.csv", RECIPENLG.as_bytes());
     let mut want = Loader::new(config(&[&p], dir.path())).unwrap();
     let want = all_rows(&mut want);
@@ -406,7 +406,7 @@ fn damaged_index_cache_is_rebuilt() {
 
 #[test]
 fn resume_survives_touching_or_moving_the_data_but_not_editing_it() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = many(dir.path(), 60);
     let mut l = Loader::new(config(&[&p], dir.path())).unwrap();
     l.next_batch().unwrap();
@@ -428,7 +428,7 @@ fn resume_survives_touching_or_moving_the_data_but_not_editing_it() {
 
 #[test]
 fn csv_record_over_the_limit_is_skipped_without_holding_it() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let good = "\"[\"\"x\"\"]\",\"[\"\"y\"\"]\"";
     // A field of 3 MiB inside quotes, then a good record; then an unclosed quote that runs to the end.
     let text = format!(
@@ -476,7 +476,7 @@ fn rewrite_keeping_size_and_mtime(p: &Path, text: &str) {
 
 #[test]
 fn content_changed_with_size_and_mtime_kept_is_indexed_again() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = many(dir.path(), 60);
     let mut old = Loader::new(config(&[&p], dir.path())).unwrap();
     old.next_batch().unwrap();
@@ -494,7 +494,7 @@ fn content_changed_with_size_and_mtime_kept_is_indexed_again() {
         "{warnings:?}"
     );
     // What it yields is the new text: the same as a first read of a copy.
-    let copy_dir = tempfile::tempdir().unwrap();
+    let copy_dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let copy = write(copy_dir.path(), "copy.jsonl", edited.as_bytes());
     let mut fresh = Loader::new(config(&[&copy], copy_dir.path())).unwrap();
     assert_eq!(all_rows(&mut l), all_rows(&mut fresh));
@@ -506,7 +506,7 @@ fn content_changed_with_size_and_mtime_kept_is_indexed_again() {
 #[test]
 fn metadata_change_without_content_change_reuses_the_index() {
     use std::os::unix::fs::PermissionsExt;
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = many(dir.path(), 40);
     let mut first = Loader::new(config(&[&p], dir.path())).unwrap();
     let want = all_rows(&mut first);
@@ -535,7 +535,7 @@ fn metadata_change_without_content_change_reuses_the_index() {
 
 #[test]
 fn symlink_loops_and_broken_links_are_named_as_such() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let (a, b) = (dir.path().join("a.csv"), dir.path().join("b.csv"));
     std::os::unix::fs::symlink(&b, &a).unwrap();
     std::os::unix::fs::symlink(&a, &b).unwrap();
@@ -620,7 +620,7 @@ fn epoch_of(l: &mut Loader) -> Vec<recipe_core::Batch> {
 
 #[test]
 fn packed_batches_follow_the_contract_and_hold_every_record_once() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = many(dir.path(), 700);
     // Unpacked reference: every record's ids.
     let mut c = config(&[&p], dir.path());
@@ -678,7 +678,7 @@ fn packed_batches_follow_the_contract_and_hold_every_record_once() {
 
 #[test]
 fn packed_resume_and_shards() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = many(dir.path(), 900);
     let mut c = config(&[&p], dir.path());
     c.options.packing = true;
@@ -756,7 +756,7 @@ fn packed_resume_and_shards() {
 
 #[test]
 fn packing_settings_are_checked() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = many(dir.path(), 50);
     let mut c = config(&[&p], dir.path());
     c.options.packing = true;
@@ -780,7 +780,7 @@ fn packing_settings_are_checked() {
 #[test]
 fn a_cancelled_pass_stops_and_caches_nothing() {
     use std::sync::atomic::AtomicBool;
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = many(dir.path(), 3000);
     let c = config(&[&p], dir.path());
     // Set before the pass starts (tests/test_loader_signals.py sets it part-way, through a real signal).
@@ -807,7 +807,7 @@ fn sampled_records_are_the_split_s_records_as_the_renderer_reads_them() {
     use recipe_core::plan::Split;
     use recipe_core::records::{Prompter, ReadOptions};
 
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let p = many(dir.path(), 400);
     let mut c = config(&[&p], dir.path());
     c.options.split = Split::Eval;

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use recipe_core::{Loader, LoaderConfig, LoaderOptions};
-use recipe_sample::write_sample_file;
+use crate::write_sample_file;
 
 fn tokenizer() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../core/tests/data/tokenizer.json")
@@ -37,7 +37,7 @@ fn rows(path: &Path, cache: &Path) -> Vec<Vec<i64>> {
 
 #[test]
 fn every_format_reads_back_as_the_same_records() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = recipe_core::scratch::ScratchDir::new().unwrap();
     let cache = dir.path().join("cache");
     let csv = dir.path().join("r.csv");
     write_sample_file(&csv, 300, 2, None).unwrap();

@@ -1,15 +1,13 @@
 //! What the content check costs on a big file: the xxh3-64 of every byte, as the loader computes it when a
 //! data file's inode or ctime differ from the cached index's (`chmod`, a copy with `cp -p`, `rsync -t`).
 //!
-//! `FILE=/path/to/big.csv cargo test -p recipe_core --release --test content_check_bench -- --ignored --nocapture`
+//! `FILE=/path/to/big.csv cargo bench -p recipe_core --bench content_check`
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use recipe_core::hash::hash_file;
 
-#[test]
-#[ignore]
-fn content_check_cost() {
+fn main() {
     let path = std::env::var("FILE").expect("FILE=/path/to/a/big/file");
     let size = std::fs::metadata(&path).unwrap().len() as f64;
     for pass in 1..=3 {
