@@ -275,3 +275,13 @@ def test_the_commands_own_options_are_known_to_the_flag_reader():
     for name, own in CONFIG_COMMANDS.items():
         options = {s for action in commands.choices[name]._actions for s in action.option_strings}
         assert options == own, name
+
+
+def test_inspect_without_a_config_offline_says_to_give_one(sample_csv, tmp_path, monkeypatch, capsys):
+    """Without --config, `data inspect` counts tokens with FLAN-T5-XL's tokenizer; offline and not cached,
+    the one line says how to use the training config's instead."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli_main(["data", "inspect", str(sample_csv)]) == 2
+    err = capsys.readouterr().err
+    assert "--config configs/quickstart.yaml" in err and len(err.strip().splitlines()) == 1, err

@@ -186,6 +186,13 @@ def test_the_build_stage_has_every_workspace_manifest_before_fetching_crates():
     for member in members:
         assert f"{member}/Cargo.toml" in copied, f"{member}/Cargo.toml is not copied before cargo fetch"
         assert f"{member}/src/lib.rs" in stubs, f"no stub source for {member} before cargo fetch"
+        # A [[bench]] target must exist for cargo to read its manifest (moving the benchmarks to benches/
+        # failed the real build).
+        manifest = (REPO / member / "Cargo.toml").read_text()
+        for name in re.findall(r'^\[\[bench\]\]\s*\nname\s*=\s*"([^"]+)"', manifest, re.M):
+            assert f"{member}/benches" in copied or f"{member}/benches/{name}.rs" in copied, (
+                f"{member}'s bench {name} is not copied before cargo fetch"
+            )
 
 
 def _bind_target(dockerfile: Path, target: str) -> str | None:

@@ -23,7 +23,7 @@ datasets on one GPU or several.
 
 Start with `trainer presets` (a config for each card) and `trainer init --preset NAME --data 'recipes/*.csv'`
 (writes one here), then check it: `trainer train --config FILE --dry-run`, `trainer plan --config FILE`. The
-preset quickstart trains a tiny model on generated recipes on the CPU in a few minutes."""
+preset quickstart trains a tiny model on generated recipes on the CPU (about 10 minutes on 2 cores)."""
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # with the date: runs last days
@@ -434,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT
     )
+    if args.command in ("train", "generate", "evaluate", "serve") and sys.stderr.isatty():
+        # The imports below are the first wait a person meets; on a terminal only: a script's first line
+        # stays the result (or the one line of an error).
+        logging.getLogger("trainer.cli").info(
+            "loading PyTorch and transformers (5-10 s; up to 30 s on a busy 2-core machine)"
+        )
     from trainer._loader import RecipeDataError, RecipeFileError
     from trainer.config import ConfigError
     from trainer.data.prompt import ModelDirError
@@ -578,7 +584,17 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
     from trainer.config import TrainConfig
     from trainer.data.loader import inspect_report
+    from trainer.model.model_files import ModelFilesError
 
     cfg = TrainConfig.load(args.config, args.set)
-    print(inspect_report(args.paths, cfg))
+    try:
+        print(inspect_report(args.paths, cfg))
+    except ModelFilesError as e:
+        if args.config:
+            raise
+        raise ModelFilesError(
+            f"{e} (without --config, inspect counts tokens with {cfg.model_name_or_path}'s tokenizer: give "
+            "--config with your training config, e.g. --config configs/quickstart.yaml for the quickstart's "
+            "recipes)"
+        ) from None
     return 0
