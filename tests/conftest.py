@@ -88,7 +88,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     unmarked = [
         report
         for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
-        if report.when == "call" and report.duration > SLOW_TEST_S and "slow" not in report.keywords
+        if report.when == "call"
+        and report.duration > SLOW_TEST_S
+        and not {"slow", "container"} & set(report.keywords)  # the container test is a run of its own
     ]
     if unmarked:
         terminalreporter.section(f"over {SLOW_TEST_S:.0f} s without @pytest.mark.slow")
