@@ -58,10 +58,11 @@ test-quick: install
 container-test: install
 	docker/test/run.sh
 
-# The images and build cache container-test leaves for its next run.
+# The images and build cache container-test leaves for its next run (and the image a rebuild replaced).
 container-clean:
 	-docker image rm recipe-t5-trainer:container-test recipe-t5-standin/rust:1.95.0-bookworm \
 		recipe-t5-standin/cuda:13.0.2-base
+	-docker image prune --force
 	-docker builder prune --force
 
 wheel: $(VENV)/bin/maturin
