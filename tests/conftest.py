@@ -24,6 +24,15 @@ from trainer.model.tiny_model import build_tiny_model
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def subprocess_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TMPDIR for the processes the tests start (torchrun leaves a torchelastic_* directory in it each time),
+    inside pytest's own temporary directory, so that the system's is left as it was."""
+    path = tmp_path_factory.mktemp("tmpdir")
+    os.environ["TMPDIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random FLAN-T5 and its T5-style tokenizer (`tokenizer.json` inside), built with seed 0."""

@@ -258,6 +258,11 @@ def test_with_an_api_key_the_page_and_the_api_want_it(model_dir):
         assert httpx.post(f"{url}/generate", json=body, timeout=60).status_code == 401
         wrong = httpx.post(f"{url}/generate", json=body, headers={"Authorization": "Bearer nope"}, timeout=60)
         assert wrong.status_code == 401 and "SERVE_API_KEY" in wrong.json()["error"]
+        # Not ASCII where base64 belongs (tests/test_serve_fuzz.py found it a 500): refused like any other.
+        odd = httpx.post(
+            f"{url}/generate", json=body, headers={"Authorization": b"Basic \xff\xfe"}, timeout=60
+        )
+        assert odd.status_code == 401, odd.text
         good = httpx.post(
             f"{url}/generate", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
         )
@@ -351,3 +356,45 @@ def test_the_page_in_a_real_browser_writes_the_recipe_as_it_comes(server, tmp_pa
         png = tab.screenshot()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     (tmp_path / "serve-page.png").write_bytes(png)
+
+
+def test_a_request_that_fails_as_it_joins_fails_alone(model_dir):
+    """Five requests join the decoder at the same step (all waiting before the model thread starts); one of
+    them cannot start (a prompt over the engine's capacity, as an out-of-memory would fail it): it alone gets
+    its error, and the four others get the recipes they get without it."""
+    import asyncio
+
+    from trainer.eval.decoding import Decoding
+    from trainer.eval.serve import Batcher, Job
+
+    found = open_model_dir(model_dir)
+    model = load_for_generation(found, "cpu")
+    renderer = found.template.renderer(found.tokenizer_file)
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "num_beams": 1, "no_repeat_ngram_size": 0}
+    decoding = Decoding.of(model, kwargs)
+    items = [_ingredients(i) for i in range(4)]
+    expected = expected_texts(model_dir, items, **kwargs)
+
+    async def ask() -> list[tuple[str, object]]:
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(model, found, max_batch_tokens=4096, max_new_tokens=8, max_waiting=16)
+        records = [renderer.render(ingredients=i) for i in items]
+        too_long = dict(records[0], source_ids=[5] * (batcher.engine.source_capacity + 1))
+        jobs = [Job(r, kwargs, decoding, False, loop) for r in records[:2] + [too_long] + records[2:]]
+        for job in jobs:
+            assert batcher.submit(job)
+        batcher.start()
+        answers = []
+        for job in jobs:
+            while (event := await asyncio.wait_for(job.events.get(), 300))[0] == "token":
+                pass
+            answers.append(event)
+        assert batcher.most_at_once == 4  # the four good ones shared their steps
+        return answers
+
+    answers = asyncio.run(ask())
+    kinds = [kind for kind, _ in answers]
+    assert kinds == ["done", "done", "error", "done", "done"], answers
+    assert "generation failed: ValueError: a prompt of" in answers[2][1]
+    good = [value["generated"] for kind, value in answers if kind == "done"]
+    assert good == expected

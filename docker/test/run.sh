@@ -6,7 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
-export CONTAINER_TEST_REPORT=${CONTAINER_TEST_REPORT:-$(mktemp /tmp/recipe-t5-container-report.XXXXXX.md)}
+own_report=0
+if [[ -z ${CONTAINER_TEST_REPORT:-} ]]; then
+  CONTAINER_TEST_REPORT=$(mktemp /tmp/recipe-t5-container-report.XXXXXX.md)
+  own_report=1
+fi
+export CONTAINER_TEST_REPORT
 started=0
 docker info >/dev/null 2>&1 || started=1
 docker/test/engine.sh start
@@ -16,6 +21,7 @@ cleanup() {
     docker compose -p "$project" down --volumes --remove-orphans >/dev/null 2>&1 || true
   done
   if ((started)); then docker/test/engine.sh stop; fi
+  if ((own_report)); then rm -f "$CONTAINER_TEST_REPORT"; fi  # printed above
 }
 trap cleanup EXIT
 docker/test/standins.sh

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import binascii
 import contextlib
 import difflib
 import hmac
@@ -146,6 +145,9 @@ class Batcher:
         self.most_at_once = 0  # the most requests that shared a step
         self.finished_at: list[float] = []  # when recent requests finished (the 503's Retry-After)
         self._thread = threading.Thread(target=self._run, name="serve-model", daemon=True)
+
+    def start(self) -> None:
+        """Start the model thread: from now on it admits what waits and decodes."""
         self._thread.start()
 
     def submit(self, job: Job) -> bool:
@@ -400,7 +402,7 @@ class RecipeServer:
         if scheme.lower() == "basic":
             try:
                 given = base64.b64decode(given, validate=True).decode("utf-8").partition(":")[2]
-            except (binascii.Error, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError):  # bad base64 (binascii.Error), or not ASCII at all
                 return False
         elif scheme.lower() != "bearer":
             return False
@@ -612,6 +614,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log.info("%s (a request's own options replace these)", said)
         budget = batch_token_budget(model, args.max_batch_tokens)
         batcher = Batcher(model, model_dir, budget, max_new_tokens(model, kwargs), args.max_waiting)
+        batcher.start()
         server = RecipeServer(model_dir, batcher, defaults, device, api_key)
         if api_key:
             log.info("the page and the API want the key in %s", API_KEY_ENV)

@@ -2,8 +2,8 @@
 //! same token ids from CSV, JSONL, Parquet and Arrow, plain or compressed.
 use std::path::{Path, PathBuf};
 
-use recipe_core::{Loader, LoaderConfig, LoaderOptions};
 use crate::write_sample_file;
+use recipe_core::{Loader, LoaderConfig, LoaderOptions};
 
 fn tokenizer() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../core/tests/data/tokenizer.json")
