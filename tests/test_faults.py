@@ -269,7 +269,9 @@ distributed.destroy()
 """
 
 
+@pytest.mark.slow
 def test_under_torchrun_every_rank_exits_2_together_when_rank_0_cannot_lock(tmp_path, held_lock):
+    """Slow because torchrun starts two ranks while another trainer holds the lock."""
     proc, out = held_lock
     script = tmp_path / "ranks.py"
     script.write_text(_RANKS_SCRIPT)

@@ -23,7 +23,7 @@ datasets on one GPU or several.
 
 Start with `trainer presets` (a config for each card) and `trainer init --preset NAME --data 'recipes/*.csv'`
 (writes one here), then check it: `trainer train --config FILE --dry-run`, `trainer plan --config FILE`. The
-preset quickstart trains a tiny model on generated recipes on the CPU (about 10 minutes on 2 cores)."""
+preset quickstart trains a tiny model on generated recipes on the CPU (2 minutes on 2 idle cores)."""
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # with the date: runs last days
