@@ -10,26 +10,10 @@ use arrow_ipc::writer::{FileWriter, IpcWriteOptions, StreamWriter};
 use arrow_schema::{DataType, Field, Schema};
 use parquet::arrow::ArrowWriter;
 use parquet::file::properties::WriterProperties;
-use recipe_core::{Batch, Loader, LoaderConfig, LoaderOptions};
-
-fn tokenizer() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer.json")
-}
+use recipe_core::{Batch, Loader, LoaderConfig};
 
 fn config(paths: &[&Path], cache: &Path) -> LoaderConfig {
-    LoaderConfig {
-        paths: paths.iter().map(|p| p.display().to_string()).collect(),
-        tokenizer: tokenizer(),
-        options: LoaderOptions {
-            max_source_length: 64,
-            max_target_length: 128,
-            batch_size: Some(3),
-            num_threads: Some(2),
-            prefetch: 4,
-            cache_dir: Some(cache.join("cache")),
-            ..LoaderOptions::default()
-        },
-    }
+    super::config_with(paths, cache, 3)
 }
 
 /// A recipe: title, ingredients, directions; `None` where the column is null.

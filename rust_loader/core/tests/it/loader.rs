@@ -4,24 +4,8 @@ use std::path::{Path, PathBuf};
 
 use recipe_core::{Loader, LoaderConfig, LoaderError, LoaderOptions};
 
-fn tokenizer() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer.json")
-}
-
 fn config(paths: &[&Path], cache: &Path) -> LoaderConfig {
-    LoaderConfig {
-        paths: paths.iter().map(|p| p.display().to_string()).collect(),
-        tokenizer: tokenizer(),
-        options: LoaderOptions {
-            max_source_length: 64,
-            max_target_length: 128,
-            batch_size: Some(2),
-            num_threads: Some(2),
-            prefetch: 4,
-            cache_dir: Some(cache.join("cache")),
-            ..LoaderOptions::default()
-        },
-    }
+    super::config_with(paths, cache, 2)
 }
 
 fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
@@ -813,7 +797,7 @@ fn sampled_records_are_the_split_s_records_as_the_renderer_reads_them() {
     c.options.split = Split::Eval;
     c.options.eval_fraction = 0.2;
     let loader = Loader::new(c.clone()).unwrap();
-    let tok = tokenizer();
+    let tok = super::tokenizer();
     let prompter = Prompter::new(
         "ingredients-to-recipe",
         None,
