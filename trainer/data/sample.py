@@ -48,14 +48,15 @@ def is_quickstart_path(path: str | Path) -> bool:
     return p == base or base in p.parents
 
 
+def is_plain_path(train_file: str) -> bool:
+    """A train_files entry naming one file: not a glob, not a Hub dataset (make_demo_data can write it)."""
+    return not any(ch in train_file for ch in "*?[") and not is_hub_dataset(train_file)
+
+
 def missing_demo_paths(train_files: list[str], model_dir: str) -> list[Path]:
     """The data files (plain paths, not globs or Hub datasets) and the model directory that do not exist:
     what make_demo_data would write, where they are inside data/quickstart/."""
-    missing = [
-        Path(f)
-        for f in train_files
-        if not any(ch in f for ch in "*?[") and not is_hub_dataset(f) and not Path(f).exists()
-    ]
+    missing = [Path(f) for f in train_files if is_plain_path(f) and not Path(f).exists()]
     if not (Path(model_dir) / "config.json").exists():
         missing.append(Path(model_dir))
     return missing

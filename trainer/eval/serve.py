@@ -298,7 +298,7 @@ def _typed(name: str, value: Any, kind: type) -> Any:
     raise BadRequest(f"{name} must be {wanted}, got {json.dumps(value)}")
 
 
-def _check_unicode(value: Any, depth: int = 0) -> None:
+def _check_unicode(value: Any) -> None:
     """BadRequest for a string anywhere in a request that UTF-8 cannot hold (a lone surrogate, `"\\ud800"`):
     JSON's escapes allow one, and the tokenizer would fail on it."""
     if isinstance(value, str):
@@ -366,13 +366,8 @@ class RecipeServer:
         for name, option in DECODING_OPTIONS.items():
             if request.get(name) is not None:
                 given[name] = _typed(name, request[name], option.kind)
-        limit = self.batcher.max_new_tokens
         # This server's own bounds first: they are lower than the options' and say how to raise them.
-        if given.get("max_new_tokens", 0) > limit:
-            raise BadRequest(
-                f"max_new_tokens must be <= {limit} on this server (start it with --max_new_tokens N for "
-                f"longer recipes), got {given['max_new_tokens']}"
-            )
+        self._check_new_tokens(given.get("max_new_tokens", 0))
         if given.get("num_beams", 1) > MAX_BEAMS:
             raise BadRequest(f"num_beams must be <= {MAX_BEAMS}, got {given['num_beams']}")
         try:
@@ -384,13 +379,19 @@ class RecipeServer:
 
         kwargs, _ = decoding_settings(self.batcher.model, self.model_dir.template, given)
         decoding = Decoding.of(self.batcher.model, kwargs)
-        new_tokens = decoding.max_new_tokens if isinstance(decoding, Decoding) else kwargs["max_new_tokens"]
+        # Again for what the request did not give (the model's generation_config, the training's lengths).
+        self._check_new_tokens(
+            decoding.max_new_tokens if isinstance(decoding, Decoding) else kwargs["max_new_tokens"]
+        )
+        return record, kwargs, decoding, stream
+
+    def _check_new_tokens(self, new_tokens: int) -> None:
+        limit = self.batcher.max_new_tokens
         if new_tokens > limit:
             raise BadRequest(
                 f"max_new_tokens must be <= {limit} on this server (start it with --max_new_tokens N for "
                 f"longer recipes), got {new_tokens}"
             )
-        return record, kwargs, decoding, stream
 
     def authorized(self, request) -> bool:
         """Whether `request` carries the API key (always, when none is set): `Authorization: Bearer KEY`, or

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, TrainConfig, source_path
 from trainer.data import hf_datasets
-from trainer.data.sample import is_quickstart_path
+from trainer.data.sample import is_plain_path, is_quickstart_path
 from trainer.model.model_shape import LoraShape, load_shape
 from trainer.plan.gpu_specs import GPUS, GpuSpec, flops_per_real_token, predicted_tokens_per_s
 from trainer.plan.memory_plan import TYPICAL_SOURCE, TYPICAL_TARGET
@@ -177,9 +177,7 @@ def write_config(preset: Preset, to: Path, data: list[str] | None, output: str |
     ]
     # A demo preset writes its own recipes where they are missing, as plain files under data/quickstart/ only.
     written_by_demo = [
-        f
-        for f in train_files
-        if preset.config.make_demo_data and not any(ch in f for ch in "*?[") and is_quickstart_path(f)
+        f for f in train_files if preset.config.make_demo_data and is_plain_path(f) and is_quickstart_path(f)
     ]
     missing = unmatched_files(
         [f for f in train_files if f not in written_by_demo and not hf_datasets.is_dataset(f)]

@@ -145,7 +145,8 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             missing, made = demo_data(cfg, dry_run=dry_run)
             if dry_run and missing and made == missing:  # what is missing, the run writes when it starts
                 # Data the run does not write must be there now: the dry run's promise is the data too.
-                theirs = [f for f in cfg.train_files if source_path(f) not in {str(m) for m in made}]
+                written = {str(path) for path in made}
+                theirs = [f for f in cfg.train_files if source_path(f) not in written]
                 unmatched = unmatched_files([f for f in theirs if not hf_datasets.is_dataset(f)])
                 if unmatched:
                     raise ConfigError(f"train_files: {unmatched}")
