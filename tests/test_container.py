@@ -905,6 +905,8 @@ def test_dockerignore_keeps_secrets_data_outputs_and_artefacts_out():
         ".git/config",
         ".pytest_cache/v/cache/nodeids",
         ".ruff_cache/CACHEDIR.TAG",
+        "rust_loader/core/fuzz/target/x86_64-unknown-linux-gnu/release/read_file",
+        "rust_loader/core/fuzz/corpus/read_file/seed-data.csv-00",
     ):
         assert _ignored(path, patterns), f"{path} would be sent into the image's build context"
 
@@ -934,7 +936,7 @@ def test_dockerignore_keeps_everything_the_dockerfile_copies():
         files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
         for file in files:
             rel = file.relative_to(REPO).as_posix()
-            artefact = file.suffix in (".so", ".pyc") or "__pycache__" in file.parts
+            artefact = file.suffix in (".so", ".pyc") or "__pycache__" in file.parts or "fuzz" in file.parts
             assert _ignored(rel, patterns) == artefact, f"{rel}: {'kept' if artefact else 'dropped'}"
 
 

@@ -86,6 +86,12 @@ impl ArrowTable {
         .map_err(bad)?;
         let mut decoder = FileDecoder::new(layout.schema.clone(), layout.version);
         for block in &layout.dictionaries {
+            let message = message_at(&data, block).map_err(bad)?;
+            if let Some(dictionary) = message.header_as_dictionary_batch() {
+                if let Some(batch) = dictionary.data() {
+                    check_buffers(&batch, block).map_err(bad)?;
+                }
+            }
             decoder
                 .read_dictionary(block, &slice(&data, block))
                 .map_err(|e| bad(e.to_string()))?;
@@ -97,6 +103,7 @@ impl ArrowTable {
             let batch = message
                 .header_as_record_batch()
                 .ok_or_else(|| bad("a batch block that is not a record batch".into()))?;
+            check_buffers(&batch, block).map_err(bad)?;
             compressed |= batch.compression().is_some();
             rows.push(u64::try_from(batch.length()).map_err(|_| bad("negative row count".into()))?);
         }
@@ -188,6 +195,21 @@ fn check_block(data: &Buffer, block: &Block) -> std::result::Result<(), String> 
         Some(end) if end <= data.len() as u64 => Ok(()),
         _ => Err("a block outside the file (truncated?)".into()),
     }
+}
+
+/// Checks that every buffer of a record batch lies inside its message's body: arrow-ipc slices them without
+/// a check of its own (a panic, not an error, on a damaged file).
+fn check_buffers(batch: &arrow_ipc::RecordBatch, block: &Block) -> std::result::Result<(), String> {
+    let body = block.bodyLength();
+    for buffer in batch.buffers().iter().flatten() {
+        let end = (buffer.offset() >= 0 && buffer.length() >= 0)
+            .then(|| buffer.offset().checked_add(buffer.length()))
+            .flatten();
+        if end.is_none_or(|end| end > body) {
+            return Err("a buffer outside its record batch (truncated or damaged?)".into());
+        }
+    }
+    Ok(())
 }
 
 /// The layout of an IPC file, from its footer.
@@ -554,7 +576,9 @@ fn parquet_reader(
     shown: &str,
 ) -> Result<(ParquetRecordBatchReader, SchemaRef, TableColumns)> {
     let bad = |e: String| LoaderError::file(shown, e);
-    let file = File::open(path).map_err(|e| LoaderError::io(shown, "", &e))?;
+    let mut file = File::open(path).map_err(|e| LoaderError::io(shown, "", &e))?;
+    crate::parquet_footer::check(&mut file)
+        .map_err(|e| bad(format!("not a valid Parquet file: {e}")))?;
     let builder = ParquetRecordBatchReaderBuilder::try_new(file)
         .map_err(|e| bad(format!("not a valid Parquet file: {e}")))?;
     let cols = TableColumns::resolve(builder.schema(), names)

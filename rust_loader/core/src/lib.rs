@@ -10,6 +10,7 @@ pub mod index;
 pub mod mixture;
 pub mod options;
 pub mod pack;
+pub mod parquet_footer;
 pub mod paths;
 pub mod plan;
 pub mod records;

@@ -2,6 +2,9 @@
 //! and every one of them links the crate with its dependencies (arrow, parquet, tokenizers) under the release
 //! profile's LTO, about a minute each on a 2-core machine.
 mod columnar;
+mod fuzz_corpus;
+#[path = "../../fuzz/src/harness.rs"]
+mod fuzz_harness;
 mod loader;
 mod module_layers;
 
