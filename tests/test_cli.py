@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import re
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import yaml
@@ -38,8 +41,9 @@ def test_help_speaks_to_users():
     assert "`trainer presets`" in text and "trainer init --preset NAME" in text  # works from the wheel alone
 
 
-def _console_run(tmp_path, tiny_model_dir, sample_csv, **values) -> str:
-    """A short real run through `python -m trainer`, its output captured as `docker compose logs` would."""
+def _console_run(tmp_path, tiny_model_dir, sample_csv, terminal: bool = False, **values) -> str:
+    """A short real run through `python -m trainer`, its output captured as `docker compose logs` would, or
+    as a terminal (a pseudo-terminal of 120 columns) shows it."""
     config = tmp_path / "run.yaml"
     values = {
         "model_name_or_path": str(tiny_model_dir),
@@ -64,15 +68,35 @@ def _console_run(tmp_path, tiny_model_dir, sample_csv, **values) -> str:
     }
     config.write_text(yaml.safe_dump(values))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DISCORD_", "WANDB_"))}
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer", "train", "--config", str(config)],
-        env=dict(env, TOKENIZERS_PARALLELISM="false"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    env = dict(env, TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "trainer", "train", "--config", str(config)]
+    if terminal:
+        code, console = _on_a_terminal(cmd, env)
+        assert code == 0, console
+        return console
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
+
+
+def _on_a_terminal(cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Run `cmd` with a pseudo-terminal of 40 x 120 as its stdin, stdout and stderr: its exit code and all
+    it wrote there."""
+    controller, terminal = os.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(cmd, env=env, stdin=terminal, stdout=terminal, stderr=terminal)
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            data = os.read(controller, 1 << 16)
+        except OSError:  # EIO: the last process holding the terminal closed it
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(controller)
+    return proc.wait(timeout=600), b"".join(chunks).decode(errors="replace")
 
 
 def test_console_outside_a_terminal_is_dated_log_lines_a_person_can_read(
@@ -97,6 +121,24 @@ def test_console_outside_a_terminal_is_dated_log_lines_a_person_can_read(
     assert re.search(r"finished: 4 steps in \d+ s, final loss \d+\.\d{4}; the model is in ", console), console
     for developer_note in ("0 decoder blocks", "0 gated-GELU", "allocator: n/a", "empty_cache: never"):
         assert developer_note not in console
+
+
+def test_on_a_terminal_log_lines_go_above_the_bar_and_each_logged_step_stays(
+    tmp_path, tiny_model_dir, sample_csv
+):
+    """On a terminal: a progress bar, the log lines above it (never glued onto the bar's line), one line per
+    logged step kept in the scrollback, and no warning from the trainer's own calls into libraries
+    (gradient checkpointing on, whose old name transformers deprecates)."""
+    console = _console_run(tmp_path, tiny_model_dir, sample_csv, terminal=True, gradient_checkpointing=True)
+    assert re.search(r"train: +\d+%\|", console), console  # tqdm's bar
+    segments = re.split(r"[\r\n]|\x1b\[\d*[A-D]", console)  # line ends and cursor moves (tqdm's nested bars)
+    stamp = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} (INFO|WARNING)"
+    glued = [seg for seg in segments if re.search(r"\S" + stamp, seg)]
+    assert glued == [], glued
+    progress = [seg for seg in segments if re.match(stamp + r" .* step \d+/4: loss ", seg)]
+    assert len(progress) == 2, console
+    assert "Warning" not in console and "deprecated" not in console, console
+    assert re.search(r"finished: 4 steps in \d+ s, final loss", console), console
 
 
 def test_the_profiler_stops_when_the_run_ends_inside_its_window(tmp_path, tiny_model_dir, sample_csv):

@@ -141,8 +141,9 @@ def test_an_error_names_where_the_key_came_from(tmp_path):
     config.write_text("max_steps: 10\n\nlearning_rte: 1.0e-3\noptimizer: sgd\n")
     with pytest.raises(ConfigError) as unknown:
         TrainConfig.load(config)
-    assert str(unknown.value) == (
-        f"{config}:3: unknown config key 'learning_rte' (did you mean 'learning_rate'?)"
+    assert str(unknown.value) == (  # every problem of the file at once, in its order
+        f"2 problems:\n  {config}:3: unknown config key 'learning_rte' (did you mean 'learning_rate'?)\n"
+        f"  {config}:4: optimizer must be one of ['adamw', 'adamw8bit', 'adafactor'], got 'sgd'"
     )
     # The file's keys are fine; the override is what is wrong, and the message says so.
     with pytest.raises(ConfigError) as from_set:
@@ -240,9 +241,11 @@ def test_hugging_face_names_without_a_counterpart_are_one_line_naming_the_key(tm
     with pytest.raises(ConfigError) as no_checkpoints:
         TrainConfig.load(None, ["save_strategy=no"])
     assert str(no_checkpoints.value).startswith(
-        "--set save_strategy=no: save_strategy false has no counterpart here: a run always saves"
+        "--set save_strategy=no: save_strategy no has no counterpart here: a run always saves"
     )  # YAML reads a bare no as false; the line names what was typed
-    with pytest.raises(ConfigError, match=r"eval_fraction: 0 and no eval_files\); this trainer's key is"):
+    with pytest.raises(
+        ConfigError, match=r"evaluation_strategy no has no counterpart here: to train without "
+    ):
         TrainConfig.load(None, ["evaluation_strategy=no"])
     config = tmp_path / "hf.yaml"
     config.write_text("max_steps: 10\noptim: lion_32bit\n")
@@ -331,7 +334,6 @@ def test_the_lines_every_axolotl_config_holds_load(tmp_path):
     for line, answer in [
         ("load_in_4bit: true", "no quantized base (QLoRA)"),
         ("tf32: true", "never TF32"),
-        ("flash_attention: true", "attention runs in this trainer's fused Triton kernels"),
     ]:
         config.write_text(line + "\n")
         with pytest.raises(ConfigError, match=re.escape(answer)):
@@ -383,7 +385,6 @@ def test_ratios_of_the_run_and_lightning_durations_resolve():
         ("overwrite_output_dir=maybe", "this trainer's key is 'resume'"),
         ("per_device_eval_batch_size=8", "evaluation batches are sized by the memory plan"),
         ("save_safetensors=false", "a checkpoint's weights are always model.safetensors"),  # was: save_steps?
-        ("eval_accumulation_steps=4", "an evaluation keeps only sums on the GPU"),  # was: gradient_accum...?
         ("do_train=false", "`trainer train` always trains"),
         ("label_smoothing_factor=0.1", "not supported: the loss is plain cross-entropy"),
         ("fp8=true", "FP8 matmuls were measured slower than bf16"),  # axolotl's key
@@ -395,6 +396,37 @@ def test_names_known_elsewhere_get_their_own_answer_not_the_nearest_spelling(ove
         TrainConfig.load(None, [override])
     message = str(refused.value)
     assert message.startswith(f"--set {override}: ") and answer in message and "did you mean" not in message
+
+
+def test_keys_that_ask_for_what_is_so_anyway_are_a_warning_and_the_config_loads(tmp_path, caplog):
+    """A key whose answer is "nothing to set" (axolotl's flash_attention, Hugging Face's
+    eval_accumulation_steps) is left out with a warning naming file:line; the rest of the config is taken."""
+    config = tmp_path / "foreign.yaml"
+    config.write_text("max_steps: 7\nflash_attention: true\neval_accumulation_steps: 4\n")
+    with caplog.at_level("WARNING", logger="trainer.config"):
+        assert TrainConfig.load(config).max_steps == 7
+    assert f"{config}:2: 'flash_attention' is not a key here, and is left out: nothing to set" in caplog.text
+    assert (
+        f"{config}:3: 'eval_accumulation_steps' is not a key here, and is left out: nothing to" in caplog.text
+    )
+
+
+def test_a_foreign_config_says_every_problem_at_once_in_file_order(tmp_path):
+    """A run_summarization-style YAML with keys this trainer cannot take, one far down the file and one with
+    a wrong type: one error, every line of it with its file:line, in the file's order, then the
+    overrides'."""
+    config = tmp_path / "summarization.yaml"
+    config.write_text(
+        "model_name_or_path: t5-small\nper_device_eval_batch_size: 8\nlearning_rate: fast\n"
+        "logging_first_step: true\neval_strategy: no\n" + "\n" * 20 + "dataloader_num_workrs: 4\n"
+    )
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig.load(config, ["max_stepz=3"])
+    lines = str(refused.value).splitlines()
+    assert lines[0] == "6 problems:", lines
+    places = [line.strip().split(": ", 1)[0] for line in lines[1:]]
+    assert places == [f"{config}:{n}" for n in (2, 3, 4, 5, 26)] + ["--set max_stepz=3"], lines
+    assert "learning_rate must be float, got 'fast'" in lines[2] and "did you mean 'max_steps'" in lines[6]
 
 
 @pytest.mark.parametrize("name", ["hub_token", "token", "push_to_hub_token", "wandb_api_key"])

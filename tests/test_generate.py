@@ -261,12 +261,13 @@ def test_model_card_snippet_runs_with_the_exact_prompt(model_dir: Path, tmp_path
         tokens=1_234_567,
         wall_time_s=95.0,
         hardware="CPU",
-        metrics={"eval/loss": 2.05, "eval/rougeL": 31.2},
+        metrics={"eval/loss": 2.05, "eval/rougeL": 31.2, "eval/gen_len": 87.5, "eval/scoring_runtime": 0.4}
+        | {"eval/runtime": 12.5, "eval/generation_runtime": 9.1},
         last_eval_step=250,
     )
     card = write_model_card(model_dir, info).read_text()
     assert card.startswith("---\nbase_model: google/flan-t5-xl\n")
-    # The metadata, read back by huggingface_hub: the weights' evaluation as model-index.
+    # The metadata, read back by huggingface_hub: the weights' evaluation as model-index, its scores only.
     metadata = ModelCard(card).data
     assert metadata.pipeline_tag == "text2text-generation" and metadata.datasets is None  # a local file
     assert {(r.metric_type, r.metric_value) for r in metadata.eval_results} == {

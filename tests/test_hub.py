@@ -256,15 +256,14 @@ def test_a_hub_that_never_answers_is_said_during_the_run_and_the_end_stays_bound
     discord_server,  # noqa: F811
 ):
     """A Hub that takes connections and never answers: each request gives up after hub_request_timeout, the
-    upload is tried 3 times (5 s and 30 s apart), and the failure is in the log and in Discord while the run
-    still trains (a 60 s time budget); the run finishes (exit 0) and its end waits hub_upload_timeout.
-    Slow because the upload's three tries are 5 s and 30 s apart, and the run trains meanwhile, on its time
-    budget."""
+    upload is tried 3 times (hub_retry_waits apart), and the failure is in the log and in Discord while the
+    run still trains (a 25 s time budget); the run finishes (exit 0) and its end waits hub_upload_timeout.
+    Slow because the run trains on its time budget while the upload's three tries time out."""
     token = "hf_stalledRunToken0123456789abcdef"
     with silent_endpoint() as url:
         config, out = _config(
-            tmp_path, tiny_model_dir, sample_csv, "stalled", max_steps=1_000_000, max_time="60s",
-            save_steps=20, hub_request_timeout="1s", hub_upload_timeout=2,
+            tmp_path, tiny_model_dir, sample_csv, "stalled", max_steps=1_000_000, max_time="25s",
+            save_steps=20, hub_request_timeout="1s", hub_retry_waits=["1s", "2s"], hub_upload_timeout=2,
         )  # fmt: skip
         code, console = _train(config, _env(tmp_path, url, token, discord_server.url))
     assert code == 0, console
@@ -310,3 +309,14 @@ def test_hub_timeouts_are_durations(key, value):
     with pytest.raises(ConfigError, match=key):
         TrainConfig.load(None, [f"{key}={value}"])
     assert getattr(TrainConfig.load(None, [f"{key}=90m"]), f"{key}_s") == 5400
+
+
+def test_hub_retry_waits_are_durations_one_per_retry():
+    from trainer.config import ConfigError, TrainConfig
+
+    assert TrainConfig.load(None, []).hub_retry_waits_s == [5, 30]
+    assert TrainConfig.load(None, ["hub_retry_waits=[1m, 90]"]).hub_retry_waits_s == [60, 90]
+    assert TrainConfig.load(None, ["hub_retry_waits=[]"]).hub_retry_waits_s == []
+    for bad in ("[soon]", "[5s, 0]"):
+        with pytest.raises(ConfigError, match="hub_retry_waits"):
+            TrainConfig.load(None, [f"hub_retry_waits={bad}"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -620,7 +621,8 @@ def test_a_slow_or_dead_server_adds_at_most_the_close_timeout(
     """The same real run against a healthy server, one that never answers in time and a dead one: the run
     ends with messages still queued (had the steps waited on the network, none would be), and closing waits
     at most the close timeout for them. What is bounded is the wait the notifier measures in close(), which
-    its deadline controls, not the run's wall clock, which a busy machine stretches at will.
+    its deadline controls, not the run's wall clock, which a busy machine stretches at will. The slow and the
+    dead server's runs go side by side (one of them mostly waits).
     Slow because each run waits out a Discord server's close timeout, which is what it measures."""
 
     def run(name: str, url: str, *flags: str) -> str:
@@ -634,14 +636,17 @@ def test_a_slow_or_dead_server_adds_at_most_the_close_timeout(
     # Every try times out (after the client's 5 s), so each message takes over 30 s before it is given up:
     # far more, for the run's dozen messages, than the run lasts.
     discord_server.script.delay = 120.0
-    console = run("slow", discord_server.url)
-    not_sent = re.search(CLOSE_LINE, console)
-    assert not_sent, console
-    assert int(not_sent["left"]) >= 1 and float(not_sent["timeout"]) == CLOSE_TIMEOUT_S
-    assert float(not_sent["waited"]) <= CLOSE_TIMEOUT_S + CLOSE_SLACK_S, not_sent[0]
-    # A dead server refuses at once; whether anything is left at the end depends on how long the run took,
-    # so the close's own line is read at debug level when everything went (or was given up) in time.
-    console = run("dead", dead_webhook_url, "--verbose")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(run, "slow", discord_server.url)
+        dead = pool.submit(run, "dead", dead_webhook_url, "--verbose")
+        console = slow.result()
+        not_sent = re.search(CLOSE_LINE, console)
+        assert not_sent, console
+        assert int(not_sent["left"]) >= 1 and float(not_sent["timeout"]) == CLOSE_TIMEOUT_S
+        assert float(not_sent["waited"]) <= CLOSE_TIMEOUT_S + CLOSE_SLACK_S, not_sent[0]
+        # A dead server refuses at once; whether anything is left at the end depends on how long the run
+        # took, so the close's own line is read at debug level when everything went (or was given up) in time.
+        console = dead.result()
     closed = re.search(CLOSE_LINE, console) or re.search(CLOSED_LINE, console)
     assert closed, console
     assert float(closed["waited"]) <= CLOSE_TIMEOUT_S + CLOSE_SLACK_S, closed[0]

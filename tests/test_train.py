@@ -18,7 +18,7 @@ from tiny_run import tiny_run_values
 
 from trainer.checkpoint.resume import find_resume_checkpoint
 from trainer.checkpoint.store import load_trainer_state
-from trainer.config import TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.report.step_meter import SUMMARY, TRAIN_LOG
 from trainer.run.train import train
 
@@ -140,6 +140,13 @@ def test_rerun_of_a_finished_or_killed_run(tiny_model_dir, sample_csv, tmp_path,
     caplog.clear()
     assert train(_cfg(tiny_model_dir, sample_csv, out, save_steps=4)) == 0
     assert f"is at step {STEPS} of {STEPS}: this run is already finished" in caplog.text
+    assert (out / SUMMARY).read_text() == summary and (out / TRAIN_LOG).read_text() == logged
+    # A changed experiment in the finished run's output_dir would train nothing: refused (exit 2 from the
+    # command line), never an exit 0 that a sweep reads as the new experiment's success.
+    with pytest.raises(
+        ConfigError, match=r"already finished, and the config changes learning_rate 0.001 -> 0.003,"
+    ):
+        train(_cfg(tiny_model_dir, sample_csv, out, save_steps=4, learning_rate=3e-3))
     assert (out / SUMMARY).read_text() == summary and (out / TRAIN_LOG).read_text() == logged
     # A run that failed while writing final/ left none (it is renamed into place whole): the rerun writes it.
     shutil.rmtree(out / "final")

@@ -3,6 +3,7 @@ and put in final/, early stopping, eval_files, and checkpoints that generate on 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -72,6 +73,22 @@ def test_final_is_the_best_checkpoint_kept_through_rotation_and_every_model_gene
     summary = json.loads((out / SUMMARY).read_text())
     assert summary["best_global_step"] == 2 and summary["final_model_step"] == 2
     assert summary["metric_for_best_model"] == "eval_loss" and summary["best_metric"] == evals[0]["eval_loss"]
+
+    # trainer_state.json speaks Hugging Face's TrainerState too: what its scripts and tools read.
+    from transformers import TrainerState
+
+    saved = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
+    hf_keys = {f.name for f in dataclasses.fields(TrainerState)} & saved.keys()
+    assert {"global_step", "epoch", "log_history", "best_metric", "best_model_checkpoint"} <= hf_keys
+    hf_state = TrainerState(**{k: saved[k] for k in hf_keys})
+    # the log as it was when the checkpoint was taken: every step (the evaluation at 8 runs beside the write)
+    history = hf_state.log_history
+    assert hf_state.global_step == 8 and history == _rows(out)[: len(history)]
+    assert [r["step"] for r in history if "loss" in r] == list(range(1, 9))
+    assert hf_state.best_model_checkpoint == str(out / "checkpoint-2")
+    assert hf_state.best_metric == evals[0]["eval_loss"] and hf_state.best_global_step == 2
+    early = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [r["step"] for r in early["log_history"]] == [1, 2, 2]  # two steps and the evaluation at 2
 
     # The model card says whose weights these are, with the evaluation's metrics.
     card = (out / "final" / "README.md").read_text()
@@ -185,7 +202,26 @@ def test_best_and_early_stopping_count_follow_hugging_face():
         "metrics": {"eval_rougeL": 11.0},
     }
     # What a checkpoint stores comes back; one written before metric_for_best_model is read as eval_loss.
-    again = RunState.from_trainer_state(dict(state.trainer_state({}, "8 rows"), step=4))
+    again = RunState.from_trainer_state(dict(state.trainer_state({}, "8 rows", []), step=4))
     assert again.best == state.best and again.early_stopping_patience_counter == 0
     old = RunState.from_trainer_state({"step": 5, "best": {"eval_loss": 1.5, "path": "ckpt-5", "step": 5}})
     assert old.best == {"metric": "eval_loss", "value": 1.5, "step": 5, "path": "ckpt-5"}
+
+
+def test_trainer_evaluate_on_a_runs_model_scores_what_its_last_evaluation_logged(
+    tiny_model_dir, sample_csv, tmp_path
+):
+    """final/ carries the evaluations' decoding (generation_max_new_tokens in its generation_config.json),
+    so `trainer evaluate` on the records the run held out, with no decoding flag, gives the numbers the run
+    logged for the same weights (every held-out record generated for, so no draw differs)."""
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, sample_csv, out, max_steps=4, eval_steps=4, eval_generation_records=10_000)
+    assert train(cfg) == 0
+    (logged,) = [r for r in _rows(out) if "eval_rougeL" in r]
+    assert json.loads((out / "final" / "generation_config.json").read_text())["max_new_tokens"] == 8
+    report = tmp_path / "report.json"
+    args = ["evaluate", "--model", str(out / "final"), "--data", str(sample_csv), "--split", "eval"]
+    assert main([*args, "--device", "cpu", "--output", str(report)]) == 0
+    scored = json.loads(report.read_text())["metrics"]
+    for name in ("rougeL", "bleu", "chrf", "ingredient_coverage", "structure"):
+        assert scored[name] == pytest.approx(logged[f"eval_{name}"], abs=1e-9), name

@@ -445,9 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.data.prompt import ModelDirError
     from trainer.eval.generate import UsageError
     from trainer.infra.disk import out_of_space_message
-    from trainer.infra.distributed import PeerLost
     from trainer.infra.redact import install_log_redaction, redact
     from trainer.infra.run_lock import OutputDirLocked
+    from trainer.infra.stopping import PeerLost
     from trainer.model.model_files import ModelFilesError
 
     # Secrets (W&B key, Discord webhook, HF token) are masked in every log line from here on.
@@ -513,9 +513,10 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
     if args.command == "train":
         from trainer.config import TrainConfig
+
+        cfg = TrainConfig.load(config_path(args), args.set)  # a config error before torch is imported
         from trainer.run.train import train
 
-        cfg = TrainConfig.load(config_path(args), args.set)
         return train(cfg, dry_run=args.dry_run)
     if args.command == "plan":
         from trainer.config import TrainConfig

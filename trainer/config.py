@@ -102,6 +102,21 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.keys = (key,) if isinstance(key, str) else key
 
+    @classmethod
+    def of(cls, problems: list[str]) -> ConfigError:
+        """One error for every problem found in a config and its overrides: each one's line (`file:line:
+        ...`), the file's in file order, then the overrides'."""
+
+        def place(problem: str) -> tuple[int, int]:
+            where = problem.split(": ", 1)[0]
+            line = where.rsplit(":", 1)[-1].split(" ")[0]
+            return (1, 0) if where.startswith("--set") else (0, int(line) if line.isdigit() else 0)
+
+        ordered = sorted(problems, key=place)
+        if len(ordered) == 1:
+            return cls(ordered[0])
+        return cls(f"{len(ordered)} problems:\n" + "\n".join(f"  {p}" for p in ordered))
+
 
 def _key(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING) -> Any:
     """A config key: its default (or `factory` for a list or mapping) and its one-line help, kept where
@@ -375,6 +390,12 @@ class TrainConfig:
         "(seconds or e.g. 2m): a Hub that stops answering is said in the log and Discord within minutes.",
     )
 
+    hub_retry_waits: list[float | str] = _key(
+        help="How long a failed upload waits before each new try (seconds or e.g. 30s), one entry per retry; "
+        "[]: one try. Whatever still fails is tried with the next save and at the end.",
+        factory=lambda: ["5s", "30s"],
+    )
+
     # --- distributed (torchrun; docs/distributed.md) ---
     distributed_strategy: Literal["ddp", "fsdp"] = _key(
         "ddp",
@@ -488,6 +509,8 @@ class TrainConfig:
             parse_duration(self.max_time, "max_time")  # a clear error now, not when the loop reads it
         parse_duration(self.hub_upload_timeout, "hub_upload_timeout")
         parse_duration(self.hub_request_timeout, "hub_request_timeout")
+        for wait in self.hub_retry_waits:
+            parse_duration(wait, "hub_retry_waits")
         self._check_the_optimizer_can("kahan_8bit", "bf16_update", "keeps no 8-bit Kahan buffer", "kahan")
         self._check_the_optimizer_can(
             "fsdp", "distributed_strategy", "does not update FSDP2's sharded weights", "ddp"
@@ -529,6 +552,10 @@ class TrainConfig:
     @property
     def hub_request_timeout_s(self) -> float:
         return parse_duration(self.hub_request_timeout, "hub_request_timeout")
+
+    @property
+    def hub_retry_waits_s(self) -> list[float]:
+        return [parse_duration(wait, "hub_retry_waits") for wait in self.hub_retry_waits]
 
     @property
     def max_time_s(self) -> float | None:
@@ -623,6 +650,7 @@ class TrainConfig:
         key came from: `file:line` for the file's keys, `--set key=value` for an override's."""
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
+        problems: list[str] = []  # every one is said, in one error, once names and types are checked
         if path is not None:
             path = Path(path)
             try:
@@ -635,7 +663,7 @@ class TrainConfig:
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: expected a mapping of config keys, got {type(loaded).__name__}")
             sources.update({key: f"{path}:{lines[key]}" if key in lines else str(path) for key in loaded})
-            values.update(_take_hf_names(loaded, sources, str(path)))
+            values.update(_take_hf_names(loaded, sources, str(path), problems))
         given: dict[str, Any] = {}
         for item in overrides or []:
             key, sep, raw = item.partition("=")
@@ -647,30 +675,47 @@ class TrainConfig:
             sources[key] = f"--set {key}={MASK}" if key in SECRET_NAMES else f"--set {item}"
         # An override replaces the file's value, whichever name either of them uses; the overrides are taken
         # together (text_column and summary_column make one columns mapping).
-        values.update(_take_hf_names(given, sources, "--set"))
-        return cls.from_dict(values, source=str(path) if path else "overrides", sources=sources)
+        values.update(_take_hf_names(given, sources, "--set", problems))
+        return cls.from_dict(
+            values, source=str(path) if path else "overrides", sources=sources, problems=problems
+        )
 
     @classmethod
     def from_dict(
-        cls, values: dict[str, Any], source: str = "config", sources: dict[str, str] | None = None
+        cls,
+        values: dict[str, Any],
+        source: str = "config",
+        sources: dict[str, str] | None = None,
+        problems: list[str] | None = None,
     ) -> TrainConfig:
-        """Check names and types. `sources`: where each key came from, for the error message (default
-        `source`)."""
+        """Check names and types, and say every problem at once (with those `problems` found before).
+        `sources`: where each key came from, for the error message (default `source`)."""
         hints = typing.get_type_hints(cls)
         names = [f.name for f in dataclasses.fields(cls)]
         sources = dict(sources or {})
-        values = _take_hf_names(values, sources, source)
+        problems = list(problems or [])
+        values = _take_hf_names(values, sources, source, problems)
         checked = {}
         for key, value in values.items():
             where = sources.get(key, source)
             if key not in names:
-                if key in ANSWERS:
-                    raise ConfigError(f"{where}: {key!r} is not a key here: {ANSWERS[key]}")
-                close = difflib.get_close_matches(str(key), names, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
-            value = _hf_value(key, value, where)
-            checked[key] = _check_type(key, value, hints[key], where)
+                answer = ANSWERS.get(key)
+                if answer is not None and answer.startswith(NOTHING_TO_SET):
+                    log.warning("%s: %r is not a key here, and is left out: %s", where, key, answer)
+                elif answer is not None:
+                    problems.append(f"{where}: {key!r} is not a key here: {answer}")
+                else:
+                    close = difflib.get_close_matches(str(key), names, n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    problems.append(f"{where}: unknown config key {key!r}{hint}")
+                continue
+            try:
+                value = _hf_value(key, value, where)
+                checked[key] = _check_type(key, value, hints[key], where)
+            except ConfigError as e:
+                problems.append(str(e))
+        if problems:
+            raise ConfigError.of(problems)
         unused = [k for k in checked if k.startswith("lora_")] if checked.get("adapter") is None else []
         if unused:
             log.warning(
@@ -928,7 +973,9 @@ HF_NAMES: dict[str, HfName] = {
         name: HfName(
             "eval_steps",
             "evaluations every N optimizer steps or every epoch, and at the last one",
-            _hf_strategy("evaluations are off when nothing is held out (eval_fraction: 0 and no eval_files)"),
+            _hf_strategy(
+                "to train without evaluations, hold nothing out: eval_fraction: 0 and no eval_files"
+            ),
             "steps as nothing to set, eval_steps says how many; epoch as eval_steps: epoch; no is refused",
         )
         for name in ("eval_strategy", "evaluation_strategy")  # transformers 5's name and the older one
@@ -1052,7 +1099,9 @@ def _hf_value(key: str, value: Any, where: str) -> Any:
     return value
 
 
-def _take_hf_names(values: dict[str, Any], sources: dict[str, str], source: str) -> dict[str, Any]:
+def _take_hf_names(
+    values: dict[str, Any], sources: dict[str, str], source: str, problems: list[str]
+) -> dict[str, Any]:
     """`values` (of one source: a file, an override) with Hugging Face's names (HF_NAMES) taken as this
     trainer's keys, their sources moved along; ConfigError naming where it was set for a name that is refused,
     a value without a counterpart, or a name given beside the key it stands for."""
@@ -1063,16 +1112,22 @@ def _take_hf_names(values: dict[str, Any], sources: dict[str, str], source: str)
             continue
         where = sources.get(name, source)
         if hf.convert is None:
-            raise ConfigError(
+            problems.append(
                 f"{where}: {name!r} is Hugging Face's name; this trainer's key is {hf.key!r} ({hf.hint})"
             )
+            taken[name] = (hf.key, DROPPED)
+            continue
         try:
             taken[name] = (hf.key, hf.convert(value))
         except ValueError as e:
             ours = f"; this trainer's key is {hf.key!r} ({hf.hint})" if hf.key else ""
-            raise ConfigError(f"{where}: {name} {_shown(value)} {e}{ours}") from None
+            # YAML reads a bare `no` as false: said as it was written
+            shown = "no" if value is False and name.endswith("_strategy") else _shown(value)
+            problems.append(f"{where}: {name} {shown} {e}{ours}")
+            taken[name] = (hf.key, DROPPED)
+            continue
         if hf.key in values and taken[name][1] is not DROPPED:  # `save_strategy: steps` beside save_steps
-            raise ConfigError(
+            problems.append(
                 f"{where} and {sources.get(hf.key, source)}: {name!r} is Hugging Face's name for {hf.key!r} "
                 f"({hf.hint}): set one of them"
             )
@@ -1097,6 +1152,8 @@ SECRET_NAMES = frozenset(("hub_token", "push_to_hub_token", "wandb_api_key", "to
 
 # Names users bring from Hugging Face, axolotl and PEFT that have no key here, each with its own answer
 # (rather than the nearest key by spelling, which points the wrong way: hub_token is not max_tokens).
+# How an answer starts when the key asks for what is so anyway: a warning, and the run goes on.
+NOTHING_TO_SET = "nothing to set"
 ANSWERS: dict[str, str] = {
     "hub_token": "a token is never written in a config: put it in HF_TOKEN in the environment (.env for "
     "Docker)",

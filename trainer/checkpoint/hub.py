@@ -19,10 +19,11 @@ on the Hub yet: a restarted run uploads it first, and a run that is already fini
 
 Every request to the Hub times out once it waits `hub_request_timeout` for bytes (huggingface_hub's own
 requests have no timeout: a Hub that accepts a connection and never answers would hold the upload thread for
-the rest of the run, unseen). A failed upload (an error, a refusal, a stall) is tried 3 times, 5 s and 30 s
-apart, then logged once and said in Discord, during the run, and waits for the next save (it goes in that
-commit) or the next run; training never waits on the network. At the end the last upload gets
-`hub_upload_timeout`; what is not done then is said in one line, with the command that finishes it.
+the rest of the run, unseen). A failed upload (an error, a refusal, a stall) is tried again after each wait
+of `hub_retry_waits` (5 s and 30 s by default), then logged once and said in Discord, during the run, and
+waits for the next save (it goes in that commit) or the next run; training never waits on the network. At
+the end the last upload gets `hub_upload_timeout`; what is not done then is said in one line, with the
+command that finishes it.
 """
 
 from __future__ import annotations
@@ -64,8 +65,6 @@ MODEL_FILES = (
 # What a LoRA run's checkpoints leave at the root, which its final/ (the merged model, the adapter in
 # adapter/) replaces: from_pretrained would otherwise take the root for an adapter.
 ADAPTER_ROOT_FILES = ["adapter_config.json", "adapter_model.safetensors"]
-TRIES = 3
-RETRY_WAIT_S = (5.0, 30.0)  # before the 2nd and the 3rd try
 
 
 def time_out_hub_requests(timeout_s: float) -> None:
@@ -385,10 +384,11 @@ class HubUploader:
         return self.repo_id
 
     def _upload(self, upload: StagedUpload) -> bool:
-        """Commit one staged upload, tried TRIES times; a failure is logged once a run and said in Discord."""
+        """Commit one staged upload, tried again after each of hub_retry_waits; a failure is logged once a run
+        and said in Discord."""
         error: Exception | None = None
-        for attempt in range(TRIES):
-            if attempt > 0 and not self._sleep(RETRY_WAIT_S[attempt - 1]):
+        for attempt, wait in enumerate([0.0, *self.cfg.hub_retry_waits_s]):
+            if attempt > 0 and not self._sleep(wait):
                 break
             started = time.monotonic()
             try:

@@ -131,7 +131,7 @@ def card_metadata(info: ModelCardInfo) -> ModelCardData:
             metric_value=round(value, 4),
         )
         for metric, value in sorted(scored.items())
-        if metric.startswith("eval/")
+        if metric.startswith("eval/") and _is_a_score(metric)
     ]
     base_model = hub_ids([info.base_model])
     return ModelCardData(
@@ -143,6 +143,13 @@ def card_metadata(info: ModelCardInfo) -> ModelCardData:
         model_name=name if results else None,
         eval_results=results or None,
     )
+
+
+def _is_a_score(metric: str) -> bool:
+    """Whether an evaluation value scores the model: not its timings (runtime, generation_runtime,
+    scoring_runtime, samples_per_second ...) nor the generations' mean length (gen_len)."""
+    name = metric.removeprefix("eval/")
+    return not (name.endswith(("runtime", "per_second")) or name == "gen_len")
 
 
 def _use_it(info: ModelCardInfo, options: list[str]) -> tuple[str, str]:

@@ -19,8 +19,10 @@ so a kill mid-way leaves a stale temporary too, never a half checkpoint under it
 - `tokenizer.json` and `recipe_template.json` (the prompt template, trainer.data.prompt): with the two above,
   the checkpoint generates on its own (`trainer generate --model <output_dir>/checkpoint-<step>`).
 - `scheduler.pt`; `rng.pt` (python, numpy, torch, cuda) and `rng-<rank>.pt` for the other ranks.
-- `trainer_state.json`: step, loader position, world size, config, W&B run id, OOM-adjusted micro-batch, the
-  best evaluation and the early-stopping count (trainer.run.run_state.RunState.trainer_state).
+- `trainer_state.json`: Hugging Face's TrainerState keys (global_step, epoch, log_history, best_metric,
+  best_global_step, best_model_checkpoint), then step, loader position, world size, config, W&B run id,
+  OOM-adjusted micro-batch, the best evaluation and the early-stopping count
+  (trainer.run.run_state.RunState.trainer_state).
 
 A save is two parts: `gather_checkpoint` takes the state at a step boundary (collective), `write_checkpoint`
 writes it; trainer.checkpoint.writer runs the second in a background thread from a copy in host memory, so

@@ -41,18 +41,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer.infra.stopping import PeerLost
+
 log = logging.getLogger(__name__)
 
 # Where each gradient starts in a GradientBuffer: as the caching allocator aligns its blocks, so
 # that the matmuls writing into them and the Adafactor kernels (16-byte vector loads) see what they would see
 # for gradients of their own.
 GRADIENT_ALIGNMENT_BYTES = 512
-
-
-class PeerLost(RuntimeError):
-    """A collective failed because another process of the run ended or cannot be reached: this rank stops
-    too (its one line is logged where the collective failed). The first rank that failed says why in its own
-    log."""
 
 
 def env() -> tuple[int, int, int]:

@@ -24,6 +24,12 @@ def signal_exit_code(signal_name: str) -> int:
     return 128 + int(getattr(signal, signal_name))
 
 
+class PeerLost(RuntimeError):
+    """A collective failed because another process of the run ended or cannot be reached: this rank stops
+    too (its one line is logged where the collective failed). The first rank that failed says why in its own
+    log."""
+
+
 class StopBeforeTraining(BaseException):
     """A SIGTERM or Ctrl-C before the loop started: the run ends at once, with nothing to save.
 

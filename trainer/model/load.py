@@ -109,12 +109,33 @@ def load_model(
     fused += f", projections in {shared} groups (input gradients summed in their matmuls)"
     log.info("attention: %s; fused ops: %s", attn_used, fused)
     model.config.use_cache = False
+    keep_the_evaluations_decoding(model, cfg)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         skip_checkpointing(model, *blocks_without_checkpointing)
     if cfg.torch_compile:
         compile_blocks(model)
     return model
+
+
+def keep_the_evaluations_decoding(model: torch.nn.Module, cfg) -> None:
+    """The decoding limits the run's evaluations use (generation_max_new_tokens, generation_num_beams) go into
+    the model's generation_config, which every checkpoint and final/ save: `trainer evaluate` and `trainer
+    generate` on them decode as the evaluations did, and score the same."""
+    if cfg.generation_max_new_tokens is not None:
+        model.generation_config.max_new_tokens = cfg.generation_max_new_tokens
+    if cfg.generation_num_beams is not None:
+        model.generation_config.num_beams = cfg.generation_num_beams
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Gradient (activation) checkpointing on every block, non-reentrant. transformers 5.24 renamed the call
+    (the old name warns of its removal); earlier releases have only the old one."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def skip_checkpointing(

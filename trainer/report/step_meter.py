@@ -327,24 +327,47 @@ def continue_train_log(train_log: Path, resumed_step: int | None) -> Path | None
     return None
 
 
+def read_train_log(train_log: Path, up_to_step: int) -> list[dict[str, Any]]:
+    """The train log's rows up to `up_to_step` (Hugging Face's `log_history`); none if there is no log. A
+    line being written (a row cut short) is not a row yet."""
+    if not train_log.exists():
+        return []
+    rows = []
+    for line in train_log.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= up_to_step:
+            rows.append(row)
+    return rows
+
+
 def _row_step(line: str) -> int:
     step = json.loads(line).get("step")  # every line is a JSON object after repair_jsonl
     return step if isinstance(step, int) else 0
 
 
 class ConsoleProgress:
-    """What a person watching the console sees: on a terminal, a progress bar with the last logged numbers;
-    elsewhere (`docker compose logs`, a file) no bar, which would be one endless line there, but one log line
-    per logged step. `enabled` False (ranks other than 0): nothing. `bar` False: log lines on a terminal
-    too."""
+    """What a person watching the console sees: one log line per logged step, and on a terminal a progress
+    bar below the log lines, with the last logged numbers (elsewhere, `docker compose logs` or a file, a bar
+    would be one endless line). `enabled` False (ranks other than 0): nothing. `bar` False: no bar."""
 
     def __init__(self, total: int, initial: int, *, enabled: bool = True, bar: bool = True):
         self.enabled = enabled
         self._bar = None
+        self._consoles: list[tuple[logging.Handler, logging.Handler]] = []
         if enabled and bar and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+            root = logging.getLogger()
+            for handler in list(root.handlers):
+                if type(handler) is logging.StreamHandler and handler.stream in (sys.stderr, sys.stdout):
+                    above = _AboveTheBar(handler, tqdm)
+                    root.removeHandler(handler)
+                    root.addHandler(above)
+                    self._consoles.append((handler, above))
 
     def advance(self) -> None:
         if self._bar is not None:
@@ -353,8 +376,8 @@ class ConsoleProgress:
     def show(self, logged: LoggedStep) -> None:
         if not self.enabled:
             return
+        log.info("%s", logged.line())  # on a terminal too: above the bar, kept in the scrollback
         if self._bar is None:
-            log.info("%s", logged.line())
             return
         numbers = {
             "loss": f"{logged.loss:.4f}",
@@ -366,6 +389,11 @@ class ConsoleProgress:
         self._bar.set_postfix(numbers, refresh=False)
 
     def close(self) -> None:
+        root = logging.getLogger()
+        for console, above in self._consoles:
+            root.removeHandler(above)
+            root.addHandler(console)
+        self._consoles = []
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -375,3 +403,23 @@ class ConsoleProgress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _AboveTheBar(logging.Handler):
+    """A console handler's lines written above the progress bar (tqdm.write clears the bar, writes the line,
+    draws the bar again), with that handler's level, format and filters: the secrets' masking among them,
+    which tqdm's own logging redirect would drop."""
+
+    def __init__(self, console: logging.StreamHandler, tqdm_class: Any):
+        super().__init__(console.level)
+        self.setFormatter(console.formatter)
+        for f in console.filters:
+            self.addFilter(f)
+        self._stream = console.stream
+        self._tqdm = tqdm_class
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._tqdm.write(self.format(record), file=self._stream)
+        except Exception:
+            self.handleError(record)

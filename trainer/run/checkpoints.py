@@ -13,9 +13,7 @@ from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.writer import CheckpointWriter
 from trainer.infra import distributed
 from trainer.infra.jsonl import fsync_file
-from trainer.report.step_meter import (
-    TRAIN_LOG,
-)
+from trainer.report.step_meter import TRAIN_LOG, read_train_log
 from trainer.run.run_state import RunState
 from trainer.run.setup import Run
 
@@ -70,7 +68,9 @@ def save(run: Run, state: RunState) -> Path:
             tokenizer_file=run.data.tokenizer_file,
             rng=state.rng,
             trainer_state=state.trainer_state(
-                resume.saved_config(run.trained), run.plan.micro_batch(state.oom.split)
+                resume.saved_config(run.trained),
+                run.plan.micro_batch(state.oom.split),
+                read_train_log(run.output_dir / TRAIN_LOG, state.step) if run.is_main else [],
             ),
             prompt_config=run.trained,
         )

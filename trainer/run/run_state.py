@@ -95,10 +95,21 @@ class RunState:
             seconds_per_step=saved.get("seconds_per_step"),
         )
 
-    def trainer_state(self, config: dict[str, Any], micro_batch: str) -> dict[str, Any]:
+    def trainer_state(
+        self, config: dict[str, Any], micro_batch: str, log_history: list[dict[str, Any]]
+    ) -> dict[str, Any]:
         """What a checkpoint stores as `trainer_state.json` (its "step" is added by the checkpoint writer).
-        `config`: the config the run trains with (secrets masked); `micro_batch`: it in words."""
+        `config`: the config the run trains with (secrets masked); `micro_batch`: it in words; `log_history`:
+        the train log's rows up to this step. Hugging Face's TrainerState keys come first, under its names
+        and types, for the scripts and tools that read its checkpoints."""
+        best = self.best or {}
         return {
+            "global_step": self.step,
+            "epoch": next((row["epoch"] for row in reversed(log_history) if "epoch" in row), 0.0),
+            "best_metric": best.get("value"),
+            "best_global_step": best.get("step"),
+            "best_model_checkpoint": best.get("path"),
+            "log_history": log_history,
             "loader": self.loader,
             "world_size": self.world_size,
             "config": config,

@@ -225,35 +225,26 @@ def open_data(cfg: TrainConfig, plan: RunPlan, rank: int, world_size: int) -> Da
     )
 
 
-def already_finished(cfg: TrainConfig, data: Data, state: RunState, resume_from: Path) -> bool:
-    """Whether the run resumed from `resume_from` has nothing left to do: it is at its last step, stopped
-    early, or its time budget is spent, and final/ is written (or not wanted). Says so in the log."""
+def finished_reason(cfg: TrainConfig, data: Data, state: RunState) -> tuple[str, str] | None:
+    """(why, how to train on) when the resumed run has nothing left to do: it is at its last step, stopped
+    early, or its time budget is spent, and final/ is written (or not wanted); None otherwise."""
     if not ((Path(cfg.output_dir) / "final").is_dir() or not cfg.save_final):
-        return False  # final/ is missing: the rerun writes it
+        return None  # final/ is missing: the rerun writes it
     budget = cfg.max_time_s
     if state.step >= data.total_steps:
-        why = f"is at step {state.step} of {data.total_steps}"
-        how = "raise max_steps to train on"
-    elif state.early_stopping_due(cfg.early_stopping_patience):
+        return f"is at step {state.step} of {data.total_steps}", "raise max_steps to train on"
+    if state.early_stopping_due(cfg.early_stopping_patience):
         why = f"stopped early at step {state.step} of {data.total_steps} (early_stopping_patience)"
-        how = "raise early_stopping_patience to train on"
-    elif (
+        return why, "raise early_stopping_patience to train on"
+    if (
         budget is not None
         and time_budget_end(state.step, budget - state.train_seconds, state.seconds_per_step) <= state.step
     ):
         why = (
             f"is at step {state.step} of {data.total_steps}, its time budget (max_time {cfg.max_time}) spent"
         )
-        how = "raise max_time to train on"
-    else:
-        return False
-    log.info(
-        "%s %s: this run is already finished (%s, or set another output_dir or resume: never to start over)",
-        resume_from,
-        why,
-        how,
-    )
-    return True
+        return why, "raise max_time to train on"
+    return None
 
 
 def start_train_log(cfg: TrainConfig, output_dir: Path, resume_from: Path | None, state: RunState) -> None:

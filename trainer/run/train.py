@@ -73,9 +73,9 @@ from trainer.run.schedule import check_scheduler, set_horizon
 from trainer.run.setup import (
     ModelIntact,
     Run,
-    already_finished,
     build_model,
     check_paths,
+    finished_reason,
     log_memory_plan,
     log_time_budget,
     micro_step_graph,
@@ -181,12 +181,22 @@ def _train(cfg: TrainConfig, dry_run: bool, clock: Callable[[], float]) -> int:
             saved = ckpt.load_trainer_state(resume_from)
             now = resume.saved_config(trained)
             resume.check_resume_config(resume_from, saved.get("config", {}), now)
-            resume.warn_config_changes(saved.get("config", {}), now)
             state = RunState.from_trainer_state(saved)
-            if already_finished(cfg, data, state, resume_from):
+            finished = finished_reason(cfg, data, state)
+            if finished is not None:
+                why, how = finished
+                resume.refuse_changes_to_a_finished_run(resume_from, why, how, saved.get("config", {}), now)
+                log.info(
+                    "%s %s: this run is already finished (%s, or set another output_dir or resume: never to "
+                    "start over)",
+                    resume_from,
+                    why,
+                    how,
+                )
                 if rank == 0:  # what an earlier run of it did not get onto the Hub
                     upload_pending(cfg, output_dir)
                 return 0
+            resume.warn_config_changes(saved.get("config", {}), now)
             state.schedule_horizon = resumed_schedule_horizon(cfg, data.total_steps, state)
         if rank == 0:
             start_train_log(cfg, output_dir, resume_from, state)
