@@ -728,10 +728,12 @@ def test_serve_service_command_and_healthcheck_run_here(tmp_path, tiny_model_dir
         proc.wait()
 
 
+@pytest.mark.slow
 def test_multi_gpu_override_command_line_runs_here(tmp_path, sample_csv, tiny_model_dir):
     """The override's torchrun line in front of the base file's command, verbatim, with two processes on the
     CPU (gloo), as a dry run: every rank checks the config, the model files and the data, and rank 0 says
-    what predicts one GPU's memory for this many processes."""
+    what predicts one GPU's memory for this many processes.
+    Slow because torchrun starts two trainer processes, each importing torch and checking the data."""
     argv = [*_service(COMPOSE_MULTI)["entrypoint"], *_service()["command"]]
     env = dict(_dry_run_env(tmp_path), CUDA_VISIBLE_DEVICES="")
     env.update(_service(COMPOSE_MULTI)["environment"])

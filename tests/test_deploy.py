@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from tiny_run import tiny_run_values
 
@@ -30,7 +31,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_the_slurm_script_trains_through_srun_and_torchrun(tiny_model_dir, sample_csv, tmp_path):
+    """deploy/slurm's script, with srun and scontrol as one-machine stand-ins, trains through torchrun.
+    Slow because torchrun starts two ranks that train."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     # srun on a one-machine allocation: its options, then the command, run once. scontrol: the machine's name.

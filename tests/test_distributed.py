@@ -258,10 +258,12 @@ def test_fsdp_with_the_presets_adafactor_trains_like_one_process_and_resumes_in_
         assert resumed[s] == pytest.approx(two[s], rel=2e-2), (s, resumed[s], two[s])
 
 
+@pytest.mark.slow
 def test_ddp_with_lora_adapters_trains_like_one_process_and_resumes_in_one(model_dir, sample_csv, tmp_path):
     """LoRA (trainer.model.lora) under DDP: the adapters alone are reduced (the frozen base has no gradient),
     rank 0 writes the adapter checkpoints and the merged final/, and 2 ranks' checkpoint resumes in 1
-    process."""
+    process.
+    Slow because a one-process run, a torchrun of 2 ranks and a resume train in turn."""
     lora = dict(adapter="lora", lora_r=4, optimizer="adamw", learning_rate=1e-2)
     one = _one_process(model_dir, sample_csv, tmp_path / "one-lora", **lora)
 
@@ -284,11 +286,13 @@ def test_ddp_with_lora_adapters_trains_like_one_process_and_resumes_in_one(model
         assert resumed[s] == pytest.approx(one[s], rel=1e-5), (s, resumed[s], one[s])
 
 
+@pytest.mark.slow
 def test_out_of_memory_on_one_rank_halves_every_rank_and_keeps_one_process_losses(
     model_dir, sample_csv, single, tmp_path
 ):
     """Rank 1 runs out of memory at its second micro-batch (step 1): both ranks agree, drop the step's
-    gradients, and train it again in halves, as one process would; the losses stay one process's."""
+    gradients, and train it again in halves, as one process would; the losses stay one process's.
+    Slow because a torchrun of 2 ranks trains, one step of it twice."""
     out = tmp_path / "oom"
     values = _values(model_dir, sample_csv, out, distributed_strategy="ddp")
     run = _torchrun(values, tmp_path, faults=dict(rank=1, oom_at=2))
@@ -303,9 +307,12 @@ def test_out_of_memory_on_one_rank_halves_every_rank_and_keeps_one_process_losse
     assert json.loads((out / SUMMARY).read_text())["oom_split"] == 2
 
 
+@pytest.mark.slow
 def test_a_crash_on_one_rank_ends_every_rank_with_one_line(model_dir, sample_csv, tmp_path):
     """Rank 1 fails at its second micro-batch: it ends with its error, and rank 0, waiting for it at the next
-    point where the ranks agree, ends with one line that says so, instead of waiting."""
+    point where the ranks agree, ends with one line that says so, instead of waiting.
+    Slow because a torchrun of 2 ranks starts, and rank 0 then waits for the collective that finds rank 1
+    gone."""
     out = tmp_path / "crash"
     values = _values(model_dir, sample_csv, out, distributed_strategy="ddp")
     run = _torchrun(values, tmp_path, faults=dict(rank=1, crash_at=2), check=False)

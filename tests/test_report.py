@@ -684,7 +684,7 @@ def test_the_eta_after_a_checkpoint_and_after_a_resume_is_the_step_time_times_th
     Slow because an ETA needs steps of a known time: two runs of slowed steps."""
     env = _run_env(tmp_path, discord_server.url, step_sleep_s=0.5)  # steps of >= 0.5 s: ETAs of seconds
     checks = []
-    for total, first in ((12, 0), (24, 12)):  # the second run resumes from checkpoint-12
+    for total, first in ((8, 0), (16, 8)):  # the second run resumes from checkpoint-8
         config, out = _run_config(
             tmp_path,
             tiny_model_dir,
@@ -692,13 +692,13 @@ def test_the_eta_after_a_checkpoint_and_after_a_resume_is_the_step_time_times_th
             "eta",
             report_to="none",
             max_steps=total,
-            save_steps=4,
+            save_steps=2,
             eval_steps=100,
         )
         done, _ = _train(fault_script, config, env)
         assert done.returncode == 0, done.stderr
         times, etas = _step_times(out), _progress_etas(discord_server)
-        step = first + 5  # one step after this process's first checkpoint (at first + 4)
+        step = first + 3  # one step after this process's first checkpoint (at first + 2)
         per_step = (times[step] - times[first + 1]) / (step - first - 1)
         checks.append((step, etas[step], per_step * (total - step)))
     # The meter's average also holds this process's first step, which a busy machine can make several times
