@@ -170,6 +170,12 @@ def test_rerun_of_a_finished_or_killed_run(tiny_model_dir, sample_csv, tmp_path,
         ]
 
     assert rows((out / TRAIN_LOG).read_text()) == rows(logged)
+    # The resumed process's checkpoint has the whole log as its log_history: the first process's rows too.
+    history = load_trainer_state(out / f"checkpoint-{STEPS}")["log_history"]
+    written = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
+    assert history == written[: len(history)] and [r["step"] for r in history if "loss" in r] == list(
+        range(1, STEPS + 1)
+    )
 
 
 def test_max_time_stops_saves_evaluates_and_finishes_and_its_clock_survives_a_restart(

@@ -135,37 +135,38 @@ _PLANNED_KEYS = {
 }
 
 
-def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """`key old -> new` for each key where the config `now` (secrets masked, as checkpoints store it) differs
-    from the one the checkpoint was written with, leaving out the keys a resume may change freely."""
-    changed = sorted(
-        k for k in saved.keys() & now.keys() if k not in _RESUME_FREE_KEYS and saved[k] != now[k]
-    )
-    return [f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed]
+def changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The keys where the config `now` (secrets masked, as checkpoints store it) differs from the one the
+    checkpoint was written with, leaving out the keys a resume may change freely."""
+    return sorted(k for k in saved.keys() & now.keys() if k not in _RESUME_FREE_KEYS and saved[k] != now[k])
+
+
+def _changes(keys: list[str], saved: dict[str, Any], now: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in keys)
 
 
 def refuse_changes_to_a_finished_run(checkpoint: Path, why: str, how: str, saved: dict, now: dict) -> None:
     """ConfigError (exit 2) when a finished run is run again with a changed config: nothing would train, and
     an exit 0 would read as a successful run of the new experiment. The same config is a clean exit 0."""
-    changed = [c for c in config_changes(saved, now) if c.split(" ", 1)[0] not in _PLANNED_KEYS]
+    changed = [k for k in changed_keys(saved, now) if k not in _PLANNED_KEYS]
     if changed:
         raise ConfigError(
-            f"{checkpoint} {why}: this run is already finished, and the config changes {', '.join(changed)}, "
-            f"which would train nothing. Set another output_dir for the new experiment, resume: never to "
-            f"start over in this one, or {how}",
-            key=tuple(c.split(" ", 1)[0] for c in changed),
+            f"{checkpoint} {why}: this run is already finished, and the config changes "
+            f"{_changes(changed, saved, now)}, which would train nothing. Set another output_dir for the new "
+            f"experiment, resume: never to start over in this one, or {how}",
+            key=tuple(changed),
         )
 
 
 def warn_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
     """Warn, naming the keys, where the config `now` differs from the checkpoint's. The optimizer and
     scheduler states come from the checkpoint, so a changed learning_rate does not apply."""
-    changed = config_changes(saved, now)
+    changed = changed_keys(saved, now)
     if changed:
         log.warning(
             "resuming with a config that differs from the checkpoint's: %s; the optimizer and learning-rate "
             "schedule continue from the checkpoint's state (start over in another output_dir to apply them)",
-            ", ".join(changed),
+            _changes(changed, saved, now),
         )
 
 

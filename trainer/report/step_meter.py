@@ -148,6 +148,11 @@ class StepMeter:
         self.total_steps, self.start_step = total_steps, start_step
         self.steps_per_epoch = steps_per_epoch  # optimizer steps in one epoch (0: unknown)
         self.output_dir = Path(output_dir) if output_dir is not None else None
+        # The train log's rows, as Hugging Face's log_history: the earlier processes' read once, this one's
+        # kept as they are written (a checkpoint takes a copy, without reading the file at each save).
+        self.log_history = (
+            read_train_log(self.output_dir / TRAIN_LOG, start_step) if self.output_dir is not None else []
+        )
         self.seconds_before, self.max_time_s = seconds_before, max_time_s
         self._clock = clock
         self.started = self._window_started = clock()
@@ -275,6 +280,7 @@ class StepMeter:
     def _append(self, row: dict[str, Any]) -> None:
         if self.output_dir is not None:
             append_jsonl_row(self.output_dir / TRAIN_LOG, row)
+            self.log_history.append(row)
 
 
 def goodput_line(values: dict[str, float]) -> str:

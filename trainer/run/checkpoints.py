@@ -13,7 +13,7 @@ from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.writer import CheckpointWriter
 from trainer.infra import distributed
 from trainer.infra.jsonl import fsync_file
-from trainer.report.step_meter import TRAIN_LOG, read_train_log
+from trainer.report.step_meter import TRAIN_LOG
 from trainer.run.run_state import RunState
 from trainer.run.setup import Run
 
@@ -70,7 +70,7 @@ def save(run: Run, state: RunState) -> Path:
             trainer_state=state.trainer_state(
                 resume.saved_config(run.trained),
                 run.plan.micro_batch(state.oom.split),
-                read_train_log(run.output_dir / TRAIN_LOG, state.step) if run.is_main else [],
+                list(run.meter.log_history),  # a copy: the log goes on while the writer writes it
             ),
             prompt_config=run.trained,
         )
